@@ -1,0 +1,1 @@
+"""lite: the offline side of liteserve (calibrate, quantize, evaluate). May import runtime."""

@@ -1,0 +1,5 @@
+"""`python -m lite` is `lite`."""
+
+from lite.cli import main
+
+main()

@@ -1,0 +1,163 @@
+"""The bridge between transformers configs and the manifest's architecture, both ways.
+
+`lite` calibrates with transformers' own decoder layers (so every family's quirks are
+upstream's), and evaluates artifacts by loading their dequantized weights back into a
+transformers model built from the manifest alone: that round trip proves the manifest complete.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from runtime.artifact.layout import dequantize
+from runtime.artifact.manifest import Architecture, GenerationDefaults, Manifest
+from runtime.artifact.reader import Artifact
+
+_ROPE_KEYS = (
+    "rope_type",
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+)
+
+
+def _as_list(v: int | list[int] | None) -> list[int]:
+    if v is None:
+        return []
+    return [v] if isinstance(v, int) else list(v)
+
+
+def load_config(path: Path) -> PretrainedConfig:
+    config = AutoConfig.from_pretrained(path)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def _rope(config: PretrainedConfig) -> tuple[float, dict | None]:
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    theta = float(params.pop("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    scaling = {k: params[k] for k in _ROPE_KEYS if k in params}
+    if scaling.get("rope_type", "default") == "default":
+        return theta, None
+    return theta, scaling
+
+
+def architecture_from_config(config: PretrainedConfig, tokenizer_eos: int | None) -> Architecture:
+    theta, scaling = _rope(config)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    eos = _as_list(config.eos_token_id)
+    if tokenizer_eos is not None and tokenizer_eos not in eos:
+        eos.append(tokenizer_eos)
+    return Architecture(
+        family=config.model_type,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        head_dim=head_dim,
+        hidden_act=config.hidden_act,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=bool(config.tie_word_embeddings),
+        attention_bias=config.model_type == "qwen2" or bool(getattr(config, "attention_bias", 0)),
+        qk_norm=config.model_type == "qwen3",
+        sliding_window=getattr(config, "sliding_window", None)
+        if getattr(config, "use_sliding_window", True)
+        else None,
+        bos_token_id=config.bos_token_id,
+        eos_token_ids=eos,
+        pad_token_id=config.pad_token_id,
+    )
+
+
+def generation_defaults(path: Path, arch: Architecture) -> GenerationDefaults:
+    """The source's generation_config.json where it has one; stop on every end token."""
+    defaults = GenerationDefaults(stop_token_ids=arch.eos_token_ids)
+    gen_path = path / "generation_config.json"
+    if not gen_path.is_file():
+        return defaults
+    gen = json.loads(gen_path.read_text())
+    stops = sorted(set(arch.eos_token_ids) | set(_as_list(gen.get("eos_token_id"))))
+    return GenerationDefaults(
+        temperature=gen.get("temperature", defaults.temperature),
+        top_p=gen.get("top_p", defaults.top_p),
+        top_k=gen.get("top_k", defaults.top_k) or 0,
+        repetition_penalty=gen.get("repetition_penalty", defaults.repetition_penalty),
+        stop_token_ids=stops,
+    )
+
+
+def config_from_architecture(arch: Architecture) -> PretrainedConfig:
+    rope = {"rope_type": "default", "rope_theta": arch.rope_theta, **(arch.rope_scaling or {})}
+    kwargs = dict(
+        vocab_size=arch.vocab_size,
+        hidden_size=arch.hidden_size,
+        intermediate_size=arch.intermediate_size,
+        num_hidden_layers=arch.num_layers,
+        num_attention_heads=arch.num_heads,
+        num_key_value_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim,
+        hidden_act=arch.hidden_act,
+        rms_norm_eps=arch.rms_norm_eps,
+        rope_parameters=rope,
+        max_position_embeddings=arch.max_position_embeddings,
+        tie_word_embeddings=arch.tie_word_embeddings,
+        bos_token_id=arch.bos_token_id,
+        eos_token_id=arch.eos_token_ids or None,
+        pad_token_id=arch.pad_token_id,
+    )
+    if arch.family == "llama":
+        kwargs["attention_bias"] = arch.attention_bias
+    if arch.sliding_window is not None:
+        kwargs["sliding_window"] = arch.sliding_window
+    config = AutoConfig.for_model(arch.family, **kwargs)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def load_dequantized(artifact: Artifact) -> torch.nn.Module:
+    """A transformers model holding the artifact's weights, unpacked by the reference unpacker."""
+    manifest: Manifest = artifact.manifest
+    config = config_from_architecture(manifest.architecture)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state: dict[str, torch.Tensor] = {}
+    gs = manifest.quantization.group_size
+    for name, entry in manifest.tensors.items():
+        if entry.kind == "dense":
+            state[name] = artifact.tensor(name).float()
+        elif entry.kind == "qweight":
+            prefix = name.removesuffix(".qweight")
+            n, k = entry.logical_shape
+            qparams = artifact.tensor(prefix + ".qparams")
+            state[prefix + ".weight"] = dequantize(artifact.tensor(name), qparams, n, k, gs)
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    _materialize_buffers(model, config)
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"{artifact.path}: the artifact lacks weights for {missing[:5]}")
+    return model.eval()
+
+
+def _materialize_buffers(model: torch.nn.Module, config: PretrainedConfig) -> None:
+    """Rotary tables are computed, not stored: rebuild them on the CPU after a meta init."""
+    rotary = model.model.rotary_emb
+    model.model.rotary_emb = type(rotary)(config=config)
+
+
+def load_source_model(path: Path) -> torch.nn.Module:
+    """The whole source model at fp32: only for evaluation, never for calibration."""
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()

@@ -1,0 +1,5 @@
+"""`python -m runtime` is `runtime`."""
+
+from runtime.cli import main
+
+main()

@@ -1,0 +1,131 @@
+"""The artifact's manifest.json schema: everything a server needs, and how the artifact was made.
+
+`extra="forbid"` everywhere: a field this version does not know means the file was written by
+something else, and guessing would be worse than refusing.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+FORMAT = "liteserve-artifact"
+SCHEMA_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+MODEL_CARD_FILE = "README.md"
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Producer(_Strict):
+    name: str = "liteserve"
+    version: str
+    command: str
+    created: str  # ISO 8601, UTC; the start of the run, so a resumed run writes the same bytes
+
+
+class SourceModel(_Strict):
+    id: str
+    revision: str | None = None
+    files: dict[str, str] = Field(default_factory=dict)  # file name -> sha256
+
+
+class Architecture(_Strict):
+    family: Literal["llama", "mistral", "qwen2", "qwen3"]
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_act: str = "silu"
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, float | int | str] | None = None  # e.g. Llama-3 "llama3" scaling
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # Qwen2: q/k/v have biases
+    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    sliding_window: int | None = None  # Mistral
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = Field(default_factory=list)
+    pad_token_id: int | None = None
+
+
+class Quantization(_Strict):
+    method: Literal["awq", "rtn"]
+    bits: int
+    group_size: int
+    symmetric: bool
+    zero_point: bool
+    calib_dataset: str | None
+    calib_samples: int
+    calib_seqlen: int
+    calib_tokens_sha256: str | None
+    seed: int
+    n_grid: int
+    duo_scaling: bool
+    clip_max_shrink: float
+    fallbacks: list[str] = Field(default_factory=list)  # layers whose search fell back, and why
+
+
+class Layout(_Strict):
+    name: str
+    version: int
+    tile: int
+    n_align: int
+
+
+class TensorEntry(_Strict):
+    file: str
+    dtype: str
+    shape: list[int]  # as stored
+    kind: Literal["qweight", "qparams", "dense"]
+    logical_shape: list[int] | None = None  # quantized linears: [out, in] before padding
+    padded_shape: list[int] | None = None  # [Np, Kp] as laid out
+
+
+class FileEntry(_Strict):
+    sha256: str
+    size: int
+
+
+class LaunchConfig(_Strict):
+    """Recommended serving settings; `kernels` holds tuned tile configs per GPU architecture."""
+
+    session_len: int = 4096
+    kv_quant: Literal["none", "int8", "int4"] = "int8"
+    cache_block_seq_len: int = 64
+    max_batch_size: int = 64
+    max_prefill_tokens: int = 4096
+    backend: Literal["auto", "cpu", "triton", "cuda"] = "auto"
+    kernels: dict[str, dict[str, dict[str, int]]] = Field(default_factory=dict)
+
+
+class GenerationDefaults(_Strict):
+    temperature: float = 0.7
+    top_p: float = 0.9
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+    stop_token_ids: list[int] = Field(default_factory=list)
+
+
+class Manifest(_Strict):
+    format: Literal["liteserve-artifact"] = FORMAT
+    schema_version: int = SCHEMA_VERSION
+    producer: Producer
+    source: SourceModel
+    architecture: Architecture
+    quantization: Quantization
+    layout: Layout
+    dtype: Literal["float16", "bfloat16"] = "float16"  # of the unquantized tensors
+    tensors: dict[str, TensorEntry]
+    files: dict[str, FileEntry]  # every file but manifest.json and README.md (the card grows)
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)
+    generation: GenerationDefaults = Field(default_factory=GenerationDefaults)

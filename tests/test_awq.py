@@ -1,0 +1,102 @@
+"""AWQ searches: they beat round-to-nearest where activations have outliers, and fail safe."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from lite.auto_awq import AwqConfig, AwqFallbackWarning, calibrate_layer, pack_layer, run_layer
+from lite.awq import InputStats, output_error, search_clip, search_scale
+from lite.families import LAYER_GROUPS
+from lite.quantizer import QuantSpec, fake_quantize
+
+
+def _layer(seed: int = 0):
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model("llama", hidden_size=192, intermediate_size=320,
+                                  num_attention_heads=6, num_key_value_heads=2, head_dim=32)
+    config._attn_implementation = "sdpa"
+    layer = LlamaDecoderLayer(config, 0).float().eval()
+    for name, p in layer.named_parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.05)
+        elif "norm" in name:
+            p.data = 1 + 0.1 * torch.randn_like(p)
+    x = torch.randn(8, 64, 192)
+    x[..., [3, 50, 121, 190]] *= 25.0  # outlier channels, as real LLM activations have
+    pos = LlamaRotaryEmbedding(config)(x, torch.arange(64)[None])
+    return layer, x, pos
+
+
+def _output_error(layer, quantized, x, pos) -> float:
+    return float((run_layer(layer, x, pos) - run_layer(quantized, x, pos)).pow(2).mean())
+
+
+def test_awq_beats_rtn_on_outlier_channels() -> None:
+    layer, x, pos = _layer()
+    cfg = AwqConfig(spec=QuantSpec(group_size=64))
+    rtn = copy.deepcopy(layer)
+    pack_layer(rtn, cfg, "l.")
+    awq = copy.deepcopy(layer)
+    assert calibrate_layer(awq, LAYER_GROUPS["llama"], x, pos, cfg, "l") == []
+    pack_layer(awq, cfg, "l.")
+    e_rtn, e_awq = _output_error(layer, rtn, x, pos), _output_error(layer, awq, x, pos)
+    assert e_awq < 0.8 * e_rtn, (e_awq, e_rtn)
+
+
+def test_gram_error_equals_direct_output_error() -> None:
+    torch.manual_seed(3)
+    w, x = torch.randn(40, 70), torch.randn(500, 70)
+    stats = InputStats(70)
+    stats.add(x[:200])
+    stats.add(x[200:])
+    w_hat = fake_quantize(w, QuantSpec(group_size=32))
+    direct = float(((w - w_hat) @ x.T).double().pow(2).sum())
+    assert output_error(w - w_hat, stats.gram) == pytest.approx(direct, rel=1e-4)
+    assert torch.allclose(stats.mean_abs, x.abs().mean(0), atol=1e-5)
+
+
+def test_scale_search_never_worse_than_identity() -> None:
+    torch.manual_seed(4)
+    w, x = torch.randn(64, 96), torch.randn(300, 96)
+    x[:, :3] *= 30
+    stats = InputStats(96)
+    stats.add(x)
+    spec = QuantSpec(group_size=32)
+    result = search_scale(w, stats, spec)
+    assert result.loss <= result.identity_loss
+    assert result.ratio is not None  # with outliers some alpha must beat plain RTN
+    rescaled = output_error(w - fake_quantize(w * result.scales, spec) / result.scales,
+                            stats.gram)
+    assert rescaled == pytest.approx(result.loss, rel=1e-9)
+
+
+def test_clip_search_lowers_each_groups_error() -> None:
+    torch.manual_seed(5)
+    w, x = torch.randn(32, 64), torch.randn(400, 64)
+    w[:, 7] *= 8  # a weight outlier: clipping it pays off for some rows
+    stats = InputStats(64)
+    stats.add(x)
+    spec = QuantSpec(group_size=32)
+    ratio = search_clip(w, stats, spec)
+    assert ratio.shape == (32, 2)
+    assert (ratio <= 1).all() and (ratio >= 0.55 - 1e-6).all()
+    assert (ratio < 1).any()
+    clipped = output_error(w - fake_quantize(w, spec, ratio), stats.gram)
+    plain = output_error(w - fake_quantize(w, spec), stats.gram)
+    assert clipped < plain
+
+
+def test_non_finite_inputs_fall_back_with_named_warning() -> None:
+    layer, x, pos = _layer(seed=1)
+    x[0, 0, 0] = math.inf
+    before = layer.input_layernorm.weight.clone()
+    cfg = AwqConfig(spec=QuantSpec(group_size=64))
+    with pytest.warns(AwqFallbackWarning, match=r"model\.layers\.7 input_layernorm"):
+        notes = calibrate_layer(layer, LAYER_GROUPS["llama"], x, pos, cfg, "model.layers.7")
+    assert any("input_layernorm" in n for n in notes)
+    assert torch.equal(layer.input_layernorm.weight, before)  # identity: nothing folded
