@@ -12,11 +12,9 @@ import dataclasses
 import hashlib
 import json
 import os
-import platform
 import resource
 import shutil
 import sys
-import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -182,10 +180,12 @@ def run_layer(layer: torch.nn.Module, x: torch.Tensor, pos: tuple) -> torch.Tens
     return torch.cat([_layer_call(layer, x[i : i + chunk], pos) for i in range(0, len(x), chunk)])
 
 
-def capture_stats(
+def capture(
     layer: torch.nn.Module, groups: tuple[ScaleGroup, ...], x: torch.Tensor, pos: tuple
-) -> dict[ScaleGroup, InputStats]:
-    """One forward with hooks: the input statistics each group's linears share."""
+) -> tuple[dict[ScaleGroup, InputStats], torch.Tensor]:
+    """One forward with hooks: the input statistics each group's linears share, and the
+    layer's full-precision outputs, which become the next layer's inputs (as in AutoAWQ;
+    measured on SmolLM2 as good as feeding quantized outputs, and one forward cheaper)."""
     stats: dict[ScaleGroup, InputStats] = {}
     handles = []
     for group in groups:
@@ -195,11 +195,18 @@ def capture_stats(
             first.register_forward_pre_hook(lambda _m, args, s=stats[group]: s.add(args[0]))
         )
     try:
-        run_layer(layer, x, pos)
+        outputs = run_layer(layer, x, pos)
     finally:
         for h in handles:
             h.remove()
-    return stats
+    return stats, outputs
+
+
+@dataclass
+class LayerCalibration:
+    clip: dict[str, torch.Tensor]  # linear name -> per (row, group) range shrink
+    fallbacks: list[str]
+    outputs: torch.Tensor
 
 
 def _can_scale(layer: torch.nn.Module, group: ScaleGroup) -> bool:
@@ -238,9 +245,9 @@ def calibrate_layer(
     pos: tuple,
     cfg: AwqConfig,
     name: str,
-) -> list[str]:
-    """Scale search, then clip search, on the layer in place; returns fallback notes."""
-    stats = capture_stats(layer, groups, x, pos)
+) -> LayerCalibration:
+    """Scale search (folded into the layer in place), then clip search."""
+    stats, outputs = capture(layer, groups, x, pos)
     fallbacks = []
     for group in groups:
         if not _can_scale(layer, group):
@@ -257,41 +264,40 @@ def calibrate_layer(
             continue
         _apply_scale(layer, group, result.scales)
         stats[group].rescale(result.scales)
-    for group in groups:
-        for lin_name in group.linears:
-            if lin_name.rsplit(".", 1)[-1] in NO_CLIP:
-                continue
-            lin = layer.get_submodule(lin_name)
-            ratio = search_clip(
-                lin.weight.data, stats[group], cfg.spec, cfg.n_grid, cfg.clip_max_shrink
-            )
-            lin.clip_ratio = ratio
-    return fallbacks
+    clip = {
+        name: search_clip(
+            layer.get_submodule(name).weight.data,
+            stats[group],
+            cfg.spec,
+            cfg.n_grid,
+            cfg.clip_max_shrink,
+        )
+        for group in groups
+        for name in group.linears
+        if name.rsplit(".", 1)[-1] not in NO_CLIP
+    }
+    return LayerCalibration(clip, fallbacks, outputs)
 
 
-def pack_layer(layer: torch.nn.Module, cfg: AwqConfig, prefix: str) -> dict[str, torch.Tensor]:
-    """Quantize and pack every linear; put the dequantized weights back so the next layer's
-    inputs are what the served model will compute."""
+def pack_layer(
+    layer: torch.nn.Module, cfg: AwqConfig, prefix: str, clip: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Every linear quantized and packed in the artifact layout; the rest in `cfg.dtype`."""
     dtype = DTYPES[cfg.dtype]
     gs = cfg.spec.group_size
     tensors: dict[str, torch.Tensor] = {}
     linears = {n: m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
     for name, lin in linears.items():
         w = lin.weight.data
-        n, k = w.shape
-        qw = quantize(w, cfg.spec, getattr(lin, "clip_ratio", 1.0))
-        qweight = layout.pack_qweight(qw.q, gs)
-        qparams = layout.pack_qparams(qw.scale, qw.zero, gs, k)
-        tensors[f"{prefix}{name}.qweight"] = qweight
-        tensors[f"{prefix}{name}.qparams"] = qparams
-        lin.weight.data = layout.dequantize(qweight, qparams, n, k, gs)
+        k = w.shape[1]
+        qw = quantize(w, cfg.spec, clip.get(name, 1.0))
+        tensors[f"{prefix}{name}.qweight"] = layout.pack_qweight(qw.q, gs)
+        tensors[f"{prefix}{name}.qparams"] = layout.pack_qparams(qw.scale, qw.zero, gs, k)
         if lin.bias is not None:
             tensors[f"{prefix}{name}.bias"] = lin.bias.data.to(dtype)
-            lin.bias.data = tensors[f"{prefix}{name}.bias"].float()
     for pname, p in layer.named_parameters():
         if pname.rsplit(".", 1)[0] not in linears:
             tensors[prefix + pname] = p.data.to(dtype)
-            p.data = tensors[prefix + pname].float()
     return tensors
 
 
@@ -369,13 +375,11 @@ def auto_awq(
         prefix = f"model.layers.{i}."
         layer = layers[i]
         load_layer(layer, ckpt, prefix)
-        fallbacks = []
+        clip, fallbacks = {}, []
         if x is not None:
-            fallbacks = calibrate_layer(layer, groups, x, pos, cfg, f"model.layers.{i}")
-        tensors = pack_layer(layer, cfg, prefix)
-        if x is not None:
-            x = run_layer(layer, x, pos)
-        state.finish_layer(i, tensors, x, fallbacks)
+            result = calibrate_layer(layer, groups, x, pos, cfg, f"model.layers.{i}")
+            clip, fallbacks, x = result.clip, result.fallbacks, result.outputs
+        state.finish_layer(i, pack_layer(layer, cfg, prefix, clip), x, fallbacks)
         layers[i] = torch.nn.Identity()  # drop the layer's weights
         bar.update(1)
     bar.close()
@@ -469,7 +473,3 @@ def ckpt_shape(ckpt: Checkpoint, name: str) -> tuple[int, int]:
     with safe_open(str(ckpt.where[name]), framework="pt") as f:
         n, k = f.get_slice(name).get_shape()
     return n, k
-
-
-def environment() -> str:
-    return f"python {platform.python_version()}, torch {torch.__version__}, {time.tzname[0]}"

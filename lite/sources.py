@@ -7,7 +7,6 @@ it is converted into a cached HF directory keyed by the file's hash and reused f
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -184,7 +183,3 @@ class Checkpoint:
         return {
             name[len(prefix) :]: self.get(name) for name in self.where if name.startswith(prefix)
         }
-
-
-def file_digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()

@@ -31,12 +31,15 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=512, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        vocab_size=512,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator([pydoc_split()[0]], trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
     )
     fast.chat_template = CHAT_TEMPLATE
@@ -45,17 +48,27 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def make_tiny_model(family: str, out: Path, tokenizer_dir: Path, layers: int = 2,
-                    hidden: int = 96, seed: int = 0) -> Path:
+def make_tiny_model(
+    family: str, out: Path, tokenizer_dir: Path, layers: int = 2, hidden: int = 96, seed: int = 0
+) -> Path:
     """hidden 96 and intermediate 160 are not multiples of 64: K padding is always exercised."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
     config = AutoConfig.for_model(
-        family, vocab_size=512, hidden_size=hidden, intermediate_size=160,
-        num_hidden_layers=layers, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=1024, tie_word_embeddings=family != "mistral",
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        family,
+        vocab_size=512,
+        hidden_size=hidden,
+        intermediate_size=160,
+        num_hidden_layers=layers,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        tie_word_embeddings=family != "mistral",
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(out)

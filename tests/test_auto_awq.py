@@ -62,8 +62,18 @@ def test_family_end_to_end(family: str, tiny_models: dict[str, Path], tmp_path: 
 
 def test_rtn_and_symmetric(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     art = tmp_path / "rtn"
-    code, out = lite("auto_awq", str(tiny_models["llama"]), "--work-dir", str(art),
-                     "--calib-samples", "0", "--w-sym", "--w-group-size", "32", "--quiet")
+    code, out = lite(
+        "auto_awq",
+        str(tiny_models["llama"]),
+        "--work-dir",
+        str(art),
+        "--calib-samples",
+        "0",
+        "--w-sym",
+        "--w-group-size",
+        "32",
+        "--quiet",
+    )
     assert code == 0, out
     q = Artifact(art).manifest.quantization
     assert (q.method, q.symmetric, q.zero_point, q.group_size) == ("rtn", True, False, 32)
@@ -72,11 +82,22 @@ def test_rtn_and_symmetric(tiny_models: dict[str, Path], tmp_path: Path) -> None
 
 def test_recipe_with_flag_override(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("calib_samples: 4\ncalib_seqlen: 32\nw_group_size: 128\n"
-                      "launch:\n  session_len: 2048\n  kv_quant: int4\n")
+    recipe.write_text(
+        "calib_samples: 4\ncalib_seqlen: 32\nw_group_size: 128\n"
+        "launch:\n  session_len: 2048\n  kv_quant: int4\n"
+    )
     art = tmp_path / "art"
-    code, out = lite("auto_awq", str(tiny_models["llama"]), "--work-dir", str(art),
-                     "--recipe", str(recipe), "--w-group-size", "32", "--quiet")
+    code, out = lite(
+        "auto_awq",
+        str(tiny_models["llama"]),
+        "--work-dir",
+        str(art),
+        "--recipe",
+        str(recipe),
+        "--w-group-size",
+        "32",
+        "--quiet",
+    )
     assert code == 0, out
     m = Artifact(art).manifest
     assert m.quantization.group_size == 32  # the flag wins
@@ -86,8 +107,15 @@ def test_recipe_with_flag_override(tiny_models: dict[str, Path], tmp_path: Path)
 
 def test_existing_work_dir_needs_overwrite(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     art = tmp_path / "art"
-    args = ["auto_awq", str(tiny_models["llama"]), "--work-dir", str(art), "--calib-samples", "0",
-            "--quiet"]
+    args = [
+        "auto_awq",
+        str(tiny_models["llama"]),
+        "--work-dir",
+        str(art),
+        "--calib-samples",
+        "0",
+        "--quiet",
+    ]
     assert lite(*args)[0] == 0
     code, out = lite(*args)
     assert code != 0 and "--overwrite" in out
@@ -103,8 +131,17 @@ def test_resume_after_kill_is_byte_identical(tmp_path: Path, tokenizer_dir: Path
     from tests.conftest import make_tiny_model
 
     model = make_tiny_model("llama", tmp_path / "m", tokenizer_dir, layers=6, hidden=192)
-    args = ["auto_awq", str(model), "--calib-samples", "16", "--calib-seqlen", "128",
-            "--w-group-size", "64", "--quiet"]
+    args = [
+        "auto_awq",
+        str(model),
+        "--calib-samples",
+        "16",
+        "--calib-seqlen",
+        "128",
+        "--w-group-size",
+        "64",
+        "--quiet",
+    ]
     # Same thread count and clock in both runs; the same relative --work-dir in two folders,
     # so even the command line recorded in the manifest is the same.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SOURCE_DATE_EPOCH": "1700000000"}
@@ -139,8 +176,9 @@ def test_mismatched_partial_run_is_refused(tiny_models: dict[str, Path], tmp_pat
     art = tmp_path / "art"
     partial = tmp_path / "art.partial"
     partial.mkdir()
-    (partial / "state.json").write_text(json.dumps(
-        {"fingerprint": "other", "created": "x", "done": 0, "fallbacks": []}))
+    (partial / "state.json").write_text(
+        json.dumps({"fingerprint": "other", "created": "x", "done": 0, "fallbacks": []})
+    )
     code, out = lite("auto_awq", str(tiny_models["llama"]), "--work-dir", str(art), *FAST)
     assert code != 0 and "unfinished run with other settings" in out
     assert not art.exists()
@@ -167,8 +205,9 @@ def _bad_inputs(tmp_path: Path, tiny: Path) -> list[tuple[list[str], str]]:
     ] + [([str(tiny), "--work-dir", str(blocker / "sub")], "choose a writable --work-dir")]
 
 
-def test_bad_input_clear_error_and_no_artifact(tiny_models: dict[str, Path], tmp_path: Path
-                                               ) -> None:
+def test_bad_input_clear_error_and_no_artifact(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
     for i, (args, message) in enumerate(_bad_inputs(tmp_path, tiny_models["llama"])):
         work = tmp_path / f"out{i}"
         if "--work-dir" in args:

@@ -10,15 +10,22 @@ from lite.auto_awq import AwqConfig, AwqFallbackWarning, calibrate_layer, pack_l
 from lite.awq import InputStats, output_error, search_clip, search_scale
 from lite.families import LAYER_GROUPS
 from lite.quantizer import QuantSpec, fake_quantize
+from runtime.artifact.layout import dequantize
 
 
-def _layer(seed: int = 0):
+def _layer(seed: int = 0, kv_heads: int = 2):
     from transformers import AutoConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     torch.manual_seed(seed)
-    config = AutoConfig.for_model("llama", hidden_size=192, intermediate_size=320,
-                                  num_attention_heads=6, num_key_value_heads=2, head_dim=32)
+    config = AutoConfig.for_model(
+        "llama",
+        hidden_size=192,
+        intermediate_size=320,
+        num_attention_heads=6,
+        num_key_value_heads=kv_heads,
+        head_dim=32,
+    )
     config._attn_implementation = "sdpa"
     layer = LlamaDecoderLayer(config, 0).float().eval()
     for name, p in layer.named_parameters():
@@ -32,6 +39,21 @@ def _layer(seed: int = 0):
     return layer, x, pos
 
 
+def _served(layer, clip: dict) -> torch.nn.Module:
+    """The layer as the artifact will serve it: weights unpacked from what pack_layer wrote."""
+    tensors = pack_layer(layer, AwqConfig(spec=QuantSpec(group_size=64)), "", clip)
+    served = copy.deepcopy(layer)
+    for name, lin in served.named_modules():
+        if isinstance(lin, torch.nn.Linear):
+            n, k = lin.weight.shape
+            lin.weight.data = dequantize(
+                tensors[f"{name}.qweight"], tensors[f"{name}.qparams"], n, k, 64
+            )
+        elif name.endswith("norm"):
+            lin.weight.data = tensors[f"{name}.weight"].float()
+    return served
+
+
 def _output_error(layer, quantized, x, pos) -> float:
     return float((run_layer(layer, x, pos) - run_layer(quantized, x, pos)).pow(2).mean())
 
@@ -39,11 +61,19 @@ def _output_error(layer, quantized, x, pos) -> float:
 def test_awq_beats_rtn_on_outlier_channels() -> None:
     layer, x, pos = _layer()
     cfg = AwqConfig(spec=QuantSpec(group_size=64))
-    rtn = copy.deepcopy(layer)
-    pack_layer(rtn, cfg, "l.")
+    rtn = _served(layer, {})
     awq = copy.deepcopy(layer)
-    assert calibrate_layer(awq, LAYER_GROUPS["llama"], x, pos, cfg, "l") == []
-    pack_layer(awq, cfg, "l.")
+    result = calibrate_layer(awq, LAYER_GROUPS["llama"], x, pos, cfg, "l")
+    assert result.fallbacks == []
+    assert torch.allclose(result.outputs, run_layer(layer, x, pos))  # fp outputs go on
+    assert set(result.clip) == {
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    }  # never q or k
+    awq = _served(awq, result.clip)
     e_rtn, e_awq = _output_error(layer, rtn, x, pos), _output_error(layer, awq, x, pos)
     assert e_awq < 0.8 * e_rtn, (e_awq, e_rtn)
 
@@ -70,8 +100,7 @@ def test_scale_search_never_worse_than_identity() -> None:
     result = search_scale(w, stats, spec)
     assert result.loss <= result.identity_loss
     assert result.ratio is not None  # with outliers some alpha must beat plain RTN
-    rescaled = output_error(w - fake_quantize(w * result.scales, spec) / result.scales,
-                            stats.gram)
+    rescaled = output_error(w - fake_quantize(w * result.scales, spec) / result.scales, stats.gram)
     assert rescaled == pytest.approx(result.loss, rel=1e-9)
 
 
@@ -97,6 +126,25 @@ def test_non_finite_inputs_fall_back_with_named_warning() -> None:
     before = layer.input_layernorm.weight.clone()
     cfg = AwqConfig(spec=QuantSpec(group_size=64))
     with pytest.warns(AwqFallbackWarning, match=r"model\.layers\.7 input_layernorm"):
-        notes = calibrate_layer(layer, LAYER_GROUPS["llama"], x, pos, cfg, "model.layers.7")
-    assert any("input_layernorm" in n for n in notes)
+        result = calibrate_layer(layer, LAYER_GROUPS["llama"], x, pos, cfg, "model.layers.7")
+    assert any("input_layernorm" in n for n in result.fallbacks)
     assert torch.equal(layer.input_layernorm.weight, before)  # identity: nothing folded
+
+
+@pytest.mark.parametrize("kv_heads", [2, 6])
+def test_scale_folding_preserves_the_fp_function(kv_heads: int) -> None:
+    """Scales move between ops but the unquantized layer computes the same thing; v -> o is
+    scaled only without grouped-query attention."""
+    layer, x, pos = _layer(seed=2, kv_heads=kv_heads)
+    before = run_layer(layer, x, pos)
+    v_before = layer.self_attn.v_proj.weight.clone()
+    cfg = AwqConfig(spec=QuantSpec(group_size=64))
+    calibrate_layer(layer, LAYER_GROUPS["llama"], x, pos, cfg, "l")
+    after = run_layer(layer, x, pos)
+    assert torch.allclose(after, before, rtol=1e-4, atol=1e-4 * before.abs().max())
+    ratio = layer.self_attn.v_proj.weight / v_before
+    same_per_column = torch.allclose(ratio, ratio[:1].expand_as(ratio), rtol=1e-4)
+    # The input-norm scale multiplies v's columns; with 6 kv heads (no GQA) v's 192 outputs
+    # line up with o's inputs and v's rows are divided by a second scale too.
+    assert not torch.allclose(ratio, torch.ones_like(ratio))
+    assert same_per_column == (kv_heads == 2)

