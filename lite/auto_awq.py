@@ -15,6 +15,7 @@ import os
 import resource
 import shutil
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -110,6 +111,10 @@ class RunState:
     def layer_file(self, i: int) -> Path:
         return self.dir / "layers" / f"{i:05d}.safetensors"
 
+    def inputs_file(self, i: int) -> Path:
+        """Inputs of layer i, named by layer so a kill at any point pairs them right."""
+        return self.dir / f"inputs-{i:05d}.safetensors"
+
     def save(self) -> None:
         data = {k: v for k, v in dataclasses.asdict(self).items() if k != "dir"}
         write_json_atomic(data, self.dir / "state.json")
@@ -121,17 +126,23 @@ class RunState:
         acts: torch.Tensor | None,
         fallbacks: list[str],
     ) -> None:
-        """Layer file, then the next inputs, then the counter: a kill between them redoes i."""
+        """Layer file and next inputs, then the counter: a kill before the counter redoes i."""
         save_tensors_atomic(tensors, self.layer_file(i))
         if acts is not None:
-            save_tensors_atomic({"x": acts}, self.dir / "acts.safetensors")
+            save_tensors_atomic({"x": acts}, self.inputs_file(i + 1))
         self.done = i
         self.fallbacks.extend(fallbacks)
         self.save()
+        self.inputs_file(i).unlink(missing_ok=True)
 
-    def load_acts(self) -> torch.Tensor | None:
-        path = self.dir / "acts.safetensors"
-        return load_file(str(path))["x"] if self.done >= 0 and path.is_file() else None
+    def load_inputs(self) -> torch.Tensor:
+        path = self.inputs_file(self.done + 1)
+        if not path.is_file():
+            raise ValueError(
+                f"{self.dir} is damaged ({path.name} is missing); delete it (rm -r {self.dir}) "
+                f"to start over"
+            )
+        return load_file(str(path))["x"]
 
 
 def _now() -> str:
@@ -323,6 +334,13 @@ def load_layer(layer: torch.nn.Module, ckpt: Checkpoint, prefix: str) -> None:
 
 
 def peak_rss_gib() -> float:
+    """This process's own high-water RSS. Linux's ru_maxrss would also count the parent's
+    memory at fork, so read VmHWM where there is a /proc."""
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024**2
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
 
 
@@ -334,9 +352,9 @@ def auto_awq(
     overwrite: bool = False,
     progress: bool = True,
 ) -> Path:
-    from tqdm import tqdm
     from transformers import AutoTokenizer
 
+    started = time.perf_counter()
     work_dir = Path(work_dir)
     check_writable(work_dir, overwrite)
     source = resolve(model)
@@ -347,50 +365,64 @@ def auto_awq(
         calib = build_calibration(
             cfg.calib_dataset, tokenizer, cfg.calib_samples, cfg.calib_seqlen, cfg.seed
         )
-    family = config.model_type
-    groups = LAYER_GROUPS[family]
     state = RunState.open(
         work_dir.with_name(work_dir.name + ".partial"), fingerprint(source, cfg, calib)
     )
     ckpt = Checkpoint(source.path)
-    layers, rotary = build_layers(config)
-    check_coverage(layers[0], groups, family)
-
-    x = pos = None
-    if calib is not None:
-        x = state.load_acts()
-        if x is None:
-            x = torch.nn.functional.embedding(calib.tokens, ckpt.get("model.embed_tokens.weight"))
-        positions = torch.arange(calib.seqlen)[None]
-        pos = rotary(x[:1], positions)
-
-    bar = tqdm(
-        range(config.num_hidden_layers),
-        desc=f"{cfg.method} {Path(model).name}",
-        unit="layer",
-        disable=not progress,
-        initial=state.done + 1,
-    )
-    for i in range(state.done + 1, config.num_hidden_layers):
-        prefix = f"model.layers.{i}."
-        layer = layers[i]
-        load_layer(layer, ckpt, prefix)
-        clip, fallbacks = {}, []
-        if x is not None:
-            result = calibrate_layer(layer, groups, x, pos, cfg, f"model.layers.{i}")
-            clip, fallbacks, x = result.clip, result.fallbacks, result.outputs
-        state.finish_layer(i, pack_layer(layer, cfg, prefix, clip), x, fallbacks)
-        layers[i] = torch.nn.Identity()  # drop the layer's weights
-        bar.update(1)
-    bar.close()
-
+    bar_label = f"{cfg.method} {Path(model).name}"
+    quantize_layers(state, ckpt, config, calib, cfg, bar_label if progress else None)
     staging = state.dir / "artifact"
     _assemble(staging, state, source, ckpt, config, tokenizer, cfg, calib, command)
     publish(staging, work_dir, overwrite)
     shutil.rmtree(state.dir)
-    if progress:
-        print(f"wrote {work_dir}; peak RSS {peak_rss_gib():.2f} GiB", file=sys.stderr)
+    print(
+        f"wrote {work_dir} in {time.perf_counter() - started:.0f} s; "
+        f"peak RSS {peak_rss_gib():.2f} GiB",
+        file=sys.stderr,
+    )
     return work_dir
+
+
+def quantize_layers(
+    state: RunState,
+    ckpt: Checkpoint,
+    config,
+    calib: CalibrationSet | None,
+    cfg: AwqConfig,
+    bar_label: str | None,
+) -> None:
+    """Each layer not yet finished: load it, calibrate it (unless RTN), pack it, save it."""
+    from tqdm import tqdm
+
+    groups = LAYER_GROUPS[config.model_type]
+    layers, rotary = build_layers(config)
+    check_coverage(layers[0], groups, config.model_type)
+    x = pos = None
+    if calib is not None:
+        if state.done >= 0:
+            x = state.load_inputs()
+        else:
+            x = torch.nn.functional.embedding(calib.tokens, ckpt.get("model.embed_tokens.weight"))
+        pos = rotary(x[:1], torch.arange(calib.seqlen)[None])
+    n_layers = config.num_hidden_layers
+    with tqdm(
+        total=n_layers,
+        initial=state.done + 1,
+        desc=bar_label,
+        unit="layer",
+        disable=bar_label is None,
+    ) as bar:
+        for i in range(state.done + 1, n_layers):
+            prefix = f"model.layers.{i}."
+            layer = layers[i]
+            load_layer(layer, ckpt, prefix)
+            clip, fallbacks = {}, []
+            if x is not None:
+                result = calibrate_layer(layer, groups, x, pos, cfg, f"model.layers.{i}")
+                clip, fallbacks, x = result.clip, result.fallbacks, result.outputs
+            state.finish_layer(i, pack_layer(layer, cfg, prefix, clip), x, fallbacks)
+            layers[i] = torch.nn.Identity()  # drop the layer's weights
+            bar.update(1)
 
 
 def _globals(ckpt: Checkpoint, tied: bool, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -427,7 +459,7 @@ def _assemble(
     for i in range(n_layers):
         for lin in (n for g in LAYER_GROUPS[arch.family] for n in g.linears):
             prefix = f"model.layers.{i}.{lin}"
-            w_shape = ckpt_shape(ckpt, prefix + ".weight")
+            w_shape = ckpt.shape(prefix + ".weight")
             linear_shapes[prefix] = w_shape
             padded[prefix] = layout.padded_shape(*w_shape, cfg.spec.group_size)
     tokenizer.save_pretrained(staging)
@@ -465,11 +497,3 @@ def _assemble(
     )
     write_manifest(staging, manifest)
     write_model_card(staging, manifest)
-
-
-def ckpt_shape(ckpt: Checkpoint, name: str) -> tuple[int, int]:
-    from safetensors import safe_open
-
-    with safe_open(str(ckpt.where[name]), framework="pt") as f:
-        n, k = f.get_slice(name).get_shape()
-    return n, k

@@ -179,6 +179,10 @@ class Checkpoint:
         with safe_open(str(self.where[name]), framework="pt") as f:
             return f.get_tensor(name).float()
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        with safe_open(str(self.where[name]), framework="pt") as f:
+            return tuple(f.get_slice(name).get_shape())
+
     def with_prefix(self, prefix: str) -> dict[str, torch.Tensor]:
         return {
             name[len(prefix) :]: self.get(name) for name in self.where if name.startswith(prefix)

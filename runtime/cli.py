@@ -1,19 +1,86 @@
-"""The `runtime` command. Serving arrives with the engine; today it verifies artifacts, so a
-serving host (which has no `lite`) can check what it was given."""
+"""The `runtime` command: generate, chat, plan and verify on a serving host (no `lite` needed)."""
 
 from __future__ import annotations
 
+import logging
+import re
+import sys
 from pathlib import Path
 
 import click
 
 from runtime.artifact.reader import Artifact, ArtifactError
 
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise click.BadParameter(f"{text!r} is not a size; write e.g. 24GiB, 512MB or 1000000")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _engine_options(f):
+    for opt in reversed(
+        [
+            click.option(
+                "--kv-quant",
+                type=click.Choice(["none", "int8", "int4"]),
+                help="KV cache policy (default: the artifact's launch config).",
+            ),
+            click.option("--session-len", type=int, help="Max prompt + output tokens."),
+            click.option("--cache-block-seq-len", type=int, default=64, show_default=True),
+            click.option(
+                "--num-blocks",
+                type=int,
+                help="KV pool size in blocks (default: sized "
+                "from --cache-max-entry-count of free memory).",
+            ),
+            click.option("--cache-max-entry-count", type=float, default=0.8, show_default=True),
+            click.option("--enable-prefix-caching", is_flag=True),
+            click.option(
+                "--chat-template",
+                type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                help="Override the artifact's chat template.",
+            ),
+        ]
+    ):
+        f = opt(f)
+    return f
+
+
+def _pipeline(artifact: Path, kw: dict):
+    from runtime import EngineConfig, pipeline
+
+    template = kw.pop("chat_template")
+    try:
+        return pipeline(
+            artifact, EngineConfig(**{k: v for k, v in kw.items() if v is not None}), template
+        )
+    except (ArtifactError, ValueError) as e:
+        raise click.ClickException(str(e)) from e
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="liteserve")
-def main() -> None:
+@click.option("-v", "--verbose", is_flag=True, help="Log the engine's start-up facts.")
+def main(verbose: bool) -> None:
     """liteserve's serving side."""
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(message)s"
+    )
 
 
 @main.command("verify")
@@ -29,3 +96,98 @@ def verify_cmd(artifact: Path) -> None:
         f"ok: {artifact} ({m.source.id}, {m.quantization.method} int"
         f"{m.quantization.bits}, {len(m.files)} files verified)"
     )
+
+
+@main.command("generate")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--prompt", required=True)
+@click.option("--raw", is_flag=True, help="Send the prompt as plain text, not as a chat turn.")
+@click.option("--max-new-tokens", default=256, show_default=True)
+@click.option("--temperature", type=float, help="0 = greedy (default: the artifact's).")
+@click.option("--top-p", type=float)
+@click.option("--top-k", type=int)
+@click.option("--seed", type=int)
+@_engine_options
+def generate_cmd(
+    artifact: Path,
+    prompt: str,
+    raw: bool,
+    max_new_tokens: int,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None,
+    seed: int | None,
+    **kw,
+) -> None:
+    """Generate one completion, streamed to stdout."""
+    from runtime import GenerationConfig
+
+    pipe = _pipeline(artifact, kw)
+    gen = GenerationConfig(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
+    )
+    request = prompt if raw or pipe.chat_template is None else [{"role": "user", "content": prompt}]
+    try:
+        for chunk in pipe.stream(request, gen):
+            click.echo(chunk.text, nl=False)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo()
+
+
+@main.command("chat")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--max-new-tokens", default=512, show_default=True)
+@click.option("--temperature", type=float)
+@click.option("--system", help="A system prompt.")
+@_engine_options
+def chat_cmd(
+    artifact: Path, max_new_tokens: int, temperature: float | None, system: str | None, **kw
+) -> None:
+    """Interactive chat with streaming, through the artifact's chat template. Ctrl-D exits."""
+    from runtime import GenerationConfig
+
+    pipe = _pipeline(artifact, kw)
+    if pipe.chat_template is None:
+        raise click.ClickException(f"{artifact} has no chat template; use --chat-template FILE")
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature)
+    history = [{"role": "system", "content": system}] if system else []
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            click.echo()
+            return
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        reply = []
+        click.echo("model> ", nl=False)
+        try:
+            for chunk in pipe.stream(history, gen):
+                reply.append(chunk.text)
+                click.echo(chunk.text, nl=False)
+        except ValueError as e:  # e.g. the conversation outgrew session_len
+            click.echo(f"\nerror: {e}", err=True)
+            history.pop()
+            continue
+        click.echo()
+        history.append({"role": "assistant", "content": "".join(reply)})
+        sys.stdout.flush()
+
+
+@main.command("plan")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--memory", required=True, help="Memory for the server, e.g. 24GiB.")
+@click.option("--avg-len", default=4000, show_default=True, help="Average tokens per sequence.")
+@click.option("--cache-block-seq-len", default=64, show_default=True)
+def plan_cmd(artifact: Path, memory: str, avg_len: int, cache_block_seq_len: int) -> None:
+    """How many tokens and sequences fit, for each KV policy, side by side."""
+    from runtime.plan import plan, render
+
+    try:
+        art = Artifact(artifact, checksums=False)
+    except ArtifactError as e:
+        raise click.ClickException(str(e)) from e
+    rows = plan(art, parse_bytes(memory), avg_len, cache_block_seq_len)
+    click.echo(render(rows, art, parse_bytes(memory), avg_len))

@@ -12,7 +12,7 @@ llm-compressor 0.14's AWQModifier measured with the same protocol on the same 2-
 from __future__ import annotations
 
 import argparse
-import os
+import contextlib
 import subprocess
 import sys
 import time
@@ -27,14 +27,26 @@ MODEL = "smollm2-135m-instruct"
 LLMC = {"ppl": 13.77, "wall_s": 26.7 * 60, "rss_gib": 3.4, "source_ppl": 11.98}
 
 
+def vm_hwm_gib(pid: int) -> float:
+    """A process's own high-water RSS (ru_maxrss would include this parent's at fork)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024**2
+    return 0.0
+
+
 def run_quantize(args: list[str]) -> tuple[float, float]:
     """Wall seconds and peak RSS (GiB) of one `lite auto_awq` child process."""
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "lite", "auto_awq", *args])
-    _, status, usage = os.wait4(proc.pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
+    peak = 0.0
+    while proc.poll() is None:
+        with contextlib.suppress(OSError):  # the child may exit between poll and read
+            peak = max(peak, vm_hwm_gib(proc.pid))
+        time.sleep(0.1)
+    if proc.returncode != 0:
         raise SystemExit(f"lite auto_awq {' '.join(args)} failed")
-    return time.perf_counter() - start, usage.ru_maxrss / 1024**2
+    return time.perf_counter() - start, peak
 
 
 def main() -> None:
@@ -71,21 +83,17 @@ def main() -> None:
             str(a.calib_file),
         ]
 
+    measured = {}  # all quantizations first, while this process is still small
+    for name, extra in variants.items():
+        out = a.out / name.lower().replace(" ", "-")
+        measured[name] = (out, *run_quantize([MODEL, "--work-dir", str(out), *common, *extra]))
+
     tok = AutoTokenizer.from_pretrained(source.path)
     ids = tok(heldout_text(), add_special_tokens=False, verbose=False, return_tensors="pt")
     batches = windows(ids.input_ids[0], 512, a.limit)
-    rows = [
-        (
-            "source fp32",
-            None,
-            None,
-            None,
-            perplexity("source", hf_logits(load_source_model(source.path)), batches).ppl,
-        )
-    ]
-    for name, extra in variants.items():
-        out = a.out / name.lower().replace(" ", "-")
-        wall, rss = run_quantize([MODEL, "--work-dir", str(out), *common, *extra])
+    source_ppl = perplexity("source", hf_logits(load_source_model(source.path)), batches).ppl
+    rows = [("source fp32", None, None, None, source_ppl)]
+    for name, (out, wall, rss) in measured.items():
         art = Artifact(out)
         ppl = perplexity(name, hf_logits(load_dequantized(art)), batches).ppl
         rows.append((name, wall, rss, art.size_on_disk() / 2**20, ppl))

@@ -1,0 +1,70 @@
+"""Chat templates from the artifact, rendered in a sandboxed Jinja environment.
+
+A template is code that came with a model: the sandbox keeps it from reaching Python internals,
+and the environment offers only what Hugging Face templates expect (raise_exception,
+strftime_now, tojson, and the tokenizer's special tokens)."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class ChatTemplateError(ValueError):
+    """The template is broken, or it refused the conversation."""
+
+
+def _raise(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+class ChatTemplate:
+    def __init__(self, source: str, special_tokens: dict[str, str | None]) -> None:
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.filters["tojson"] = lambda v, indent=None: json.dumps(
+            v, ensure_ascii=False, indent=indent
+        )
+        try:
+            self.template = env.from_string(source)
+        except TemplateError as e:
+            raise ChatTemplateError(f"the chat template does not parse: {e}") from e
+        self.source = source
+        self.special_tokens = special_tokens
+
+    @classmethod
+    def from_artifact(cls, root: Path, override: Path | None = None) -> ChatTemplate | None:
+        path = override or root / "chat_template.jinja"
+        if not path.is_file():
+            return None
+        config_path = root / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        tokens = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token")}
+        return cls(path.read_text(), tokens)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m:
+                raise ChatTemplateError("every message needs a 'role' and a 'content'")
+        try:
+            return self.template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+                **extra,
+            )
+        except ChatTemplateError:
+            raise
+        except Exception as e:  # a template's own bug, surfaced with its message
+            raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from e
+
+
+def _token_text(value: str | dict | None) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value

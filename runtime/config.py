@@ -1,0 +1,64 @@
+"""EngineConfig: every knob of the serving engine, validated once, in one place.
+
+Names follow LMDeploy's TurbomindEngineConfig where the meaning is the same, so settings carry
+over from a command line people already have.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+KV_QUANTS = ("none", "int8", "int4")
+BACKENDS = ("auto", "cpu", "triton", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    session_len: int | None = None  # None: the artifact's launch config
+    kv_quant: str | None = None  # none/int8/int4; None: the artifact's launch config
+    cache_block_seq_len: int = 64
+    cache_max_entry_count: float = 0.8  # fraction of free memory (RAM on CPU) for the KV pool
+    num_blocks: int | None = None  # explicit pool size, overrides cache_max_entry_count
+    max_batch_size: int = 64
+    max_prefill_token_num: int = 2048  # per-step token budget: chunked prefill beyond it
+    enable_prefix_caching: bool = False
+    backend: str = "auto"
+    dtype: str = "auto"  # activation dtype; auto = the fastest measured for the backend
+    verify_checksums: bool = True
+
+    def validate(self) -> None:
+        def bad(name: str, value: Any, allowed: str) -> ValueError:
+            return ValueError(f"{name}={value!r} is invalid: expected {allowed}")
+
+        if self.kv_quant is not None and self.kv_quant not in KV_QUANTS:
+            raise bad("kv_quant", self.kv_quant, " or ".join(KV_QUANTS))
+        if self.backend not in BACKENDS:
+            raise bad("backend", self.backend, ", ".join(BACKENDS))
+        if self.dtype not in DTYPES:
+            raise bad("dtype", self.dtype, ", ".join(DTYPES))
+        if self.session_len is not None and self.session_len < 2:
+            raise bad("session_len", self.session_len, "an integer >= 2")
+        if self.cache_block_seq_len < 1 or self.cache_block_seq_len % 16:
+            raise bad("cache_block_seq_len", self.cache_block_seq_len, "a positive multiple of 16")
+        if not 0 < self.cache_max_entry_count <= 1:
+            raise bad("cache_max_entry_count", self.cache_max_entry_count, "a fraction in (0, 1]")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise bad("num_blocks", self.num_blocks, "a positive integer")
+        if self.max_batch_size < 1:
+            raise bad("max_batch_size", self.max_batch_size, "a positive integer")
+        if self.max_prefill_token_num < 16:
+            raise bad("max_prefill_token_num", self.max_prefill_token_num, "an integer >= 16")
+
+    def with_launch_defaults(self, launch: Any) -> EngineConfig:
+        """Fill what the user left unset from the artifact's pinned launch config."""
+        return replace(
+            self,
+            session_len=self.session_len or launch.session_len,
+            kv_quant=self.kv_quant or launch.kv_quant,
+        )
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

@@ -1,0 +1,1 @@
+"""The serving engine: KV pool, block manager, scheduler, runner, sampler, step loop."""

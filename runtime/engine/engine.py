@@ -1,0 +1,196 @@
+"""The engine: loads an artifact, sizes the KV pool, and runs the step loop.
+
+A step asks the scheduler what to run, runs the model once over all of it, marks the new KV
+computed (so the prefix cache may share it), samples for every sequence that reached its last
+token, and detokenizes. Requests join and leave between any two steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from pathlib import Path
+
+import psutil
+import torch
+from tokenizers import Tokenizer
+
+from runtime.artifact.reader import Artifact
+from runtime.config import EngineConfig
+from runtime.engine.block_manager import BlockManager
+from runtime.engine.detokenizer import IncrementalDetokenizer
+from runtime.engine.kv_cache import KVCache, KVSpec
+from runtime.engine.model_runner import ModelRunner
+from runtime.engine.sampler import Sampler, SamplingParams, check_stop, prompt_logprobs
+from runtime.engine.scheduler import Scheduler
+from runtime.engine.sequence import Sequence
+from runtime.kernels import ops
+from runtime.model.llama import LlamaModel
+
+log = logging.getLogger("liteserve")
+
+# Measured on the 2-core AVX-512 machine: see evals/bench/RESULTS.md.
+CPU_DTYPE = torch.float32
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Engine:
+    def __init__(self, artifact: str | Path, config: EngineConfig | None = None) -> None:
+        config = config or EngineConfig()
+        config.validate()
+        self.artifact = Artifact(artifact, checksums=config.verify_checksums)
+        manifest = self.artifact.manifest
+        self.config = config.with_launch_defaults(manifest.launch)
+        self.config.validate()
+        self.arch = manifest.architecture
+        self.backend = ops.BACKEND
+        self.dtype = CPU_DTYPE if config.dtype == "auto" else _DTYPES[config.dtype]
+        self.model = LlamaModel(self.artifact, self.dtype, self.config.session_len)
+        self.tokenizer = Tokenizer.from_file(str(self.artifact.path / "tokenizer.json"))
+        self.eos_ids = tuple(manifest.generation.stop_token_ids or self.arch.eos_token_ids)
+        self.kv_spec = KVSpec(
+            num_layers=self.arch.num_layers,
+            num_kv_heads=self.arch.num_kv_heads,
+            head_dim=self.arch.head_dim,
+            block_size=self.config.cache_block_seq_len,
+            kv_quant=self.config.kv_quant,
+            dtype=self.dtype,
+        )
+        self.kv_spec.validate()
+        num_blocks = self.config.num_blocks or self._blocks_from_memory()
+        self.cache = KVCache(self.kv_spec, num_blocks)
+        self.blocks = BlockManager(
+            num_blocks, self.kv_spec.block_size, self.config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.blocks, self.config.max_batch_size, self.config.max_prefill_token_num
+        )
+        self.runner = ModelRunner(self.model, self.cache, self.blocks)
+        self.sampler = Sampler()
+        self._ids = itertools.count()
+        self.sequences: dict[int, Sequence] = {}
+        log.info(
+            "backend %s, %s activations, kv %s: %d bytes/token, %d blocks of %d, %d tokens fit",
+            self.backend,
+            str(self.dtype).removeprefix("torch."),
+            self.config.kv_quant,
+            self.kv_spec.bytes_per_token(),
+            num_blocks,
+            self.kv_spec.block_size,
+            num_blocks * self.kv_spec.block_size,
+        )
+
+    def _blocks_from_memory(self) -> int:
+        """cache_max_entry_count of the memory free now, but never more than a full batch of
+        full sessions could use, nor less than one session."""
+        free = psutil.virtual_memory().available * self.config.cache_max_entry_count
+        per_session = -(-self.config.session_len // self.kv_spec.block_size)
+        useful = per_session * self.config.max_batch_size
+        return max(min(KVCache.num_blocks_for(self.kv_spec, int(free)), useful), per_session)
+
+    @property
+    def session_len(self) -> int:
+        return self.config.session_len
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """Queue a request; every problem with it is a ValueError raised before anything is
+        allocated."""
+        params.validate()
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < self.arch.vocab_size]
+        if bad:
+            raise ValueError(
+                f"token ids {bad[:5]} are outside the vocabulary (0..{self.arch.vocab_size - 1})"
+            )
+        total = len(prompt_ids) + params.max_new_tokens
+        if total > self.session_len:
+            raise ValueError(
+                f"the prompt ({len(prompt_ids)} tokens) plus max_new_tokens "
+                f"({params.max_new_tokens}) is {total} tokens, over session_len "
+                f"{self.session_len}; shorten the prompt or lower max_new_tokens"
+            )
+        seq_id = next(self._ids)
+        seq = Sequence(
+            seq_id=seq_id,
+            prompt_ids=list(prompt_ids),
+            params=params,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids),
+            generator=None if params.seed is None else torch.Generator().manual_seed(params.seed),
+        )
+        self.sequences[seq_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq_id: int) -> None:
+        """Stop a request now; its blocks are free when this returns."""
+        seq = self.sequences.pop(seq_id, None)
+        if seq is not None and not seq.finished:
+            self.scheduler.remove(seq)
+            seq.finish_reason = "abort"
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[Sequence]:
+        """Run one step; returns the sequences that produced a token (or finished)."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        last_logits, chunk_logits = self.runner.run(batch)
+        ready = []
+        for i, (seq, n, chunk) in enumerate(
+            zip(batch.seqs, batch.num_tokens, chunk_logits, strict=True)
+        ):
+            if chunk is not None:
+                self._prompt_logprobs(seq, chunk, n)
+            seq.num_computed += n
+            self.blocks.mark_computed(seq.seq_id, seq.token_ids, seq.num_computed)
+            if seq.num_computed == len(seq.token_ids):
+                ready.append((i, seq))
+        if ready:
+            self._sample(last_logits, ready)
+        return [seq for _, seq in ready]
+
+    def _prompt_logprobs(self, seq: Sequence, chunk: torch.Tensor, n: int) -> None:
+        first = seq.num_computed
+        m = min(n, seq.num_prompt - 1 - first)  # rows whose next token is still prompt
+        if m <= 0:
+            return
+        logits = torch.cat([chunk[:m], chunk.new_zeros(1, chunk.shape[1])])
+        ids = torch.tensor(seq.token_ids[first : first + m + 1])
+        seq.prompt_logprobs.extend(prompt_logprobs(logits, ids, seq.params.prompt_logprobs))
+
+    def _sample(self, logits: torch.Tensor, ready: list[tuple[int, Sequence]]) -> None:
+        rows = logits[[i for i, _ in ready]]
+        seqs = [seq for _, seq in ready]
+        seen = [
+            torch.tensor(s.token_ids) if s.params.repetition_penalty != 1.0 else None for s in seqs
+        ]
+        tokens, logprobs = self.sampler(
+            rows, [s.params for s in seqs], [s.generator for s in seqs], seen
+        )
+        for seq, token, lp in zip(seqs, tokens.tolist(), logprobs, strict=True):
+            self._append(seq, token, lp)
+
+    def _append(self, seq: Sequence, token: int, lp) -> None:
+        seq.token_ids.append(token)
+        if lp is not None:
+            seq.logprobs.append(lp)
+        start = len(seq.text)
+        seq.text += seq.detokenizer.step(token)
+        n_out = len(seq.token_ids) - seq.num_prompt
+        reason, cut = check_stop(seq.text, start, token, seq.params, self.eos_ids, n_out)
+        if reason is None:
+            return
+        seq.text = seq.text[:cut] if cut is not None else seq.text + seq.detokenizer.flush()
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        self.sequences.pop(seq.seq_id, None)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
+        """Run prompts to completion together (continuous batching)."""
+        seqs = [self.add_request(p, params) for p in prompts]
+        while any(not s.finished for s in seqs):
+            self.step()
+        return seqs

@@ -1,0 +1,57 @@
+"""Turns a scheduled batch into the step's metadata and runs the model once."""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.engine.block_manager import BlockManager
+from runtime.engine.kv_cache import KVCache
+from runtime.engine.scheduler import Batch
+from runtime.model.context import StepContext, set_context
+from runtime.model.llama import LlamaModel
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, cache: KVCache, blocks: BlockManager) -> None:
+        self.model = model
+        self.cache = cache
+        self.blocks = blocks
+        self.block_size = cache.spec.block_size
+
+    def run(self, batch: Batch) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """Logits of each sequence's last new token ([B, V], float32), and for sequences that
+        asked for prompt logprobs the logits of every new token of the chunk."""
+        ids, positions, slots, tables, ctx_lens, rows, all_rows = [], [], [], [], [], [], []
+        start = 0
+        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+            first = seq.num_computed
+            table = torch.tensor(self.blocks.block_table(seq.seq_id), dtype=torch.int64)
+            pos = torch.arange(first, first + n)
+            ids.extend(seq.token_ids[first : first + n])
+            positions.append(pos)
+            slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+            tables.append(table)
+            ctx_lens.append(first + n)
+            wants_all = seq.params.prompt_logprobs is not None and first < seq.num_prompt
+            all_rows.append(torch.arange(start, start + n) if wants_all else None)
+            rows.append(start + n - 1)
+            start += n
+        wanted = sorted({*rows, *(r for a in all_rows if a is not None for r in a.tolist())})
+        index = {r: i for i, r in enumerate(wanted)}
+        ctx = StepContext(
+            positions=torch.cat(positions),
+            slot_mapping=torch.cat(slots),
+            block_tables=tables,
+            context_lens=ctx_lens,
+            query_lens=list(batch.num_tokens),
+            logits_indices=torch.tensor(wanted, dtype=torch.int64),
+            cache=self.cache,
+        )
+        set_context(ctx)
+        try:
+            logits = self.model(torch.tensor(ids, dtype=torch.int64))
+        finally:
+            set_context(None)
+        last = logits[[index[r] for r in rows]]
+        chunks = [None if a is None else logits[[index[r] for r in a.tolist()]] for a in all_rows]
+        return last, chunks

@@ -1,0 +1,289 @@
+"""Turning a batch of logits into tokens: penalties, temperature, top-k/top-p/min-p, the draw.
+
+One call handles a whole decode batch. Everything that can be is vectorised over the batch
+(penalties, temperature, the top-k/top-p/min-p masks from a single sort); only the random draw
+loops over seeded rows, so that a seeded row's token depends on nothing but its own generator
+and its own logits: the same seeded request gives the same text whatever else is in the batch.
+
+Logprobs are those of the raw model distribution (log_softmax of the incoming logits, before
+penalties and temperature), as vLLM and the OpenAI API report them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+# Temperatures below this are treated as greedy (vLLM uses the same threshold): dividing by a
+# near-zero temperature only overflows to the same argmax.
+_GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    # HF/vLLM semantics: logits of tokens seen in prompt + output: > 0 divided by it, < 0 times it.
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_new_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    # None: none; k >= 0: logprob of the sampled token plus the top-k alternatives.
+    logprobs: int | None = None
+    # Same, for every prompt token after the first.
+    prompt_logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        # Accept a bare string or lists from an API layer; keep the dataclass hashable.
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first field out of its allowed range."""
+
+        def bad(field: str, allowed: str, value: object) -> ValueError:
+            return ValueError(f"{field} must be {allowed}, got {value!r}")
+
+        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
+            raise bad("temperature", ">= 0", self.temperature)
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise bad("top_p", "in (0, 1]", self.top_p)
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise bad("top_k", "an integer >= 0 (0 = off)", self.top_k)
+        if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1):
+            raise bad("min_p", "in [0, 1]", self.min_p)
+        if not (isinstance(self.repetition_penalty, (int, float)) and self.repetition_penalty > 0):
+            raise bad("repetition_penalty", "> 0", self.repetition_penalty)
+        if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
+            raise bad("max_new_tokens", "an integer >= 1", self.max_new_tokens)
+        for field in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, field)
+            if v is not None and not (isinstance(v, int) and 0 <= v <= MAX_LOGPROBS):
+                raise bad(field, f"None or an integer in [0, {MAX_LOGPROBS}]", v)
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "None or an integer", self.seed)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "a sequence of non-empty strings", self.stop)
+        if any(t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "non-negative token ids", self.stop_token_ids)
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # top-k (token id, logprob), highest first
+
+
+def _top_lists(logprobs: torch.Tensor, ks: Sequence[int]) -> list[list[tuple[int, float]]]:
+    """Per row, the top-ks[i] (id, logprob) pairs, highest first; one topk for the whole batch."""
+    kmax = min(max(ks, default=0), logprobs.shape[-1])
+    if kmax == 0:
+        return [[] for _ in ks]
+    vals, idx = logprobs.topk(kmax, dim=-1)
+    vals_l, idx_l = vals.tolist(), idx.tolist()
+    return [list(zip(idx_l[i][:k], vals_l[i][:k], strict=True)) for i, k in enumerate(ks)]
+
+
+def _apply_repetition_penalty(
+    logits: torch.Tensor, params: Sequence[SamplingParams], seen: Sequence[torch.Tensor | None]
+) -> torch.Tensor:
+    rows = [
+        i
+        for i, p in enumerate(params)
+        if p.repetition_penalty != 1.0 and seen[i] is not None and seen[i].numel() > 0
+    ]
+    if not rows:
+        return logits
+    V = logits.shape[1]
+    device = logits.device
+    mask = torch.zeros(len(rows), V, dtype=torch.bool, device=device)
+    for j, i in enumerate(rows):
+        ids = seen[i].to(device=device, dtype=torch.long).reshape(-1)
+        mask[j, ids[(ids >= 0) & (ids < V)]] = True
+    pen = torch.tensor([params[i].repetition_penalty for i in rows], device=device).unsqueeze(1)
+    idx = torch.tensor(rows, device=device)
+    sub = logits[idx]
+    penalised = torch.where(sub > 0, sub / pen, sub * pen)
+    logits = logits.clone()
+    logits[idx] = torch.where(mask, penalised, sub)
+    return logits
+
+
+def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masks (to -inf) from one descending sort."""
+    device = logits.device
+    S, V = logits.shape
+    temps = [p.temperature for p in params]
+    if any(t != 1.0 for t in temps):
+        logits = logits / torch.tensor(temps, device=device, dtype=logits.dtype).unsqueeze(1)
+    top_ks = [p.top_k if 0 < p.top_k < V else V for p in params]
+    top_ps = [float(p.top_p) for p in params]
+    min_ps = [float(p.min_p) for p in params]
+    if all(k == V for k in top_ks) and all(p >= 1.0 for p in top_ps) and not any(min_ps):
+        return logits
+
+    # Stable: among equal logits the lower id comes first, as with argmax.
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True, stable=True)
+    pos = torch.arange(V, device=device).unsqueeze(0)
+    remove = pos >= torch.tensor(top_ks, device=device).unsqueeze(1)  # top-k
+    if any(p < 1.0 for p in top_ps):
+        # Keep the smallest prefix whose mass reaches top_p: a token goes when the mass strictly
+        # before it already does. The first token always stays (its prefix mass is 0 < top_p).
+        probs = sorted_logits.masked_fill(remove, -math.inf).softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs
+        p = torch.tensor(top_ps, device=device, dtype=probs.dtype).unsqueeze(1)
+        remove |= (before >= p) & (p < 1.0)
+    if any(min_ps):
+        # prob < min_p * max_prob  <=>  logit < max_logit + log(min_p)
+        logmin = torch.tensor(
+            [math.log(m) if m > 0 else -math.inf for m in min_ps], device=device
+        ).unsqueeze(1)
+        remove |= sorted_logits < sorted_logits[:, :1] + logmin
+    sorted_logits = sorted_logits.masked_fill(remove, -math.inf)
+    return torch.full_like(logits, -math.inf).scatter(1, sorted_idx, sorted_logits)
+
+
+def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """Exponential race: argmax(p / E), E ~ Exp(1) i.i.d., picks index i with probability p_i.
+
+    Unseeded rows share one draw from the global RNG; each seeded row draws its noise from its
+    own generator alone (on the generator's device), so it is independent of the batch.
+    """
+    S, V = probs.shape
+    tiny = torch.finfo(probs.dtype).tiny
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        if len(unseeded) == S:
+            noise.exponential_()
+        else:
+            idx = torch.tensor(unseeded, device=probs.device)
+            noise[idx] = torch.empty(len(unseeded), V, device=probs.device).exponential_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise[i] = torch.empty(V, device=g.device).exponential_(generator=g).to(probs.device)
+    return (probs / noise.clamp_min_(tiny)).argmax(dim=-1)
+
+
+class Sampler:
+    """Stateless; per-request state (generators, seen tokens) is owned by the caller."""
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        seen: list[torch.Tensor | None],
+    ) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
+        B = logits.shape[0]
+        if not (len(params) == len(generators) == len(seen) == B):
+            raise ValueError(
+                f"batch of {B} rows needs {B} params/generators/seen, got "
+                f"{len(params)}/{len(generators)}/{len(seen)}"
+            )
+        logits = logits.float()
+        want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw_lp = logits[want_lp].log_softmax(dim=-1) if want_lp else None
+
+        x = _apply_repetition_penalty(logits, params, seen)
+        tokens = torch.empty(B, dtype=torch.long, device=logits.device)
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        sample = [i for i, p in enumerate(params) if not p.greedy]
+        if len(greedy) == B:
+            tokens = x.argmax(dim=-1)
+        elif greedy:
+            gi = torch.tensor(greedy, device=x.device)
+            tokens[gi] = x[gi].argmax(dim=-1)
+        if sample:
+            si = torch.tensor(sample, device=x.device)
+            sub = x if len(sample) == B else x[si]
+            filtered = _filter(sub, [params[i] for i in sample])
+            drawn = _draw(filtered.softmax(dim=-1), [generators[i] for i in sample])
+            if len(sample) == B:
+                tokens = drawn
+            else:
+                tokens[si] = drawn
+
+        out: list[TokenLogprobs | None] = [None] * B
+        if raw_lp is not None:
+            wi = torch.tensor(want_lp, device=x.device)
+            chosen = raw_lp.gather(1, tokens[wi].unsqueeze(1)).squeeze(1).tolist()
+            tops = _top_lists(raw_lp, [params[i].logprobs for i in want_lp])
+            ids = tokens[wi].tolist()
+            for j, i in enumerate(want_lp):
+                out[i] = TokenLogprobs(token_id=ids[j], logprob=chosen[j], top=tops[j])
+        return tokens, out
+
+
+def prompt_logprobs(logits: torch.Tensor, prompt_ids: torch.Tensor, k: int) -> list[TokenLogprobs]:
+    """For t = 1..T-1: logprob of prompt_ids[t] under logits[t-1], plus the top-k at t-1.
+
+    logits: [T, V] from a prefill over the prompt; returns T-1 entries (none for the first token).
+    """
+    ids = prompt_ids.reshape(-1).to(device=logits.device, dtype=torch.long)
+    if logits.dim() != 2 or logits.shape[0] != ids.shape[0]:
+        raise ValueError(
+            f"logits must be [T, V] with T = len(prompt_ids) = {ids.shape[0]}, "
+            f"got shape {tuple(logits.shape)}"
+        )
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    if ids.shape[0] < 2:
+        return []
+    lp = logits[:-1].float().log_softmax(dim=-1)
+    targets = ids[1:]
+    chosen = lp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+    tops = _top_lists(lp, [k] * lp.shape[0])
+    return [
+        TokenLogprobs(token_id=t, logprob=c, top=top)
+        for t, c, top in zip(targets.tolist(), chosen, tops, strict=True)
+    ]
+
+
+def check_stop(
+    text_so_far: str,
+    new_text_start: int,
+    token_id: int,
+    params: SamplingParams,
+    eos_ids: tuple[int, ...],
+    n_generated: int,
+) -> tuple[str | None, int | None]:
+    """Whether the sequence finishes after this token: (finish_reason or None, cut index or None).
+
+    text_so_far: all generated (visible) text including this token's; new_text_start: where this
+    token's text begins in it; n_generated: tokens generated so far, this one included. For a
+    stop string the cut index is where the text must be truncated (text_so_far[:cut]) so the
+    stop string is not returned. Priority: stop_token_ids, EOS, stop strings, then length.
+    """
+    if token_id in params.stop_token_ids:
+        return "stop", None
+    if not params.ignore_eos and token_id in eos_ids:
+        return "stop", None
+    if params.stop and new_text_start < len(text_so_far):
+        cut: int | None = None
+        for s in params.stop:
+            # A new match must end inside the new text, so it starts at most len(s) - 1 before it.
+            i = text_so_far.find(s, max(0, new_text_start - len(s) + 1))
+            if i != -1 and (cut is None or i < cut):
+                cut = i
+        if cut is not None:
+            return "stop", cut
+    if n_generated >= params.max_new_tokens:
+        return "length", None
+    return None, None

@@ -1,0 +1,58 @@
+"""A request as the engine sees it: tokens, progress through the KV cache, and its output."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.engine.detokenizer import IncrementalDetokenizer
+from runtime.engine.sampler import SamplingParams, TokenLogprobs
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None = None
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    num_computed: int = 0  # leading tokens whose KV is in the cache
+    num_cached: int = 0  # of the prompt, taken from the prefix cache at admission
+    status: Status = Status.WAITING
+    text: str = ""
+    emitted: int = 0  # characters of `text` already handed to a stream
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt :]
+
+    @property
+    def in_prefill(self) -> bool:
+        """Tokens before the last one still lack KV (the prompt, or everything after a
+        preemption): they are computed in chunks before decoding resumes."""
+        return self.num_computed < len(self.token_ids) - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,82 @@
+"""CPU int4 linear: torch's int4 weight-only matmul for small batches, dequantize + dense
+matmul for large ones.
+
+The artifact's layout is for the GPU; on the CPU the weights are repacked once at load into
+torch's `_weight_int4pack_mm_for_cpu` format. That kernel wins while a step is small (decode)
+and loses to a dense GEMM once the batch is large (prefill), so both forms are kept and the
+row count picks one. The crossover below was measured on the 2-core AVX-512 development
+machine with SmolLM2's shapes (evals/bench/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.artifact.layout import unpack_qparams, unpack_qweight
+
+DENSE_FROM_ROWS = 32  # at and above this many rows, dequantize and use a dense matmul
+_TORCH_ZERO_OFFSET = 8  # torch's int4 kernels compute (q - 8) * scale + zero
+
+
+@dataclass
+class CpuInt4Weight:
+    packed: torch.Tensor  # torch's CPU int4 pack of q [N, Kp]
+    scales_zeros: torch.Tensor  # [Kp / gs, N, 2] in torch's (scale, zero) convention
+    codes: torch.Tensor  # uint8 [N padded to 16, Kp], for the dense path
+    scale: torch.Tensor  # [N padded to 16, Kp / gs]
+    offset: torch.Tensor  # [N padded to 16, Kp / gs], the artifact's -z*s
+    n: int
+    k: int
+    group_size: int
+
+    @property
+    def kp(self) -> int:
+        return self.codes.shape[1]
+
+
+def prepare_int4(
+    parts: list[tuple[torch.Tensor, torch.Tensor, int]],
+    k: int,
+    group_size: int,
+    dtype: torch.dtype,
+) -> CpuInt4Weight:
+    """Repack once at load: the artifact stays untouched, the CPU gets its own format.
+
+    `parts` are (qweight, qparams, n) of linears sharing an input (q/k/v, gate/up): they are
+    fused along N into one matmul. N is padded to 16 for torch's kernel; outputs are sliced.
+    """
+    codes, scales, offsets = [], [], []
+    for qweight, qparams, n in parts:
+        q = torch.zeros(n, qweight.shape[0] * 16, dtype=torch.uint8)
+        q[:, :k] = unpack_qweight(qweight, n, k)
+        s, b = unpack_qparams(qparams, n)  # fp16 [n, G] each
+        codes.append(q)
+        scales.append(s.float())
+        offsets.append(b.float())
+    n = sum(part[2] for part in parts)
+    pad = -n % 16
+    q = torch.nn.functional.pad(torch.cat(codes), (0, 0, 0, pad))
+    s = torch.nn.functional.pad(torch.cat(scales), (0, 0, 0, pad))
+    b = torch.nn.functional.pad(torch.cat(offsets), (0, 0, 0, pad))
+    torch_zero = b + _TORCH_ZERO_OFFSET * s
+    scales_zeros = torch.stack([s.T, torch_zero.T], dim=-1).to(dtype).contiguous()
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    return CpuInt4Weight(packed, scales_zeros, q, s.to(dtype), b.to(dtype), n, k, group_size)
+
+
+def dequantize_dense(w: CpuInt4Weight) -> torch.Tensor:
+    """[N, Kp] in the scales' dtype."""
+    q = w.codes[: w.n].view(w.n, -1, w.group_size).to(w.scale.dtype)
+    return (q * w.scale[: w.n].unsqueeze(-1) + w.offset[: w.n].unsqueeze(-1)).view(w.n, -1)
+
+
+def int4_linear(x: torch.Tensor, w: CpuInt4Weight) -> torch.Tensor:
+    """x [M, K] -> [M, N]; K is zero-padded to the packed width (padded codes meet zeros)."""
+    if x.shape[-1] != w.kp:
+        x = torch.nn.functional.pad(x, (0, w.kp - x.shape[-1]))
+    if x.shape[0] >= DENSE_FROM_ROWS:
+        return x @ dequantize_dense(w).T
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.packed, w.group_size, w.scales_zeros)
+    return y if y.shape[1] == w.n else y[:, : w.n]

@@ -1,0 +1,37 @@
+"""The step's batch metadata, set once per forward and read where it is needed (attention),
+instead of threading it through every module's forward signature."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.engine.kv_cache import KVCache
+
+
+@dataclass
+class StepContext:
+    """A step runs the new tokens of several sequences, concatenated without padding."""
+
+    positions: torch.Tensor  # int64 [T]: absolute position of each new token
+    slot_mapping: torch.Tensor  # int64 [T]: KV slot each new token writes
+    block_tables: list[torch.Tensor]  # per sequence, int64 block ids
+    context_lens: list[int]  # per sequence: tokens in its KV after this step
+    query_lens: list[int]  # per sequence: new tokens in this step
+    logits_indices: torch.Tensor  # int64: rows of the step whose logits are wanted
+    cache: KVCache
+
+
+_current: StepContext | None = None
+
+
+def set_context(ctx: StepContext | None) -> None:
+    global _current
+    _current = ctx
+
+
+def get_context() -> StepContext:
+    if _current is None:
+        raise RuntimeError("model forward called outside a step (no StepContext set)")
+    return _current

@@ -1,0 +1,131 @@
+"""The Python API: `pipeline(artifact, EngineConfig(...))` then call it or stream from it.
+
+pipe = pipeline("out/smollm2-awq", EngineConfig(kv_quant="int8"))
+for r in pipe(["Summarise: ...", "Classify: ..."], GenerationConfig(max_new_tokens=64)):
+    print(r.text)
+for chunk in pipe.stream("Tell me about Paris"):
+    print(chunk.text, end="")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runtime.chat_template import ChatTemplate
+from runtime.config import EngineConfig
+from runtime.engine.engine import Engine
+from runtime.engine.sampler import SamplingParams, TokenLogprobs
+from runtime.engine.sequence import Sequence
+
+Prompt = str | list[int] | list[dict]  # text, token ids, or chat messages
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Per-request settings; None means the artifact's generation defaults."""
+
+    max_new_tokens: int = 256
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+
+@dataclass
+class Response:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    cached_tokens: int = 0
+
+    @classmethod
+    def of(cls, seq: Sequence, text: str | None = None) -> Response:
+        return cls(
+            text=seq.text if text is None else text,
+            token_ids=seq.output_ids,
+            finish_reason=seq.finish_reason,
+            prompt_tokens=seq.num_prompt,
+            logprobs=seq.logprobs,
+            prompt_logprobs=seq.prompt_logprobs,
+            cached_tokens=seq.num_cached,
+        )
+
+
+class Pipeline:
+    def __init__(self, engine: Engine, chat_template: ChatTemplate | None) -> None:
+        self.engine = engine
+        self.chat_template = chat_template
+
+    def sampling_params(self, gen: GenerationConfig) -> SamplingParams:
+        d = self.engine.artifact.manifest.generation
+        return SamplingParams(
+            temperature=d.temperature if gen.temperature is None else gen.temperature,
+            top_p=d.top_p if gen.top_p is None else gen.top_p,
+            top_k=d.top_k if gen.top_k is None else gen.top_k,
+            min_p=gen.min_p,
+            repetition_penalty=d.repetition_penalty
+            if gen.repetition_penalty is None
+            else gen.repetition_penalty,
+            seed=gen.seed,
+            max_new_tokens=gen.max_new_tokens,
+            stop=gen.stop,
+            stop_token_ids=gen.stop_token_ids,
+            ignore_eos=gen.ignore_eos,
+            logprobs=gen.logprobs,
+            prompt_logprobs=gen.prompt_logprobs,
+        )
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Text is tokenized as is; chat messages go through the artifact's chat template."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            if self.chat_template is None:
+                raise ValueError("this artifact has no chat template; pass text instead")
+            prompt = self.chat_template.render(prompt)
+        if isinstance(prompt, str):
+            return self.engine.tokenizer.encode(prompt, add_special_tokens=False).ids
+        return list(prompt)
+
+    def __call__(
+        self, prompts: Prompt | list[Prompt], gen: GenerationConfig | None = None
+    ) -> list[Response]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
+            prompts = [prompts]
+        params = self.sampling_params(gen or GenerationConfig())
+        seqs = self.engine.generate([self.encode(p) for p in prompts], params)
+        return [Response.of(s) for s in seqs]
+
+    def stream(self, prompt: Prompt, gen: GenerationConfig | None = None) -> Iterator[Response]:
+        """Text deltas as they are decoded. Closing the iterator early aborts the request."""
+        params = self.sampling_params(gen or GenerationConfig())
+        seq = self.engine.add_request(self.encode(prompt), params)
+        hold = max((len(s) for s in params.stop), default=1) - 1  # a stop string may be forming
+        try:
+            while not seq.finished:
+                self.engine.step()
+                end = len(seq.text) if seq.finished else max(seq.emitted, len(seq.text) - hold)
+                if end > seq.emitted or seq.finished:
+                    delta = seq.text[seq.emitted : end]
+                    seq.emitted = end
+                    yield Response.of(seq, delta)
+        finally:
+            if not seq.finished:
+                self.engine.abort(seq.seq_id)
+
+
+def pipeline(
+    artifact: str | Path, config: EngineConfig | None = None, chat_template: Path | None = None
+) -> Pipeline:
+    engine = Engine(artifact, config)
+    return Pipeline(engine, ChatTemplate.from_artifact(engine.artifact.path, chat_template))

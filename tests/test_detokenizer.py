@@ -1,0 +1,202 @@
+"""IncrementalDetokenizer against real tokenizers trained offline: byte-level BPE (GPT-2 style),
+Metaspace BPE (SentencePiece style) and a Llama-style BPE with byte fallback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from runtime.engine.detokenizer import IncrementalDetokenizer
+
+SPECIAL = ["<s>", "</s>", "<unk>"]
+CORPUS = [
+    "héllo wörld café naïve résumé über straße façade",
+    "日本語のテキストです 中文文本 한국어 テスト",
+    "emoji 😀 😃 🎉 👍🏽 ok 🚀",
+    "the quick brown fox jumps over the lazy dog, 12345!\nnew line",
+] * 20
+# Words for random texts; every character occurs in CORPUS (the Metaspace tokenizer has no
+# byte fallback, so an unseen character would become <unk>).
+WORDS = sorted({w for line in CORPUS for w in line.split()}) + ["😀😃", "日本語😀", "é", "🎉!"]
+# Characters outside CORPUS, for the byte-level and byte-fallback tokenizers only.
+EXTRA = ["🦀", "Ω≈ç", "𝔘𝔫𝔦", "ñandú", "👨‍👩‍👧"]
+
+
+def _byte_level() -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    return tok
+
+
+def _metaspace() -> Tokenizer:
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=SPECIAL, show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    return tok
+
+
+def _llama() -> Tokenizer:
+    """Llama-2 style: "▁" for spaces, byte-fallback tokens <0xXX> for characters not in the
+    (deliberately limited) alphabet, and a decoder that strips the first leading space."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=200, special_tokens=SPECIAL, limit_alphabet=30, show_progress=False
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    n = max(vocab.values()) + 1
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = n + b
+    spec["model"]["byte_fallback"] = True
+    return Tokenizer.from_str(json.dumps(spec))
+
+
+TOKENIZERS = {"byte_level": _byte_level(), "metaspace": _metaspace(), "llama": _llama()}
+BYTE_CAPABLE = ("byte_level", "llama")
+
+
+def _words(extra: bool) -> st.SearchStrategy[str]:
+    pool = WORDS + (EXTRA if extra else [])
+    sep = st.sampled_from([" ", " ", " ", "", "  ", "\n"])
+    return st.lists(st.tuples(st.sampled_from(pool), sep), max_size=12).map(
+        lambda xs: "".join(w + s for w, s in xs)
+    )
+
+
+def _run(tok: Tokenizer, prompt_ids: list[int], gen_ids: list[int], skip: bool = True):
+    detok = IncrementalDetokenizer(tok, prompt_ids, skip_special_tokens=skip)
+    outs = [detok.step(t) for t in gen_ids]
+    return detok, outs
+
+
+def _expected(tok: Tokenizer, prompt_ids: list[int], gen_ids: list[int], skip: bool = True):
+    full = tok.decode(prompt_ids + gen_ids, skip_special_tokens=skip)
+    pre = tok.decode(prompt_ids, skip_special_tokens=skip)
+    assert full.startswith(pre)
+    return full[len(pre) :]
+
+
+def _check(name: str, prompt: str, gen: str) -> None:
+    tok = TOKENIZERS[name]
+    p = tok.encode(prompt, add_special_tokens=False).ids
+    g = tok.encode(gen, add_special_tokens=False).ids
+    assert 2 not in p + g  # no <unk>: the texts only use known characters
+    detok, outs = _run(tok, p, g)
+    assert all("\ufffd" not in o for o in outs), outs
+    assert "".join(outs) == detok.text == _expected(tok, p, g)
+    # no prompt: exactly decode(output ids)
+    detok, outs = _run(tok, [], g)
+    assert all("\ufffd" not in o for o in outs), outs
+    assert "".join(outs) == detok.text == tok.decode(g)
+    assert detok.flush() == ""
+
+
+@pytest.mark.parametrize("name", list(TOKENIZERS))
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(prompt=_words(extra=False), gen=_words(extra=False))
+def test_random_texts_match_decode(name, prompt, gen):
+    _check(name, prompt, gen)
+
+
+@pytest.mark.parametrize("name", BYTE_CAPABLE)
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(prompt=_words(extra=True), gen=_words(extra=True))
+def test_random_texts_with_unseen_characters(name, prompt, gen):
+    _check(name, prompt, gen)
+
+
+@pytest.mark.parametrize("name", BYTE_CAPABLE)
+def test_characters_split_over_tokens_are_held_back(name):
+    tok = TOKENIZERS[name]
+    for ch in ("🦀", "日"):
+        assert len(tok.encode(ch, add_special_tokens=False).ids) > 1  # really split
+    prompt = tok.encode("hi there", add_special_tokens=False).ids
+    gen = tok.encode("x 🦀 日本 👨‍👩‍👧 y", add_special_tokens=False).ids
+    detok, outs = _run(tok, prompt, gen)
+    assert "" in outs  # something was held back ...
+    assert all("\ufffd" not in o for o in outs)
+    assert detok.text == _expected(tok, prompt, gen)  # ... and completed later
+    assert detok.text.endswith("👨‍👩‍👧 y")
+
+
+def test_metaspace_spaces():
+    tok = TOKENIZERS["metaspace"]
+    prompt = tok.encode("the quick", add_special_tokens=False).ids
+    gen = tok.encode("brown fox", add_special_tokens=False).ids
+    detok, outs = _run(tok, prompt, gen)
+    assert detok.text == " brown fox"  # the "▁" of the first word is a real space here
+    detok, outs = _run(tok, [], gen)
+    assert detok.text == "brown fox"  # ... and stripped at the start, as decode() does
+
+
+@pytest.mark.parametrize("name", list(TOKENIZERS))
+def test_skip_special_tokens(name):
+    tok = TOKENIZERS[name]
+    s, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
+    prompt = [s] + tok.encode("the quick", add_special_tokens=False).ids
+    a = tok.encode("brown fox", add_special_tokens=False).ids
+    b = tok.encode("jumps 😀", add_special_tokens=False).ids
+    gen = a + [eos, s] + b + [eos] * 50
+    detok, outs = _run(tok, prompt, gen)
+    assert "</s>" not in detok.text and "<s>" not in detok.text
+    assert detok.text == _expected(tok, prompt, gen)
+    assert len(detok._window) <= 16  # a run of skipped tokens does not grow the window
+    kept, outs = _run(tok, prompt, gen, skip=False)
+    assert kept.text.count("</s>") == 51
+    assert kept.text == _expected(tok, prompt, gen, skip=False)
+
+
+@pytest.mark.parametrize("name", list(TOKENIZERS))
+def test_window_stays_bounded(name):
+    tok = TOKENIZERS[name]
+    gen = tok.encode(" ".join(CORPUS), add_special_tokens=False).ids
+    assert len(gen) > 500
+    detok = IncrementalDetokenizer(tok, [])
+    longest = 0
+    for t in gen:
+        detok.step(t)
+        longest = max(longest, len(detok._window))
+    assert longest <= 12
+    assert detok.text == tok.decode(gen)
+    assert detok.num_tokens == len(gen)
+
+
+def test_invalid_bytes_are_eventually_emitted_and_flushed():
+    tok = TOKENIZERS["llama"]
+    cont = tok.token_to_id("<0x80>")  # a lone UTF-8 continuation byte: never completes
+    detok = IncrementalDetokenizer(tok, tok.encode("hi", add_special_tokens=False).ids)
+    for _ in range(40):
+        detok.step(cont)
+        assert len(detok._window) <= 18  # two chunks of at most _MAX_HELD + 1 tokens
+    assert detok.text.count("\ufffd") >= 30
+    assert detok.text + detok.flush() == "\ufffd" * 40
+    # a sequence that ends in the middle of a character: flush() gives it up
+    first = tok.encode("🦀", add_special_tokens=False).ids[:-1]
+    detok = IncrementalDetokenizer(tok, [])
+    assert [detok.step(t) for t in first] == [""] * len(first)
+    tail = detok.flush()
+    assert tail.endswith("\ufffd") and detok.text == tok.decode(first)
