@@ -29,9 +29,13 @@ from runtime.model.llama import LlamaModel
 
 log = logging.getLogger("liteserve")
 
-# Measured on the 2-core AVX-512 machine: see evals/bench/RESULTS.md.
-CPU_DTYPE = torch.float32
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def auto_dtype() -> torch.dtype:
+    """bf16 where the CPU computes it natively (torch's int4 kernel is fast only in bf16:
+    30x over fp32 at decode, see runtime/kernels/cpu.py), fp32 elsewhere."""
+    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
 
 
 class Engine:
@@ -44,7 +48,7 @@ class Engine:
         self.config.validate()
         self.arch = manifest.architecture
         self.backend = ops.BACKEND
-        self.dtype = CPU_DTYPE if config.dtype == "auto" else _DTYPES[config.dtype]
+        self.dtype = auto_dtype() if config.dtype == "auto" else _DTYPES[config.dtype]
         self.model = LlamaModel(self.artifact, self.dtype, self.config.session_len)
         self.tokenizer = Tokenizer.from_file(str(self.artifact.path / "tokenizer.json"))
         self.eos_ids = tuple(manifest.generation.stop_token_ids or self.arch.eos_token_ids)

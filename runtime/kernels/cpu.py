@@ -2,10 +2,13 @@
 matmul for large ones.
 
 The artifact's layout is for the GPU; on the CPU the weights are repacked once at load into
-torch's `_weight_int4pack_mm_for_cpu` format. That kernel wins while a step is small (decode)
-and loses to a dense GEMM once the batch is large (prefill), so both forms are kept and the
-row count picks one. The crossover below was measured on the 2-core AVX-512 development
-machine with SmolLM2's shapes (evals/bench/RESULTS.md).
+torch's `_weight_int4pack_mm_for_cpu` format. Measured on the 2-core AVX-512 (bf16-capable)
+development machine with SmolLM2's shapes (evals/bench/RESULTS.md):
+- with bf16 activations that kernel wins up to about 48 rows (3072x576 at one row: 0.05 ms,
+  against 0.67 ms to dequantize and multiply densely) and loses beyond (512 rows: 10.8 ms
+  against 5.3 ms), so the row count picks the path;
+- with fp32 activations it has no fast path (1.6 ms at one row, 30x its bf16 time), so fp32
+  always dequantizes and uses the dense GEMM.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch
 
 from runtime.artifact.layout import unpack_qparams, unpack_qweight
 
-DENSE_FROM_ROWS = 32  # at and above this many rows, dequantize and use a dense matmul
+INT4_KERNEL_MAX_ROWS = {torch.bfloat16: 47}  # above this, dequantize + dense GEMM wins
 _TORCH_ZERO_OFFSET = 8  # torch's int4 kernels compute (q - 8) * scale + zero
 
 
@@ -76,7 +79,7 @@ def int4_linear(x: torch.Tensor, w: CpuInt4Weight) -> torch.Tensor:
     """x [M, K] -> [M, N]; K is zero-padded to the packed width (padded codes meet zeros)."""
     if x.shape[-1] != w.kp:
         x = torch.nn.functional.pad(x, (0, w.kp - x.shape[-1]))
-    if x.shape[0] >= DENSE_FROM_ROWS:
+    if x.shape[0] > INT4_KERNEL_MAX_ROWS.get(x.dtype, 0):
         return x @ dequantize_dense(w).T
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.packed, w.group_size, w.scales_zeros)
     return y if y.shape[1] == w.n else y[:, : w.n]

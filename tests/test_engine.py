@@ -1,0 +1,221 @@
+"""The runtime engine on tiny random models of every family: logits against transformers,
+scheduling paths, streaming, abort and bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from lite.cli import main as lite_main
+from runtime import EngineConfig, GenerationConfig, pipeline
+from runtime.artifact.reader import Artifact, ArtifactError
+from runtime.engine.engine import Engine
+from runtime.engine.sampler import SamplingParams
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@pytest.fixture(scope="module")
+def artifacts(
+    tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("engine-art")
+    out = {}
+    for family in FAMILIES:
+        out[family] = root / family
+        result = CliRunner().invoke(
+            lite_main,
+            [
+                "auto_awq",
+                str(tiny_models[family]),
+                "--work-dir",
+                str(out[family]),
+                "--calib-samples",
+                "4",
+                "--calib-seqlen",
+                "64",
+                "--w-group-size",
+                "32",
+                "--quiet",
+            ],
+        )
+        assert result.exit_code == 0, result.output
+    return out
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _config(**kw) -> EngineConfig:
+    base = dict(
+        kv_quant="none", num_blocks=64, cache_block_seq_len=16, session_len=512, dtype="float32"
+    )
+    return EngineConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_logits_match_transformers(family: str, artifacts: dict[str, Path]) -> None:
+    """Every prompt position's log-probabilities against transformers' forward on the same
+    dequantized weights. Tolerance 1e-4 absolute in fp32 (measured ~5e-7): a wrong rotary
+    convention, norm, bias or GQA mapping moves them by 1e-2 or more."""
+    from lite.hf import load_dequantized
+
+    engine = Engine(artifacts[family], _config(max_prefill_token_num=32))  # 3 prefill chunks
+    ids = _ids(70, seed=1)
+    seq = engine.add_request(
+        ids, SamplingParams(temperature=0, max_new_tokens=1, prompt_logprobs=0)
+    )
+    while not seq.finished:
+        engine.step()
+    with torch.no_grad():
+        ref = load_dequantized(Artifact(artifacts[family]))(input_ids=torch.tensor([ids]))
+    ref = torch.log_softmax(ref.logits[0].float(), -1)
+    want = ref[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    got = torch.tensor([lp.logprob for lp in seq.prompt_logprobs])
+    assert got.shape == want.shape
+    assert torch.allclose(got, want, atol=1e-4), float((got - want).abs().max())
+    assert seq.output_ids == [int(ref[-1].argmax())]
+
+
+def test_bf16_activations_stay_close(artifacts: dict[str, Path]) -> None:
+    """The CPU default where bf16 is native; bf16 rounding (2^-8) bounds the drift."""
+    ids = _ids(50, 6)
+    params = SamplingParams(temperature=0, max_new_tokens=1, prompt_logprobs=0)
+    ref = Engine(artifacts["qwen3"], _config()).generate([ids], params)[0]
+    got = Engine(artifacts["qwen3"], _config(dtype="bfloat16")).generate([ids], params)[0]
+    a = torch.tensor([lp.logprob for lp in ref.prompt_logprobs])
+    b = torch.tensor([lp.logprob for lp in got.prompt_logprobs])
+    assert float((a - b).abs().max()) < 0.05
+    assert not torch.equal(a, b)
+
+
+def _greedy(engine: Engine, prompts: list[list[int]], n: int = 12) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
+    return [s.output_ids for s in engine.generate(prompts, params)]
+
+
+def test_greedy_same_tokens_alone_batched_cached_and_preempted(
+    artifacts: dict[str, Path],
+) -> None:
+    system = _ids(40, seed=99)  # a shared "system prompt" of 2.5 blocks
+    prompts = [system + _ids(5 + 3 * i, seed=i) for i in range(8)]
+    alone = [_greedy(Engine(artifacts["llama"], _config()), [p])[0] for p in prompts]
+
+    batched = Engine(artifacts["llama"], _config())
+    assert _greedy(batched, prompts) == alone
+
+    cached = Engine(artifacts["llama"], _config(enable_prefix_caching=True))
+    _greedy(cached, prompts[:1])  # computes and registers the system prompt's full blocks
+    assert _greedy(cached, prompts[1:]) == alone[1:]
+    assert cached.blocks.prefix_hits >= 7 * 2  # two full shared blocks per later prompt
+
+    tiny = Engine(artifacts["llama"], _config(num_blocks=12))  # 8 prompts need 24+ blocks
+    assert _greedy(tiny, prompts) == alone
+    assert tiny.scheduler.num_preemptions > 0
+    tiny.blocks.check()
+    assert tiny.blocks.num_free_blocks == 12
+
+
+def test_chunked_prefill_keeps_decodes_running(artifacts: dict[str, Path]) -> None:
+    engine = Engine(artifacts["llama"], _config(max_prefill_token_num=16))
+    short = engine.add_request(
+        _ids(4, 1), SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
+    )
+    engine.step()  # the short prompt is prefilled and decoding
+    long = engine.add_request(
+        _ids(100, 2), SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True)
+    )
+    steps_while_long_prefills = 0
+    while long.in_prefill or long.num_computed == 0:
+        before = len(short.output_ids)
+        engine.step()
+        steps_while_long_prefills += 1
+        assert len(short.output_ids) == before + 1  # the decode never waited
+    assert steps_while_long_prefills >= 6  # 100 tokens under a 16-token budget
+
+
+def test_seeded_sampling_is_independent_of_the_batch(artifacts: dict[str, Path]) -> None:
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=16, seed=7, ignore_eos=True)
+    prompt = _ids(10, 3)
+    alone = Engine(artifacts["qwen2"], _config()).generate([prompt], params)[0].output_ids
+    engine = Engine(artifacts["qwen2"], _config())
+    others = [
+        engine.add_request(_ids(7, s), SamplingParams(temperature=1.0, max_new_tokens=16))
+        for s in range(3)
+    ]
+    seq = engine.add_request(prompt, params)
+    while not seq.finished or any(not o.finished for o in others):
+        engine.step()
+    assert seq.output_ids == alone
+    other_seed = (
+        Engine(artifacts["qwen2"], _config())
+        .generate(
+            [prompt],
+            SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=16, seed=8, ignore_eos=True),
+        )[0]
+        .output_ids
+    )
+    assert other_seed != alone
+
+
+@pytest.mark.parametrize("kv_quant", ["int8", "int4"])
+def test_quantized_kv_stays_close(kv_quant: str, artifacts: dict[str, Path]) -> None:
+    ids = _ids(60, 5)
+    params = SamplingParams(temperature=0, max_new_tokens=1, prompt_logprobs=0)
+    ref = Engine(artifacts["llama"], _config()).generate([ids], params)[0]
+    got = Engine(artifacts["llama"], _config(kv_quant=kv_quant)).generate([ids], params)[0]
+    a = torch.tensor([lp.logprob for lp in ref.prompt_logprobs])
+    b = torch.tensor([lp.logprob for lp in got.prompt_logprobs])
+    assert float((a - b).abs().mean()) < (0.01 if kv_quant == "int8" else 0.1)
+    assert not torch.equal(a, b)  # the KV really was quantized
+
+
+def test_stream_and_abort(artifacts: dict[str, Path]) -> None:
+    pipe = pipeline(artifacts["llama"], _config())
+    gen = GenerationConfig(max_new_tokens=24, temperature=0, ignore_eos=True)
+    full = pipe([_ids(8, 4)], gen)[0]
+    chunks = list(pipe.stream(_ids(8, 4), gen))
+    assert "".join(c.text for c in chunks) == full.text
+    assert chunks[-1].finish_reason == "length" and chunks[-1].token_ids == full.token_ids
+
+    stream = pipe.stream(_ids(8, 5), gen)
+    next(stream)
+    next(stream)
+    stream.close()  # the client went away
+    engine = pipe.engine
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert not engine.scheduler.has_work()
+    engine.blocks.check()
+
+
+def test_chat_template_is_used(artifacts: dict[str, Path]) -> None:
+    pipe = pipeline(artifacts["llama"], _config())
+    ids = pipe.encode([{"role": "user", "content": "hi"}])
+    text = pipe.engine.tokenizer.decode(ids, skip_special_tokens=False)
+    assert text.startswith("<|im_start|>user\nhi<|im_end|>") and text.endswith("assistant\n")
+
+
+def test_bad_input(artifacts: dict[str, Path], tmp_path: Path) -> None:
+    engine = Engine(artifacts["llama"], _config(session_len=64))
+    with pytest.raises(ValueError, match=r"prompt \(60 tokens\) plus max_new_tokens \(10\)"):
+        engine.add_request(_ids(60, 1), SamplingParams(max_new_tokens=10))
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert not engine.scheduler.has_work()
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request([1, 2, 10**6], SamplingParams(max_new_tokens=2))
+    with pytest.raises(ValueError, match="kv_quant='int3' is invalid: expected none or int8"):
+        Engine(artifacts["llama"], _config(kv_quant="int3"))
+    newer = Path(shutil.copytree(artifacts["llama"], tmp_path / "newer"))
+    manifest = json.loads((newer / "manifest.json").read_text())
+    manifest["schema_version"] += 1
+    (newer / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="upgrade liteserve"):
+        Engine(newer, _config())
+    with pytest.raises(ArtifactError, match="not a liteserve artifact"):
+        Engine(tmp_path, _config())
