@@ -240,22 +240,28 @@ class KVCache:
         self, layer: int, block_table: torch.Tensor, length: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K, V ``[length, H, D]`` in ``spec.dtype`` of a sequence's first tokens."""
-        slots = self.slots_for(block_table, length)
+        return self.read(layer, self.slots_for(block_table, length), self.spec.dtype)
+
+    def read(
+        self, layer: int, slots: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V at ``slots`` (any shape) as ``[*slots.shape, H, D]`` in ``dtype``, dequantized
+        straight into it (a batched decode reads every sequence's context in one call)."""
         s = self.spec
         if not self.quantized:
-            return self._flat(self.k_cache[layer])[slots], self._flat(self.v_cache[layer])[slots]
-        k = dequantize_kv(
-            self._flat(self.k_cache[layer])[slots],
-            self._flat(self.k_scale[layer])[slots],
-            self._flat(self.k_zero[layer])[slots],
-            s.kv_quant,
-            s.dtype,
+            k = self._flat(self.k_cache[layer])[slots]
+            v = self._flat(self.v_cache[layer])[slots]
+            return k.to(dtype), v.to(dtype)
+        return tuple(
+            dequantize_kv(
+                self._flat(codes[layer])[slots],
+                self._flat(scale[layer])[slots],
+                self._flat(zero[layer])[slots],
+                s.kv_quant,
+                dtype,
+            )
+            for codes, scale, zero in (
+                (self.k_cache, self.k_scale, self.k_zero),
+                (self.v_cache, self.v_scale, self.v_zero),
+            )
         )
-        v = dequantize_kv(
-            self._flat(self.v_cache[layer])[slots],
-            self._flat(self.v_scale[layer])[slots],
-            self._flat(self.v_zero[layer])[slots],
-            s.kv_quant,
-            s.dtype,
-        )
-        return k, v

@@ -7,7 +7,7 @@ import torch
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.kv_cache import KVCache
 from runtime.engine.scheduler import Batch
-from runtime.model.context import StepContext, set_context
+from runtime.model.context import DecodeBatch, StepContext, set_context
 from runtime.model.llama import LlamaModel
 
 
@@ -46,6 +46,14 @@ class ModelRunner:
             query_lens=list(batch.num_tokens),
             logits_indices=torch.tensor(wanted, dtype=torch.int64),
             cache=self.cache,
+            decode=decode_batch(
+                tables,
+                ctx_lens,
+                batch.num_tokens,
+                rows,
+                self.block_size,
+                self.model.arch.sliding_window,
+            ),
         )
         set_context(ctx)
         try:
@@ -55,3 +63,25 @@ class ModelRunner:
         last = logits[[index[r] for r in rows]]
         chunks = [None if a is None else logits[[index[r] for r in a.tolist()]] for a in all_rows]
         return last, chunks
+
+
+def decode_batch(
+    tables: list[torch.Tensor],
+    ctx_lens: list[int],
+    num_tokens: list[int],
+    rows: list[int],
+    block_size: int,
+    window: int | None,
+) -> DecodeBatch | None:
+    """Padded slot indices of every decoding sequence, built once per step for all layers."""
+    picked = [i for i, n in enumerate(num_tokens) if n == 1]
+    if not picked:
+        return None
+    lens = torch.tensor([ctx_lens[i] for i in picked])
+    pos = torch.arange(int(lens.max()))
+    blocks = torch.nn.utils.rnn.pad_sequence([tables[i] for i in picked], batch_first=True)
+    slots = blocks[:, pos // block_size] * block_size + pos % block_size
+    valid = pos[None, :] < lens[:, None]
+    if window is not None:
+        valid &= pos[None, :] > (lens[:, None] - 1 - window)
+    return DecodeBatch(torch.tensor([rows[i] for i in picked]), torch.where(valid, slots, 0), valid)

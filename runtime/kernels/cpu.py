@@ -18,6 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from runtime.artifact.layout import unpack_qparams, unpack_qweight
+from runtime.engine.kv_cache import KVCache
+from runtime.kernels import reference
+from runtime.model.context import DecodeBatch, StepContext
 
 INT4_KERNEL_MAX_ROWS = {torch.bfloat16: 47}  # above this, dequantize + dense GEMM wins
 _TORCH_ZERO_OFFSET = 8  # torch's int4 kernels compute (q - 8) * scale + zero
@@ -83,3 +86,45 @@ def int4_linear(x: torch.Tensor, w: CpuInt4Weight) -> torch.Tensor:
         return x @ dequantize_dense(w).T
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.packed, w.group_size, w.scales_zeros)
     return y if y.shape[1] == w.n else y[:, : w.n]
+
+
+def paged_attention(
+    q: torch.Tensor, ctx: StepContext, layer: int, scale: float, sliding_window: int | None
+) -> torch.Tensor:
+    """Decoding sequences in one batched attention (a few ops per layer, whatever the batch);
+    prefill chunks through the reference, one sequence at a time (they are compute-bound)."""
+    out = torch.empty_like(q)
+    d = ctx.decode
+    done = set()
+    if d is not None:
+        out[d.rows] = _batched_decode(q[d.rows], ctx.cache, layer, d, scale)
+        done = set(d.rows.tolist())
+    start = 0
+    for table, length, n in zip(ctx.block_tables, ctx.context_lens, ctx.query_lens, strict=True):
+        if start not in done or n != 1:
+            out[start : start + n] = reference.paged_attention(
+                q[start : start + n],
+                ctx.cache,
+                layer,
+                [table],
+                [length],
+                [n],
+                scale,
+                sliding_window,
+            )
+        start += n
+    return out
+
+
+def _batched_decode(
+    q: torch.Tensor, cache: KVCache, layer: int, d: DecodeBatch, scale: float
+) -> torch.Tensor:
+    """q [B, H, D] over each sequence's padded context: [B, H, D] in q's dtype."""
+    k, v = cache.read(layer, d.slots, torch.float32)  # [B, L, Hkv, D]
+    b, h, dim = q.shape
+    hkv = k.shape[2]
+    qg = q.float().view(b, hkv, h // hkv, dim)
+    scores = qg @ k.permute(0, 2, 3, 1) * scale  # [B, Hkv, group, L]
+    scores.masked_fill_(~d.valid[:, None, None, :], float("-inf"))
+    o = torch.softmax(scores, dim=-1) @ v.permute(0, 2, 1, 3)  # [B, Hkv, group, D]
+    return o.reshape(b, h, dim).to(q.dtype)

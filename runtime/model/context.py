@@ -11,6 +11,15 @@ from runtime.engine.kv_cache import KVCache
 
 
 @dataclass
+class DecodeBatch:
+    """The step's single-token sequences, laid out for one batched attention per layer."""
+
+    rows: torch.Tensor  # int64 [B]: their rows in the step
+    slots: torch.Tensor  # int64 [B, L]: KV slots of each context, padded with slot 0
+    valid: torch.Tensor  # bool [B, L]: real (and in-window) positions
+
+
+@dataclass
 class StepContext:
     """A step runs the new tokens of several sequences, concatenated without padding."""
 
@@ -21,6 +30,7 @@ class StepContext:
     query_lens: list[int]  # per sequence: new tokens in this step
     logits_indices: torch.Tensor  # int64: rows of the step whose logits are wanted
     cache: KVCache
+    decode: DecodeBatch | None = None  # set when some sequences decode (query_len 1)
 
 
 _current: StepContext | None = None

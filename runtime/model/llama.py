@@ -77,16 +77,7 @@ class Layer:
             k = ops.rms_norm(k, self.k_norm, self.eps)
         q, k = rotary(q, ctx.positions), rotary(k, ctx.positions)
         ctx.cache.write(self.index, k, v, ctx.slot_mapping)
-        o = ops.paged_attention(
-            q,
-            ctx.cache,
-            self.index,
-            ctx.block_tables,
-            ctx.context_lens,
-            ctx.query_lens,
-            self.scale,
-            self.sliding_window,
-        )
+        o = ops.paged_attention(q, ctx, self.index, self.scale, self.sliding_window)
         return self.o(o.reshape(t, -1))
 
     def __call__(self, x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
