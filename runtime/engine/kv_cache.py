@@ -207,22 +207,21 @@ class KVCache:
                 f"{list(k.shape)}, v {list(v.shape)}, slot_mapping {list(slot_mapping.shape)}"
             )
         slots = slot_mapping.to(device=self.device, dtype=torch.long)
-        keep = slots >= 0
-        slots = slots[keep]
-        k = k.to(self.device)[keep]
-        v = v.to(self.device)[keep]
+        if bool((slots < 0).any()):
+            keep = slots >= 0
+            slots, k, v = slots[keep], k[keep], v[keep]
         if not self.quantized:
             self._flat(self.k_cache[layer])[slots] = k.to(s.dtype)
             self._flat(self.v_cache[layer])[slots] = v.to(s.dtype)
             return
-        for x, codes, scale, zero in (
-            (k, self.k_cache, self.k_scale, self.k_zero),
-            (v, self.v_cache, self.v_scale, self.v_zero),
+        # K and V quantized in one call: half the small ops on the per-layer decode path
+        q, sc, z = quantize_kv(torch.stack((k, v)).to(self.device), s.kv_quant)
+        for i, (codes, scale, zero) in enumerate(
+            ((self.k_cache, self.k_scale, self.k_zero), (self.v_cache, self.v_scale, self.v_zero))
         ):
-            q, sc, z = quantize_kv(x, s.kv_quant)
-            self._flat(codes[layer])[slots] = q
-            self._flat(scale[layer])[slots] = sc
-            self._flat(zero[layer])[slots] = z
+            self._flat(codes[layer])[slots] = q[i]
+            self._flat(scale[layer])[slots] = sc[i]
+            self._flat(zero[layer])[slots] = z[i]
 
     def slots_for(self, block_table: torch.Tensor, length: int) -> torch.Tensor:
         """Slots of positions ``0..length-1`` of a sequence with ``block_table``."""

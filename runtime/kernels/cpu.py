@@ -128,3 +128,8 @@ def _batched_decode(
     scores.masked_fill_(~d.valid[:, None, None, :], float("-inf"))
     o = torch.softmax(scores, dim=-1) @ v.permute(0, 2, 1, 3)  # [B, Hkv, group, D]
     return o.reshape(b, h, dim).to(q.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """torch's fused RMSNorm: equal to the reference here, in fewer ops."""
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)

@@ -3,8 +3,7 @@ matmul); GPU backends plug in here without the model changing."""
 
 from __future__ import annotations
 
-from runtime.kernels.cpu import int4_linear, paged_attention, prepare_int4
-from runtime.kernels.reference import rms_norm
+from runtime.kernels.cpu import int4_linear, paged_attention, prepare_int4, rms_norm
 
 BACKEND = "cpu"
 

@@ -15,7 +15,7 @@ from runtime.artifact.manifest import Architecture
 from runtime.artifact.reader import Artifact
 from runtime.kernels import ops
 from runtime.model.context import get_context
-from runtime.model.rotary import Rotary
+from runtime.model.rotary import Rotary, apply_rotary
 
 _ACTS = {
     "silu": F.silu,
@@ -65,7 +65,7 @@ class Layer:
         self.scale = self.head_dim**-0.5
         self.sliding_window = arch.sliding_window
 
-    def attention(self, x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+    def attention(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         ctx = get_context()
         t = x.shape[0]
         q, k, v = self.qkv(x).split(self.qkv.splits, dim=-1)
@@ -75,13 +75,13 @@ class Layer:
         if self.q_norm is not None:
             q = ops.rms_norm(q, self.q_norm, self.eps)
             k = ops.rms_norm(k, self.k_norm, self.eps)
-        q, k = rotary(q, ctx.positions), rotary(k, ctx.positions)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         ctx.cache.write(self.index, k, v, ctx.slot_mapping)
         o = ops.paged_attention(q, ctx, self.index, self.scale, self.sliding_window)
         return self.o(o.reshape(t, -1))
 
-    def __call__(self, x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
-        x = x + self.attention(ops.rms_norm(x, self.input_norm, self.eps), rotary)
+    def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x = x + self.attention(ops.rms_norm(x, self.input_norm, self.eps), rope)
         gate, up = self.gate_up(ops.rms_norm(x, self.post_norm, self.eps)).chunk(2, dim=-1)
         return x + self.down(self.act(gate) * up)
 
@@ -103,8 +103,10 @@ class LlamaModel:
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] token ids -> float32 logits for the context's logits_indices rows."""
+        ctx = get_context()
         x = self.embed[input_ids]
+        rope = self.rotary.tables(ctx.positions)
         for layer in self.layers:
-            x = layer(x, self.rotary)
-        x = x[get_context().logits_indices]
+            x = layer(x, rope)
+        x = x[ctx.logits_indices]
         return (ops.rms_norm(x, self.norm, self.arch.rms_norm_eps) @ self.lm_head.T).float()
