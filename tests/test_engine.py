@@ -219,3 +219,60 @@ def test_bad_input(artifacts: dict[str, Path], tmp_path: Path) -> None:
         Engine(newer, _config())
     with pytest.raises(ArtifactError, match="not a liteserve artifact"):
         Engine(tmp_path, _config())
+
+
+def test_llama3_rope_scaling_matches_transformers(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """Llama-3.1-style frequency scaling, from the config through the manifest to the rotary."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from lite.hf import load_dequantized
+
+    torch.manual_seed(0)
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=512,
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        rope_parameters=rope,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp_path / "m")
+    art = tmp_path / "art"
+    r = CliRunner().invoke(
+        lite_main,
+        [
+            "auto_awq",
+            str(tmp_path / "m"),
+            "--work-dir",
+            str(art),
+            "--calib-samples",
+            "0",
+            "--quiet",
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    assert Artifact(art).manifest.architecture.rope_scaling["rope_type"] == "llama3"
+    ids = _ids(90, seed=3)
+    seq = Engine(art, _config()).generate(
+        [ids], SamplingParams(temperature=0, max_new_tokens=1, prompt_logprobs=0)
+    )[0]
+    with torch.no_grad():
+        ref = load_dequantized(Artifact(art))(input_ids=torch.tensor([ids])).logits[0]
+    want = torch.log_softmax(ref.float(), -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    got = torch.tensor([lp.logprob for lp in seq.prompt_logprobs])
+    assert torch.allclose(got, want, atol=1e-4), float((got - want).abs().max())
