@@ -191,3 +191,110 @@ def plan_cmd(artifact: Path, memory: str, avg_len: int, cache_block_seq_len: int
         raise click.ClickException(str(e)) from e
     rows = plan(art, parse_bytes(memory), avg_len, cache_block_seq_len)
     click.echo(render(rows, art, parse_bytes(memory), avg_len))
+
+
+@main.command("serve")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option(
+    "--server-name",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to bind; 0.0.0.0 exposes the server to the network.",
+)
+@click.option("--server-port", default=23333, show_default=True)
+@click.option(
+    "--api-keys",
+    help="Comma-separated keys; clients send 'Authorization: Bearer KEY'. Default: no auth.",
+)
+@click.option(
+    "--model-name", help="The id clients pass as `model` (default: the artifact's directory name)."
+)
+@click.option("--max-batch-size", type=int, default=64, show_default=True)
+@click.option(
+    "--max-concurrent-requests",
+    default=256,
+    show_default=True,
+    help="Beyond this, requests get 429 with Retry-After.",
+)
+@click.option("--max-body-bytes", default=4 * 2**20, show_default=True)
+@click.option(
+    "--grace",
+    default=30.0,
+    show_default=True,
+    help="Seconds in-flight requests get to finish after SIGTERM.",
+)
+@_engine_options
+def serve_cmd(
+    artifact: Path,
+    server_name: str,
+    server_port: int,
+    api_keys: str | None,
+    model_name: str | None,
+    max_concurrent_requests: int,
+    max_body_bytes: int,
+    grace: float,
+    **kw,
+) -> None:
+    """Serve ARTIFACT over an OpenAI-compatible HTTP API."""
+    import uvicorn
+
+    from runtime.server.serve import build_app
+
+    pipe = _pipeline(artifact, kw)
+    app = build_app(
+        pipe,
+        model_name or Path(artifact).resolve().name,
+        tuple(k.strip() for k in (api_keys or "").split(",") if k.strip()),
+        max_concurrent_requests,
+        max_body_bytes,
+    )
+    engine = pipe.engine
+    logging.getLogger("liteserve").warning(
+        "serving %s as %r on http://%s:%d: backend %s, kv %s, %d blocks, %d tokens fit",
+        artifact,
+        app.state.liteserve.settings.model_name,
+        server_name,
+        server_port,
+        engine.backend,
+        engine.config.kv_quant,
+        engine.blocks.num_blocks,
+        engine.blocks.num_blocks * engine.kv_spec.block_size,
+    )
+    uvicorn.run(
+        app,
+        host=server_name,
+        port=server_port,
+        timeout_graceful_shutdown=grace,
+        log_level="warning",
+    )
+
+
+@main.command("check")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--max-new-tokens", default=64, show_default=True)
+@_engine_options
+def check_cmd(artifact: Path, max_new_tokens: int, **kw) -> None:
+    """Deploy check: load, render a chat, run one greedy request that must end on an end token."""
+    from runtime import GenerationConfig
+
+    pipe = _pipeline(artifact, kw)
+    engine = pipe.engine
+    click.echo(f"artifact  {artifact} ({engine.artifact.manifest.source.id})")
+    click.echo(
+        f"backend   {engine.backend}, {str(engine.dtype).removeprefix('torch.')} "
+        f"activations, kv {engine.config.kv_quant}"
+    )
+    if pipe.chat_template is None:
+        raise click.ClickException("no chat template in the artifact (give --chat-template)")
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = pipe.encode(messages)
+    click.echo(f"template  {pipe.chat_template.render(messages)!r}")
+    click.echo(f"tokens    {ids}")
+    r = pipe(messages, GenerationConfig(max_new_tokens=max_new_tokens, temperature=0))[0]
+    click.echo(f"reply     {r.text!r} ({len(r.token_ids)} tokens, finish {r.finish_reason})")
+    if r.finish_reason != "stop" or r.token_ids[-1] not in engine.eos_ids:
+        raise click.ClickException(
+            f"the reply did not end on an end token {list(engine.eos_ids)} within "
+            f"{max_new_tokens} tokens: check the chat template and the stop token ids"
+        )
+    click.echo("ok")

@@ -1,0 +1,577 @@
+"""The OpenAI-compatible HTTP API over the async engine.
+
+Every failure a client can cause is a 4xx in OpenAI's error shape and the server keeps serving;
+an internal failure is a 500 for that request only. Streams follow OpenAI's SSE format exactly:
+`data: {json}` events, the role first, `[DONE]` last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from runtime import __version__
+from runtime.chat_template import ChatTemplate, ChatTemplateError
+from runtime.engine.sampler import SamplingParams, TokenLogprobs
+from runtime.server import protocol as p
+from runtime.server.async_engine import AsyncEngine, Update
+
+
+@dataclass
+class ServerSettings:
+    model_name: str
+    api_keys: tuple[str, ...] = ()
+    max_concurrent_requests: int = 256
+    max_body_bytes: int = 4 * 2**20
+    chat_template: ChatTemplate | None = None
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        headers: dict | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+        self.headers = headers or {}
+
+
+def _error(
+    status: int,
+    message: str,
+    type_: str = "invalid_request_error",
+    param: str | None = None,
+    headers: dict | None = None,
+) -> JSONResponse:
+    return JSONResponse(
+        p.error_body(message, type_, param, status), status_code=status, headers=headers
+    )
+
+
+class _BodyLimit:
+    """Refuse bodies over the limit before they are read whole (ASGI middleware)."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and int(declared) > self.limit:
+            return await _error(413, f"request body over {self.limit} bytes")(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise ApiError(413, f"request body over {self.limit} bytes")
+            return message
+
+        return await self.app(scope, limited, send)
+
+
+def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
+    app = FastAPI(title="liteserve", version=__version__)
+    app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
+    state = _State(engine, settings)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = p.validation_message(exc.errors())
+        return _error(400, message, param=param)
+
+    @app.exception_handler(ApiError)
+    async def _api(_: Request, exc: ApiError) -> JSONResponse:
+        return _error(exc.status, exc.message, exc.type, exc.param, exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail), "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        return _error(500, f"internal error: {type(exc).__name__}", "internal_error")
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next: Callable):
+        guarded = request.url.path.startswith("/v1") or request.url.path in (
+            "/tokenize",
+            "/detokenize",
+            "/tokenizer_info",
+        )
+        if settings.api_keys and guarded:
+            header = request.headers.get("authorization", "")
+            key = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
+            if key not in settings.api_keys:
+                return _error(
+                    401,
+                    "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                    "authentication_error",
+                )
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.alive or state.draining:
+            return _error(503, "not serving", "service_unavailable")
+        return JSONResponse({"status": "ok", "backend": engine.engine.backend})
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return p.ModelList(data=[state.model_card()]).model_dump()
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        return state.tokenizer_info()
+
+    @app.post("/tokenize")
+    async def tokenize(req: p.TokenizeRequest) -> dict:
+        ids = state.encode_tokenize(req)
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.session_len}
+
+    @app.post("/detokenize")
+    async def detokenize(req: p.DetokenizeRequest) -> dict:
+        state.check_ids(req.tokens)
+        return {"prompt": state.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: p.ChatCompletionRequest, request: Request) -> Response:
+        state.check_model(req.model)
+        ids = state.encode_chat(req)
+        return await state.respond(request, req, [ids], chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(req: p.CompletionRequest, request: Request) -> Response:
+        state.check_model(req.model)
+        prompts = [state.encode_prompt(x) for x in req.prompts()]
+        return await state.respond(request, req, prompts, chat=False)
+
+    app.state.liteserve = state
+    return app
+
+
+class _State:
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.tokenizer = engine.engine.tokenizer
+        self.session_len = engine.engine.session_len
+        self.vocab = engine.engine.arch.vocab_size
+        self.created = int(time.time())
+        self.in_flight = 0
+        self.draining = False
+        self._token_text: dict[int, str] = {}
+
+    # ---- requests in ----
+
+    def check_model(self, model: str) -> None:
+        if model != self.settings.model_name:
+            raise ApiError(
+                404,
+                f"model {model!r} does not exist; this server serves {self.settings.model_name!r}",
+                "not_found_error",
+                "model",
+            )
+
+    def check_ids(self, ids: list[int]) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab]
+        if bad:
+            raise ApiError(
+                400,
+                f"token ids {bad[:5]} are outside the vocabulary (0..{self.vocab - 1})",
+                param="prompt",
+            )
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False).ids
+        self.check_ids(prompt)
+        return list(prompt)
+
+    def encode_chat(self, req: p.ChatCompletionRequest) -> list[int]:
+        template = self.settings.chat_template
+        if template is None:
+            raise ApiError(
+                400,
+                "this model has no chat template; use /v1/completions or "
+                "start the server with --chat-template FILE",
+            )
+        messages = [m.template_dict() for m in req.messages]
+        try:
+            text = template.render(messages, add_generation_prompt=True)
+        except ChatTemplateError as e:
+            raise ApiError(400, str(e), param="messages") from e
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_tokenize(self, req: p.TokenizeRequest) -> list[int]:
+        if req.messages is not None:
+            chat = p.ChatCompletionRequest(model=self.settings.model_name, messages=req.messages)
+            return self.encode_chat(chat)
+        return self.tokenizer.encode(
+            req.prompt or "", add_special_tokens=req.add_special_tokens
+        ).ids
+
+    def params(self, req, n_index: int) -> SamplingParams:
+        fields = {k: v for k, v in p.sampling_fields(req).items() if v is not None}
+        defaults = self.engine.engine.artifact.manifest.generation
+        fields.setdefault("temperature", defaults.temperature)
+        fields.setdefault("top_p", defaults.top_p)
+        if "seed" in fields and n_index:
+            fields["seed"] += n_index  # n choices with one seed must still differ
+        if getattr(req, "echo", False):
+            fields["prompt_logprobs"] = fields.get("logprobs") or 0
+            # max_tokens 0 with echo scores the prompt alone: one token is run, none returned
+            fields["max_new_tokens"] = max(fields.get("max_new_tokens", 1), 1)
+        params = SamplingParams(**fields)
+        try:
+            params.validate()
+        except ValueError as e:
+            raise ApiError(400, str(e)) from e
+        return params
+
+    # ---- responses out ----
+
+    async def respond(
+        self, request: Request, req, prompts: list[list[int]], chat: bool
+    ) -> Response:
+        if self.in_flight >= self.settings.max_concurrent_requests:
+            raise ApiError(
+                429,
+                f"over {self.settings.max_concurrent_requests} concurrent requests; retry shortly",
+                "rate_limit_error",
+                headers={"Retry-After": "1"},
+            )
+        jobs = [
+            (i, pi, ids, self.params(req, i))
+            for pi, ids in enumerate(prompts)
+            for i in range(req.n)
+        ]
+        jobs = [(k, pi, ids, params) for k, (_, pi, ids, params) in enumerate(jobs)]
+        self.in_flight += 1
+        try:
+            streams = [await self._open(ids, params) for _, _, ids, params in jobs]
+        except BaseException:
+            self.in_flight -= 1
+            raise
+        if req.stream:
+            return StreamingResponse(
+                self._sse(req, jobs, streams, chat), media_type="text/event-stream"
+            )
+        try:
+            return await self._whole(request, req, jobs, streams, chat)
+        finally:
+            self.in_flight -= 1
+
+    async def _open(self, ids: list[int], params: SamplingParams) -> AsyncIterator[Update]:
+        """Start a request; the engine's refusal (too long, bad ids) becomes a 400 here."""
+        gen = self.engine.generate(ids, params)
+        try:
+            first = await gen.__anext__()
+        except ValueError as e:
+            raise ApiError(400, str(e)) from e
+
+        async def rest() -> AsyncIterator[Update]:
+            try:
+                yield first
+                async for update in gen:
+                    yield update
+            finally:
+                await gen.aclose()
+
+        return rest()
+
+    async def _whole(self, request: Request, req, jobs, streams, chat: bool) -> Response:
+        async def collect(stream) -> list[Update]:
+            return [u async for u in stream]
+
+        gather = asyncio.gather(*(collect(s) for s in streams))
+        watcher = asyncio.create_task(_wait_disconnect(request))
+        done, _ = await asyncio.wait({gather, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if watcher in done:  # the client left: abort everything it asked for
+            gather.cancel()
+            for s in streams:
+                await s.aclose()
+            return Response(status_code=499)
+        watcher.cancel()
+        results = gather.result()
+        for updates in results:
+            if updates and updates[-1].error:
+                raise ApiError(500, updates[-1].error, "internal_error")
+        merged = [_scored_only(req, _merge(u)) for u in results]
+        usage = self._usage(merged, req.n)
+        rid = p.new_id("chatcmpl" if chat else "cmpl")
+        if chat:
+            choices = [
+                {
+                    "index": k,
+                    "message": {"role": "assistant", "content": m.text},
+                    "logprobs": self._chat_logprobs(m.logprobs) if req.logprobs else None,
+                    "finish_reason": _finish(m.finish_reason),
+                }
+                for (k, _, _, _), m in zip(jobs, merged, strict=True)
+            ]
+            body = p.ChatCompletionResponse(
+                id=rid, created=int(time.time()), model=req.model, choices=choices, usage=usage
+            )
+        else:
+            choices = [
+                {
+                    "index": k,
+                    "text": self._echo(req, ids) + m.text,
+                    "logprobs": self._completion_logprobs(req, ids, m),
+                    "finish_reason": _finish(m.finish_reason),
+                }
+                for (k, _, ids, _), m in zip(jobs, merged, strict=True)
+            ]
+            body = p.CompletionResponse(
+                id=rid, created=int(time.time()), model=req.model, choices=choices, usage=usage
+            )
+        return JSONResponse(body.model_dump())
+
+    async def _sse(self, req, jobs, streams, chat: bool) -> AsyncIterator[str]:
+        rid = p.new_id("chatcmpl" if chat else "cmpl")
+        created = int(time.time())
+        merged = [Update("", [], [], None, 0, 0) for _ in streams]
+        echoed: set[int] = set()
+        try:
+            if chat:
+                for k, *_ in jobs:
+                    yield _event(
+                        p.ChatCompletionChunk(
+                            id=rid,
+                            created=created,
+                            model=req.model,
+                            choices=[
+                                {
+                                    "index": k,
+                                    "delta": {"role": "assistant", "content": ""},
+                                    "finish_reason": None,
+                                }
+                            ],
+                        ).model_dump()
+                    )
+            async for k, update in _interleave(streams):
+                if update.error:
+                    yield _event(p.error_body(update.error, "internal_error", None, 500))
+                    break
+                update = _scored_only(req, update)
+                merged[k] = _merge([merged[k], update])
+                first = k not in echoed
+                echoed.add(k)
+                yield _event(self._chunk(req, rid, created, jobs[k], update, chat, first))
+            else:
+                if req.stream_options is not None and req.stream_options.include_usage:
+                    cls = p.ChatCompletionChunk if chat else p.CompletionChunk
+                    yield _event(
+                        cls(
+                            id=rid,
+                            created=created,
+                            model=req.model,
+                            choices=[],
+                            usage=self._usage(merged, req.n),
+                        ).model_dump()
+                    )
+            yield "data: [DONE]\n\n"
+        finally:
+            self.in_flight -= 1
+            for s in streams:
+                await s.aclose()
+
+    def _chunk(self, req, rid: str, created: int, job, u: Update, chat: bool, first: bool) -> dict:
+        k, _, ids, _ = job
+        finish = _finish(u.finish_reason) if u.finish_reason else None
+        if chat:
+            choice = {
+                "index": k,
+                "delta": {"content": u.text} if u.text or not finish else {},
+                "logprobs": self._chat_logprobs(u.logprobs) if req.logprobs else None,
+                "finish_reason": finish,
+            }
+            return p.ChatCompletionChunk(
+                id=rid, created=created, model=req.model, choices=[choice]
+            ).model_dump()
+        text = (self._echo(req, ids) if first else "") + u.text
+        choice = {
+            "index": k,
+            "text": text,
+            "logprobs": self._completion_logprobs(req, ids, u, echo=first),
+            "finish_reason": finish,
+        }
+        return p.CompletionChunk(
+            id=rid, created=created, model=req.model, choices=[choice]
+        ).model_dump()
+
+    def _echo(self, req, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else ""
+
+    def _usage(self, merged: list[Update], n: int) -> dict:
+        prompt = sum(m.prompt_tokens for m in merged[::n]) if merged else 0
+        completion = sum(len(m.token_ids) for m in merged)
+        cached = sum(m.cached_tokens for m in merged[::n]) if merged else 0
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text
+
+    def _chat_logprobs(self, lps: list[TokenLogprobs]) -> dict:
+        def entry(token_id: int, lp: float) -> dict:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+        return {
+            "content": [
+                {**entry(x.token_id, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top]}
+                for x in lps
+            ]
+        }
+
+    def _completion_logprobs(
+        self, req, ids: list[int], u: Update, echo: bool = True
+    ) -> dict | None:
+        if req.logprobs is None:
+            return None
+        tokens: list[str] = []
+        values: list[float | None] = []
+        tops: list[dict | None] = []
+        if req.echo and echo:
+            tokens.append(self.token_text(ids[0]))
+            values.append(None)
+            tops.append(None)
+            for x in u.prompt_logprobs:
+                tokens.append(self.token_text(x.token_id))
+                values.append(x.logprob)
+                tops.append({self.token_text(t): v for t, v in x.top})
+        for x in u.logprobs:
+            tokens.append(self.token_text(x.token_id))
+            values.append(x.logprob)
+            tops.append({self.token_text(t): v for t, v in x.top})
+        offsets, at = [], 0
+        for t in tokens:
+            offsets.append(at)
+            at += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": values,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+
+    def model_card(self) -> dict:
+        m = self.engine.engine.artifact.manifest
+        return p.ModelCard(
+            id=self.settings.model_name,
+            created=self.created,
+            max_model_len=self.session_len,
+            liteserve={
+                "source": m.source.id,
+                "family": m.architecture.family,
+                "quantization": f"{m.quantization.method} int{m.quantization.bits} "
+                f"g{m.quantization.group_size}",
+                "kv_quant": self.engine.engine.config.kv_quant,
+                "backend": self.engine.engine.backend,
+            },
+        ).model_dump()
+
+    def tokenizer_info(self) -> dict:
+        template = self.settings.chat_template
+        tokens = template.special_tokens if template else {}
+        return {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": self.session_len,
+            "chat_template": template.source if template else None,
+            **tokens,
+        }
+
+
+def _scored_only(req, u: Update) -> Update:
+    """max_tokens 0 with echo asks for the prompt's logprobs alone: drop what was generated."""
+    if getattr(req, "echo", False) and req.max_tokens == 0:
+        return replace(
+            u, text="", token_ids=[], logprobs=[], finish_reason=u.finish_reason and "length"
+        )
+    return u
+
+
+def _finish(reason: str | None) -> str | None:
+    return "stop" if reason == "abort" else reason
+
+
+def _merge(updates: list[Update]) -> Update:
+    last = updates[-1] if updates else Update("", [], [], None, 0, 0)
+    first = updates[0] if updates else last
+    return replace(
+        last,
+        text="".join(u.text for u in updates),
+        token_ids=[t for u in updates for t in u.token_ids],
+        logprobs=[x for u in updates for x in u.logprobs],
+        prompt_tokens=max(u.prompt_tokens for u in updates) if updates else 0,
+        prompt_logprobs=first.prompt_logprobs,
+        cached_tokens=max(u.cached_tokens for u in updates) if updates else 0,
+    )
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.1)
+
+
+async def _interleave(streams: list[AsyncIterator[Update]]) -> AsyncIterator[tuple[int, Update]]:
+    """Updates of several choices as they come (n > 1 streams in one response)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(k: int, stream: AsyncIterator[Update]) -> None:
+        try:
+            async for update in stream:
+                await queue.put((k, update))
+        finally:
+            await queue.put((k, None))
+
+    tasks = [asyncio.create_task(pump(k, s)) for k, s in enumerate(streams)]
+    open_ = len(tasks)
+    try:
+        while open_:
+            k, update = await queue.get()
+            if update is None:
+                open_ -= 1
+                continue
+            yield k, update
+    finally:
+        for t in tasks:
+            t.cancel()

@@ -1,0 +1,188 @@
+"""The engine on its own thread, fed by asyncio request handlers.
+
+The engine is synchronous and owns its state; only its thread touches it. Handlers send
+commands (add, abort) through a thread-safe queue and receive per-step updates on an asyncio
+queue per request. A step that raises fails only the requests it was running, and the loop
+goes on: one bad request never takes the server down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from runtime.engine.engine import Engine
+from runtime.engine.sampler import SamplingParams, TokenLogprobs
+from runtime.engine.sequence import Sequence
+from runtime.server.metrics import Metrics
+
+log = logging.getLogger("liteserve")
+
+
+@dataclass
+class Update:
+    """What one request gained in one step."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs]
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class _Stream:
+    seq: Sequence
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue
+    arrival: float
+    hold: int  # characters held back while a stop string may be forming
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+    first_token: float | None = None
+    last_token: float | None = None
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, metrics: Metrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[int, _Stream] = {}
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="liteserve-engine", daemon=True)
+        self.alive = False
+
+    def start(self) -> None:
+        self.alive = True
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._inbox.put(("wake",))
+        self._thread.join(timeout=10)
+        self.alive = False
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[Update]:
+        """Updates until the request finishes. Raises ValueError before the first update if the
+        engine refuses the request. Leaving early (disconnect, cancel) aborts it."""
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue = asyncio.Queue()
+        added: Future = Future()
+        self._inbox.put(("add", prompt_ids, params, loop, out, added))
+        seq_id = (await asyncio.wrap_future(added)).seq_id
+        try:
+            while True:
+                update: Update = await out.get()
+                yield update
+                if update.finish_reason is not None or update.error is not None:
+                    return
+        finally:
+            if seq_id in self._streams:
+                self._inbox.put(("abort", seq_id))
+
+    # ---- engine thread ----
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._drain(block=not self.engine.has_work())
+            if not self.engine.has_work():
+                continue
+            try:
+                ready = self.engine.step()
+            except Exception as e:  # fail the running requests, keep serving the rest
+                log.exception("engine step failed")
+                self._fail_running(f"internal error: {type(e).__name__}: {e}")
+                continue
+            now = time.perf_counter()
+            for seq in ready:
+                self._publish(seq, now)
+            self.metrics.sync_engine(self.engine)
+        self._fail_all("the server is shutting down")
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(cmd)
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, cmd: tuple) -> None:
+        if cmd[0] == "add":
+            _, prompt_ids, params, loop, out, added = cmd
+            try:
+                seq = self.engine.add_request(prompt_ids, params)
+            except ValueError as e:
+                added.set_exception(e)
+                return
+            hold = max((len(s) for s in params.stop), default=1) - 1
+            self._streams[seq.seq_id] = _Stream(seq, loop, out, time.perf_counter(), hold)
+            self.metrics.prompt_tokens.inc(len(prompt_ids))
+            added.set_result(seq)
+        elif cmd[0] == "abort" and self._streams.pop(cmd[1], None) is not None:
+            self.engine.abort(cmd[1])
+            self.metrics.requests.labels("abort").inc()
+            self.metrics.sync_engine(self.engine)
+
+    def _publish(self, seq: Sequence, now: float) -> None:
+        st = self._streams.get(seq.seq_id)
+        if st is None:
+            return
+        new_tokens = seq.output_ids[st.sent_tokens :]
+        self.metrics.generation_tokens.inc(len(new_tokens))
+        if st.first_token is None:
+            st.first_token = now
+            self.metrics.ttft.observe(now - st.arrival)
+        else:
+            self.metrics.itl.observe(now - st.last_token)
+        st.last_token = now
+        done = seq.finish_reason is not None
+        end = len(seq.text) if done else max(seq.emitted, len(seq.text) - st.hold)
+        update = Update(
+            text=seq.text[seq.emitted : end],
+            token_ids=new_tokens,
+            logprobs=seq.logprobs[st.sent_logprobs :],
+            finish_reason=seq.finish_reason,
+            prompt_tokens=seq.num_prompt,
+            cached_tokens=seq.num_cached,
+            prompt_logprobs=seq.prompt_logprobs if st.sent_tokens == 0 else [],
+        )
+        seq.emitted = end
+        st.sent_tokens += len(new_tokens)
+        st.sent_logprobs = len(seq.logprobs)
+        if done:
+            del self._streams[seq.seq_id]
+            self.metrics.requests.labels(seq.finish_reason).inc()
+            self.metrics.e2e.observe(now - st.arrival)
+        st.loop.call_soon_threadsafe(st.out.put_nowait, update)
+
+    def _fail_running(self, message: str) -> None:
+        for seq_id in [s.seq_id for s in self.engine.scheduler.running]:
+            self._fail(seq_id, message)
+
+    def _fail_all(self, message: str) -> None:
+        for seq_id in list(self._streams):
+            self._fail(seq_id, message)
+
+    def _fail(self, seq_id: int, message: str) -> None:
+        st = self._streams.pop(seq_id, None)
+        self.engine.abort(seq_id)
+        if st is not None:
+            update = Update("", [], [], None, st.seq.num_prompt, 0, error=message)
+            st.loop.call_soon_threadsafe(st.out.put_nowait, update)
