@@ -6,7 +6,7 @@ over from a command line people already have.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 KV_QUANTS = ("none", "int8", "int4")
@@ -58,7 +58,3 @@ class EngineConfig:
             session_len=self.session_len or launch.session_len,
             kv_quant=self.kv_quant or launch.kv_quant,
         )
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
