@@ -8,6 +8,7 @@ freed at once and it is recomputed later from its tokens (prompt and output so f
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -61,6 +62,7 @@ class Scheduler:
             cached = self.blocks.allocate(seq.seq_id, seq.token_ids, use_cache)
             if seq.preemptions == 0:
                 seq.num_cached = cached
+                seq.first_scheduled = time.perf_counter()
             seq.num_computed = cached
             seq.status = Status.RUNNING
             self.running.append(seq)

@@ -34,6 +34,7 @@ class Sequence:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     preemptions: int = 0
+    first_scheduled: float | None = None  # perf_counter at first admission (queue time)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -149,6 +149,7 @@ class AsyncEngine:
         if st.first_token is None:
             st.first_token = now
             self.metrics.ttft.observe(now - st.arrival)
+            self.metrics.queue.observe((seq.first_scheduled or now) - st.arrival)
         else:
             self.metrics.itl.observe(now - st.last_token)
         st.last_token = now
