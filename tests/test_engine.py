@@ -207,6 +207,9 @@ def test_bad_input(artifacts: dict[str, Path], tmp_path: Path) -> None:
         engine.add_request(_ids(60, 1), SamplingParams(max_new_tokens=10))
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     assert not engine.scheduler.has_work()
+    small = Engine(artifacts["llama"], _config(num_blocks=2))
+    with pytest.raises(ValueError, match="needs 3 KV blocks .* the pool has 2"):
+        small.add_request(_ids(40, 1), SamplingParams(max_new_tokens=2))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.add_request([1, 2, 10**6], SamplingParams(max_new_tokens=2))
     with pytest.raises(ValueError, match="kv_quant='int3' is invalid: expected none or int8"):

@@ -114,6 +114,12 @@ class Engine:
                 f"({params.max_new_tokens}) is {total} tokens, over session_len "
                 f"{self.session_len}; shorten the prompt or lower max_new_tokens"
             )
+        needed = -(-total // self.kv_spec.block_size)
+        if needed > self.blocks.num_blocks:
+            raise ValueError(
+                f"the request needs {needed} KV blocks ({total} tokens) but the pool has "
+                f"{self.blocks.num_blocks}; raise num_blocks or cache_max_entry_count"
+            )
         seq_id = next(self._ids)
         seq = Sequence(
             seq_id=seq_id,
