@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -260,6 +261,9 @@ def serve_cmd(
         engine.blocks.num_blocks,
         engine.blocks.num_blocks * engine.kv_spec.block_size,
     )
+    # uvicorn re-raises the signal it stopped on once it has drained and shut down: a SIGTERM
+    # that stopped the server gracefully must end the process with status 0, not by the signal.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.run(
         app,
         host=server_name,
@@ -290,7 +294,10 @@ def check_cmd(artifact: Path, max_new_tokens: int, **kw) -> None:
     ids = pipe.encode(messages)
     click.echo(f"template  {pipe.chat_template.render(messages)!r}")
     click.echo(f"tokens    {ids}")
-    r = pipe(messages, GenerationConfig(max_new_tokens=max_new_tokens, temperature=0))[0]
+    try:
+        r = pipe(messages, GenerationConfig(max_new_tokens=max_new_tokens, temperature=0))[0]
+    except ValueError as e:  # e.g. max_new_tokens past session_len
+        raise click.ClickException(str(e)) from e
     click.echo(f"reply     {r.text!r} ({len(r.token_ids)} tokens, finish {r.finish_reason})")
     if r.finish_reason != "stop" or r.token_ids[-1] not in engine.eos_ids:
         raise click.ClickException(

@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, replace
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -24,6 +26,8 @@ from runtime.chat_template import ChatTemplate, ChatTemplateError
 from runtime.engine.sampler import SamplingParams, TokenLogprobs
 from runtime.server import protocol as p
 from runtime.server.async_engine import AsyncEngine, Update
+
+MAX_SEQUENCES = 1024  # prompts x n in one request: a bound on what one body can ask for
 
 
 @dataclass
@@ -86,14 +90,44 @@ class _BodyLimit:
         return await self.app(scope, limited, send)
 
 
+class _Auth:
+    """Bearer keys for /v1/* and the tokenizer routes (ASGI middleware: a BaseHTTPMiddleware
+    would hide a client's disconnect from the handlers, so a request whose client left would
+    run to its end instead of being aborted)."""
+
+    _GUARDED = ("/tokenize", "/detokenize", "/tokenizer_info")
+
+    def __init__(self, app, keys: tuple[str, ...]) -> None:
+        self.app, self.keys = app, keys
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and self.keys:
+            path = scope["path"]
+            if path.startswith("/v1") or path in self._GUARDED:
+                header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+                key = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
+                if key not in self.keys:
+                    return await _error(
+                        401,
+                        "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                        "authentication_error",
+                    )(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="liteserve", version=__version__)
     app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(_Auth, keys=settings.api_keys)  # outermost: keys before anything else
     state = _State(engine, settings)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = p.validation_message(exc.errors())
+        errors = exc.errors()
+        if any(e.get("loc") == ("body",) and isinstance(e.get("input"), bytes) for e in errors):
+            # not parsed as JSON: FastAPI reads JSON only under a JSON content type
+            return _error(400, "send the body as JSON with 'Content-Type: application/json'")
+        message, param = p.validation_message(errors)
         return _error(400, message, param=param)
 
     @app.exception_handler(ApiError)
@@ -102,29 +136,18 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # FastAPI turns any failure while reading the body into a bare 400 "There was an error
+        # parsing the body"; say what it was.
+        cause = exc.__cause__
+        if isinstance(cause, ApiError):  # the size limit, hit while a chunked body streamed in
+            return _error(cause.status, cause.message, cause.type, cause.param, cause.headers)
+        if isinstance(cause, UnicodeDecodeError):
+            return _error(400, f"the request body is not valid UTF-8: {cause}")
         return _error(exc.status_code, str(exc.detail), "invalid_request_error")
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
         return _error(500, f"internal error: {type(exc).__name__}", "internal_error")
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Callable):
-        guarded = request.url.path.startswith("/v1") or request.url.path in (
-            "/tokenize",
-            "/detokenize",
-            "/tokenizer_info",
-        )
-        if settings.api_keys and guarded:
-            header = request.headers.get("authorization", "")
-            key = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
-            if key not in settings.api_keys:
-                return _error(
-                    401,
-                    "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                    "authentication_error",
-                )
-        return await call_next(request)
 
     @app.get("/health")
     async def health() -> Response:
@@ -155,7 +178,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     @app.post("/detokenize")
     async def detokenize(req: p.DetokenizeRequest) -> dict:
-        state.check_ids(req.tokens)
+        state.check_ids(req.tokens, "tokens")
         return {"prompt": state.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     @app.post("/v1/chat/completions")
@@ -172,6 +195,48 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     app.state.liteserve = state
     return app
+
+
+class _Opened:
+    """A request the engine accepted: its first update, then the rest. aclose() aborts it
+    even if it was never iterated (an async generator closed before it started would skip its
+    cleanup, and the request would run to its end)."""
+
+    def __init__(self, first: Update, gen: AsyncGenerator[Update, None]) -> None:
+        self._first: Update | None = first
+        self._gen = gen
+
+    def __aiter__(self) -> _Opened:
+        return self
+
+    async def __anext__(self) -> Update:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        return await self._gen.__anext__()
+
+    async def aclose(self) -> None:
+        await self._gen.aclose()
+
+
+class _EventStream(StreamingResponse):
+    """SSE that releases its requests however it ends: finished, failed, its client gone
+    mid-stream, or gone before the body started (the body generator then never runs, and
+    neither would any cleanup inside it)."""
+
+    def __init__(
+        self, body: AsyncGenerator[str, None], release: Callable[[], Awaitable[None]]
+    ) -> None:
+        super().__init__(body, media_type="text/event-stream")
+        self._release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+                await self._release()
 
 
 class _State:
@@ -197,13 +262,13 @@ class _State:
                 "model",
             )
 
-    def check_ids(self, ids: list[int]) -> None:
+    def check_ids(self, ids: list[int], param: str = "prompt") -> None:
         bad = [t for t in ids if not 0 <= t < self.vocab]
         if bad:
             raise ApiError(
                 400,
                 f"token ids {bad[:5]} are outside the vocabulary (0..{self.vocab - 1})",
-                param="prompt",
+                param=param,
             )
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -212,7 +277,9 @@ class _State:
         self.check_ids(prompt)
         return list(prompt)
 
-    def encode_chat(self, req: p.ChatCompletionRequest) -> list[int]:
+    def encode_chat(
+        self, req: p.ChatCompletionRequest, add_generation_prompt: bool = True
+    ) -> list[int]:
         template = self.settings.chat_template
         if template is None:
             raise ApiError(
@@ -222,7 +289,7 @@ class _State:
             )
         messages = [m.template_dict() for m in req.messages]
         try:
-            text = template.render(messages, add_generation_prompt=True)
+            text = template.render(messages, add_generation_prompt=add_generation_prompt)
         except ChatTemplateError as e:
             raise ApiError(400, str(e), param="messages") from e
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -230,16 +297,20 @@ class _State:
     def encode_tokenize(self, req: p.TokenizeRequest) -> list[int]:
         if req.messages is not None:
             chat = p.ChatCompletionRequest(model=self.settings.model_name, messages=req.messages)
-            return self.encode_chat(chat)
+            return self.encode_chat(chat, req.add_generation_prompt)
         return self.tokenizer.encode(
             req.prompt or "", add_special_tokens=req.add_special_tokens
         ).ids
 
-    def params(self, req, n_index: int) -> SamplingParams:
+    def params(self, req, n_index: int, prompt_len: int) -> SamplingParams:
         fields = {k: v for k, v in p.sampling_fields(req).items() if v is not None}
-        defaults = self.engine.engine.artifact.manifest.generation
+        engine = self.engine.engine
+        defaults = engine.artifact.manifest.generation
         fields.setdefault("temperature", defaults.temperature)
         fields.setdefault("top_p", defaults.top_p)
+        if "max_new_tokens" not in fields:  # OpenAI's default: what the session has left
+            room = min(self.session_len, engine.blocks.num_blocks * engine.kv_spec.block_size)
+            fields["max_new_tokens"] = max(room - prompt_len, 1)
         if "seed" in fields and n_index:
             fields["seed"] += n_index  # n choices with one seed must still differ
         if getattr(req, "echo", False):
@@ -265,44 +336,55 @@ class _State:
                 "rate_limit_error",
                 headers={"Retry-After": "1"},
             )
+        if len(prompts) * req.n > MAX_SEQUENCES:
+            raise ApiError(
+                400,
+                f"{len(prompts)} prompts x n={req.n} is over {MAX_SEQUENCES} sequences per "
+                f"request; split the request",
+                param="prompt",
+            )
         jobs = [
-            (i, pi, ids, self.params(req, i))
+            (i, pi, ids, self.params(req, i, len(ids)))
             for pi, ids in enumerate(prompts)
             for i in range(req.n)
         ]
         jobs = [(k, pi, ids, params) for k, (_, pi, ids, params) in enumerate(jobs)]
         self.in_flight += 1
+        streams: list[_Opened] = []
+        released = False
+
+        async def release() -> None:
+            """Once, however the response ends: the slot back, unfinished requests aborted."""
+            nonlocal released
+            if not released:
+                released = True
+                self.in_flight -= 1
+                for s in streams:
+                    await s.aclose()
+
         try:
-            streams = [await self._open(ids, params) for _, _, ids, params in jobs]
+            for _, _, ids, params in jobs:
+                streams.append(await self._open(ids, params))
+            if req.stream:  # the response releases them when it ends
+                return _EventStream(self._sse(req, jobs, streams, chat), release)
         except BaseException:
-            self.in_flight -= 1
+            await release()
             raise
-        if req.stream:
-            return StreamingResponse(
-                self._sse(req, jobs, streams, chat), media_type="text/event-stream"
-            )
         try:
             return await self._whole(request, req, jobs, streams, chat)
         finally:
-            self.in_flight -= 1
+            await release()
 
-    async def _open(self, ids: list[int], params: SamplingParams) -> AsyncIterator[Update]:
+    async def _open(self, ids: list[int], params: SamplingParams) -> _Opened:
         """Start a request; the engine's refusal (too long, bad ids) becomes a 400 here."""
         gen = self.engine.generate(ids, params)
         try:
             first = await gen.__anext__()
         except ValueError as e:
             raise ApiError(400, str(e)) from e
-
-        async def rest() -> AsyncIterator[Update]:
-            try:
-                yield first
-                async for update in gen:
-                    yield update
-            finally:
-                await gen.aclose()
-
-        return rest()
+        except Exception as e:  # logged by the engine thread; a 500 for this request only
+            raise ApiError(500, f"internal error: {type(e).__name__}: {e}", "internal_error") from e
+        return _Opened(first, gen)
 
     async def _whole(self, request: Request, req, jobs, streams, chat: bool) -> Response:
         async def collect(stream) -> list[Update]:
@@ -310,13 +392,19 @@ class _State:
 
         gather = asyncio.gather(*(collect(s) for s in streams))
         watcher = asyncio.create_task(_wait_disconnect(request))
-        done, _ = await asyncio.wait({gather, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if watcher in done:  # the client left: abort everything it asked for
-            gather.cancel()
-            for s in streams:
-                await s.aclose()
+        try:
+            await asyncio.wait({gather, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            left = not gather.done()
+            if left:  # the client left: stop reading the streams, so release() can abort them
+                gather.cancel()
+                with anyio.CancelScope(shield=True):
+                    await asyncio.wait({gather})
+                if not gather.cancelled():
+                    gather.exception()  # retrieved, or asyncio logs it as never retrieved
+        if left:
             return Response(status_code=499)
-        watcher.cancel()
         results = gather.result()
         for updates in results:
             if updates and updates[-1].error:
@@ -357,24 +445,24 @@ class _State:
         created = int(time.time())
         merged = [Update("", [], [], None, 0, 0) for _ in streams]
         echoed: set[int] = set()
-        try:
-            if chat:
-                for k, *_ in jobs:
-                    yield _event(
-                        p.ChatCompletionChunk(
-                            id=rid,
-                            created=created,
-                            model=req.model,
-                            choices=[
-                                {
-                                    "index": k,
-                                    "delta": {"role": "assistant", "content": ""},
-                                    "finish_reason": None,
-                                }
-                            ],
-                        ).model_dump()
-                    )
-            async for k, update in _interleave(streams):
+        if chat:
+            for k, *_ in jobs:
+                yield _event(
+                    p.ChatCompletionChunk(
+                        id=rid,
+                        created=created,
+                        model=req.model,
+                        choices=[
+                            {
+                                "index": k,
+                                "delta": {"role": "assistant", "content": ""},
+                                "finish_reason": None,
+                            }
+                        ],
+                    ).model_dump()
+                )
+        async with aclosing(_interleave(streams)) as updates:  # a break stops every pump
+            async for k, update in updates:
                 if update.error:
                     yield _event(p.error_body(update.error, "internal_error", None, 500))
                     break
@@ -395,11 +483,7 @@ class _State:
                             usage=self._usage(merged, req.n),
                         ).model_dump()
                     )
-            yield "data: [DONE]\n\n"
-        finally:
-            self.in_flight -= 1
-            for s in streams:
-                await s.aclose()
+        yield "data: [DONE]\n\n"
 
     def _chunk(self, req, rid: str, created: int, job, u: Update, chat: bool, first: bool) -> dict:
         k, _, ids, _ = job
@@ -573,5 +657,9 @@ async def _interleave(streams: list[AsyncIterator[Update]]) -> AsyncIterator[tup
                 continue
             yield k, update
     finally:
+        # Wait for the pumps to leave their streams (a cancelled one aborts its request), so
+        # that closing a stream later never meets a pump still inside it.
         for t in tasks:
             t.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)

@@ -128,7 +128,11 @@ class AsyncEngine:
             _, prompt_ids, params, loop, out, added = cmd
             try:
                 seq = self.engine.add_request(prompt_ids, params)
-            except ValueError as e:
+            except ValueError as e:  # refused
+                added.set_exception(e)
+                return
+            except Exception as e:  # failed: that request fails, never the engine thread
+                log.exception("admitting a request failed")
                 added.set_exception(e)
                 return
             hold = max((len(s) for s in params.stop), default=1) - 1

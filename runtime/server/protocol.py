@@ -140,7 +140,7 @@ class _SamplingRequest(_Request):
     top_p: float | None = Field(None, gt=0, le=1)
     n: int = Field(1, ge=1, le=MAX_N)
     stop: Annotated[str | list[str] | None, BeforeValidator(_check_stop)] = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # what torch's generator takes
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Accepted so clients that always send them work, but only at their no-op value.

@@ -1,0 +1,890 @@
+"""`runtime serve` end to end: a real uvicorn on 127.0.0.1 (in a thread, or as a subprocess for
+SIGTERM), the official openai client, raw HTTP for the wire format, a table of bad requests,
+overload, 50 concurrent streams with disconnects, engine failures, and `runtime check`.
+
+The model is a tiny random Mistral (untied embeddings, so greedy text varies from token to
+token; a tied one repeats its last token). fp32 activations and an unquantized KV cache keep
+greedy decoding identical alone and batched, so streamed text can be compared exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import openai
+import pytest
+import uvicorn
+from click.testing import CliRunner
+
+from lite.cli import main as lite_main
+from runtime import EngineConfig, GenerationConfig, __version__, pipeline
+from runtime.cli import main as runtime_main
+from runtime.engine.engine import Engine
+from runtime.engine.sampler import SamplingParams
+from runtime.server.serve import build_app
+from tests.conftest import make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "tiny"
+KEY = "sk-test-key"
+SESSION_LEN = 1024
+BODY_LIMIT = 64 * 1024
+PROMPT = "def f(x):"
+OTHER = "The quick brown fox"
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Name a prime number."},
+]
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+# ---- helpers shared with test_server_lm_eval.py ----
+
+
+def engine_config(**kw: Any) -> EngineConfig:
+    base = dict(
+        kv_quant="none",
+        num_blocks=160,
+        cache_block_seq_len=16,
+        session_len=SESSION_LEN,
+        dtype="float32",
+    )
+    return EngineConfig(**{**base, **kw})
+
+
+def build_artifact(tokenizer_dir: Path, root: Path) -> Path:
+    model = make_tiny_model("mistral", root / "model", tokenizer_dir)
+    out = root / "art"
+    r = CliRunner().invoke(
+        lite_main,
+        ["auto_awq", str(model), "--work-dir", str(out), "--calib-samples", "0", "--quiet"],
+    )
+    assert r.exit_code == 0, r.output
+    return out
+
+
+@dataclass
+class Served:
+    url: str
+    app: Any
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    @property
+    def state(self) -> Any:
+        return self.app.state.liteserve
+
+    @property
+    def engine(self) -> Engine:
+        return self.state.engine.engine
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive(), "the server did not stop"
+
+
+def serve(
+    artifact: Path, api_keys: tuple[str, ...] = (), config: EngineConfig | None = None, **kw: Any
+) -> Served:
+    """build_app on a real uvicorn, on a socket bound here (port 0: no race for a port)."""
+    app = build_app(pipeline(artifact, config or engine_config()), MODEL, api_keys, **kw)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    return Served(f"http://127.0.0.1:{port}", app, server, thread)
+
+
+def metrics(url: str) -> dict[str, float]:
+    out = {}
+    for line in httpx2.get(url + "/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+ABORTS = 'liteserve:request_success_total{finish_reason="abort"}'
+GENERATED = "liteserve:generation_tokens_total"
+
+
+def grew(after: dict[str, float], before: dict[str, float], name: str) -> float:
+    return after.get(name, 0) - before.get(name, 0)
+
+
+def wait_idle(s: Served, timeout: float = 10.0) -> None:
+    """Every KV block free and nothing in flight, within `timeout` (aborts are asynchronous)."""
+    eng = s.engine
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (
+            eng.blocks.num_free_blocks == eng.blocks.num_blocks
+            and not eng.has_work()
+            and s.state.in_flight == 0
+        ):
+            break
+        time.sleep(0.02)
+    assert eng.blocks.num_free_blocks == eng.blocks.num_blocks, "KV blocks still held"
+    assert not eng.has_work() and s.state.in_flight == 0
+    eng.blocks.check()
+
+
+# ---- fixtures ----
+
+
+@pytest.fixture(scope="module")
+def artifact(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_artifact(tokenizer_dir, tmp_path_factory.mktemp("server"))
+
+
+@pytest.fixture(scope="module")
+def srv(artifact: Path):
+    s = serve(artifact, api_keys=(KEY,), max_body_bytes=BODY_LIMIT)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def one_slot(artifact: Path):
+    """No keys, one request at a time."""
+    s = serve(artifact, max_concurrent_requests=1)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(srv: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def http(srv: Served):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx2.Client(base_url=srv.url, headers=headers, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(autouse=True)
+def _no_unhandled_server_errors(caplog: pytest.LogCaptureFixture):
+    """An exception the app did not handle is logged by uvicorn ("Exception in ASGI
+    application") or asyncio ("Task exception was never retrieved"), never seen by a client:
+    any test during which one was logged fails."""
+    yield
+    bad = [
+        f"{r.name}: {r.getMessage()}\n{r.exc_text or ''}"
+        for r in caplog.get_records("call")
+        if r.levelno >= logging.ERROR and r.name.split(".")[0] in ("uvicorn", "asyncio")
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def _tokens(http: httpx2.Client, **body: Any) -> list[int]:
+    r = http.post("/tokenize", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
+# ---- the openai client ----
+
+
+def test_models_list(client: openai.OpenAI) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    card = models[0].model_dump()
+    assert card["object"] == "model" and card["max_model_len"] == SESSION_LEN
+    assert card["liteserve"]["family"] == "mistral"
+
+
+def test_chat_streamed_and_whole_agree_with_usage(
+    client: openai.OpenAI, http: httpx2.Client
+) -> None:
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=12, **GREEDY)
+    whole = client.chat.completions.create(logprobs=True, **kw)
+    (choice,) = whole.choices
+    assert choice.message.role == "assistant" and choice.finish_reason == "length"
+    prompt_tokens = len(_tokens(http, messages=MESSAGES))
+    assert whole.usage.prompt_tokens == prompt_tokens
+    assert whole.usage.completion_tokens == len(choice.logprobs.content) == 12
+    assert whole.usage.total_tokens == prompt_tokens + 12
+
+    chunks = list(
+        client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    )
+    *body, last = chunks
+    assert body[0].choices[0].delta.role == "assistant"
+    assert all(c.choices[0].delta.role is None for c in body[1:])
+    assert [c.choices[0].finish_reason for c in body] == [None] * (len(body) - 1) + ["length"]
+    assert all(c.usage is None for c in body)
+    assert "".join(c.choices[0].delta.content or "" for c in body) == choice.message.content
+    assert last.choices == [] and last.usage is not None
+    assert last.usage.prompt_tokens == prompt_tokens and last.usage.completion_tokens == 12
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+
+    plain = list(client.chat.completions.create(stream=True, **kw))  # no include_usage
+    assert all(c.choices and c.usage is None for c in plain)
+    assert plain[-1].choices[0].finish_reason == "length"
+
+
+def test_completion_streamed_and_whole_agree_with_usage(
+    client: openai.OpenAI, http: httpx2.Client
+) -> None:
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=10, **GREEDY)
+    whole = client.completions.create(logprobs=0, **kw)
+    (choice,) = whole.choices
+    assert choice.finish_reason == "length" and len(choice.logprobs.tokens) == 10
+    prompt_tokens = len(_tokens(http, prompt=PROMPT))
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (prompt_tokens, 10)
+
+    chunks = list(
+        client.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    )
+    *body, last = chunks
+    assert "".join(c.choices[0].text for c in body) == choice.text
+    assert [c.choices[0].finish_reason for c in body] == [None] * (len(body) - 1) + ["length"]
+    assert last.choices == [] and last.usage.model_dump() == whole.usage.model_dump()
+
+
+def test_n_choices(client: openai.OpenAI, http: httpx2.Client) -> None:
+    kw = dict(model=MODEL, n=2, max_tokens=8, temperature=1.0, seed=5)
+    r = client.completions.create(prompt=PROMPT, extra_body={"ignore_eos": True}, **kw)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert r.choices[0].text != r.choices[1].text  # one seed, still two different samples
+    assert r.usage.prompt_tokens == len(_tokens(http, prompt=PROMPT))  # counted once
+    assert r.usage.completion_tokens == 16
+
+    whole = client.chat.completions.create(messages=MESSAGES, extra_body={"ignore_eos": True}, **kw)
+    chunks = list(
+        client.chat.completions.create(
+            messages=MESSAGES,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+            **kw,
+        )
+    )
+    per: dict[int, list] = {0: [], 1: []}
+    for c in chunks[:-1]:
+        (ch,) = c.choices
+        per[ch.index].append(ch)
+    for k, chs in per.items():
+        assert chs[0].delta.role == "assistant"
+        assert [c.finish_reason for c in chs] == [None] * (len(chs) - 1) + ["length"]
+        text = "".join(c.delta.content or "" for c in chs)
+        assert text == next(c.message.content for c in whole.choices if c.index == k)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+
+
+def _stop_string(text: str) -> tuple[str, int]:
+    """Two ASCII letters whose first occurrence is past the start of the text."""
+    for m in re.finditer(r"(?=([A-Za-z]{2}))", text):
+        stop = m.group(1)
+        if text.find(stop) >= 1:
+            return stop, text.find(stop)
+    pytest.fail(f"no usable stop string in {text!r}")
+
+
+def test_stop_strings(client: openai.OpenAI) -> None:
+    greedy = client.completions.create(model=MODEL, prompt=OTHER, max_tokens=40, **GREEDY)
+    text = greedy.choices[0].text
+    stop, at = _stop_string(text)
+    kw = dict(model=MODEL, prompt=OTHER, max_tokens=40, stop=[stop, "\x00never"], **GREEDY)
+    r = client.completions.create(**kw)
+    assert r.choices[0].text == text[:at] and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < 40
+
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == text[:at]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40, **GREEDY)
+    reply = chat.choices[0].message.content
+    stop, at = _stop_string(reply)
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=40, stop=stop, **GREEDY
+    )
+    assert r.choices[0].message.content == reply[:at] and r.choices[0].finish_reason == "stop"
+
+
+def test_seed_reproducible(client: openai.OpenAI) -> None:
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=1.0)
+    kw["extra_body"] = {"ignore_eos": True}
+    a = client.completions.create(seed=11, **kw).choices[0].text
+    b = client.completions.create(seed=11, **kw).choices[0].text
+    c = client.completions.create(seed=12, **kw).choices[0].text
+    streamed = "".join(
+        ch.choices[0].text for ch in client.completions.create(seed=11, stream=True, **kw)
+    )
+    assert a == b == streamed
+    assert c != a
+
+
+def test_max_tokens_ends_with_length(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, **GREEDY)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_completion_tokens=4, **GREEDY
+    )
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
+
+
+def test_default_max_tokens_fits_the_session(artifact: Path) -> None:
+    """A chat request without max_tokens (what most clients send) is served on a session far
+    shorter than any fixed default, generating at most what is left of the session."""
+    s = serve(artifact, config=engine_config(session_len=64))
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        r = c.chat.completions.create(model=MODEL, messages=MESSAGES, **GREEDY)
+        assert r.usage.total_tokens == 64 and r.choices[0].finish_reason == "length"
+        with pytest.raises(openai.BadRequestError, match=r"over session_len 64"):
+            c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60, **GREEDY)
+        long = [{"role": "user", "content": "word " * 100}]
+        with pytest.raises(openai.BadRequestError, match=r"prompt \(\d+ tokens\).*session_len 64"):
+            c.chat.completions.create(model=MODEL, messages=long, **GREEDY)
+    finally:
+        s.stop()
+
+
+def test_prompt_as_token_ids_and_lists(client: openai.OpenAI, http: httpx2.Client) -> None:
+    kw = dict(model=MODEL, max_tokens=6, **GREEDY)
+    ids, other_ids = _tokens(http, prompt=PROMPT), _tokens(http, prompt=OTHER)
+    text = client.completions.create(prompt=PROMPT, **kw).choices[0].text
+    other = client.completions.create(prompt=OTHER, **kw).choices[0].text
+    assert client.completions.create(prompt=ids, **kw).choices[0].text == text
+    for prompt in ([PROMPT, OTHER], [ids, other_ids]):
+        r = client.completions.create(prompt=prompt, **kw)
+        assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [text, other]
+        assert r.usage.prompt_tokens == len(ids) + len(other_ids)
+        assert r.usage.completion_tokens == 12
+
+
+def test_echo_scores_the_prompt(client: openai.OpenAI, http: httpx2.Client, artifact: Path):
+    """What lm-eval's loglikelihood sends: echo, logprobs=1, max_tokens=1."""
+    ids = _tokens(http, prompt=OTHER)
+    r = client.completions.create(
+        model=MODEL, prompt=OTHER, echo=True, logprobs=1, max_tokens=1, temperature=0
+    )
+    (c,) = r.choices
+    lp = c.logprobs
+    assert c.text.startswith(OTHER) and len(lp.tokens) == len(ids) + 1
+    assert "".join(lp.tokens[: len(ids)]) == OTHER
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+    for value, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):
+        assert len(top) == 1 and max(top.values()) >= value - 1e-6
+    assert lp.text_offset[: len(ids)] == [len("".join(lp.tokens[:i])) for i in range(len(ids))]
+
+    seq = Engine(artifact, engine_config()).generate(
+        [ids], SamplingParams(prompt_logprobs=0, max_new_tokens=1, temperature=0)
+    )[0]
+    want = [x.logprob for x in seq.prompt_logprobs]
+    assert lp.token_logprobs[1 : len(ids)] == pytest.approx(want, abs=1e-5)
+
+    zero = client.completions.create(
+        model=MODEL, prompt=OTHER, echo=True, logprobs=0, max_tokens=0, temperature=0
+    )
+    assert zero.choices[0].text == OTHER and len(zero.choices[0].logprobs.tokens) == len(ids)
+    assert zero.usage.completion_tokens == 0
+
+
+# ---- raw HTTP ----
+
+
+def _sse_payloads(raw: bytes) -> list[str]:
+    """Every event is exactly `data: <payload>\\n\\n`, the last one `data: [DONE]\\n\\n`."""
+    text = raw.decode()
+    assert text.endswith("data: [DONE]\n\n"), text[-200:]
+    *events, tail = text.split("\n\n")
+    assert tail == ""
+    for e in events:
+        assert e.startswith("data: ") and "\n" not in e, repr(e)
+    return [e.removeprefix("data: ") for e in events]
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_sse_wire_format(http: httpx2.Client, chat: bool) -> None:
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": 5,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    body.update({"messages": MESSAGES} if chat else {"prompt": PROMPT})
+    with http.stream("POST", "/v1/chat/completions" if chat else "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read()
+    *payloads, done = _sse_payloads(raw)
+    assert done == "[DONE]"
+    objs = [json.loads(p) for p in payloads]
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    assert all(o["object"] == kind for o in objs)
+    assert objs[-1]["choices"] == [] and objs[-1]["usage"]["completion_tokens"] == 5
+    assert objs[-2]["choices"][0]["finish_reason"] == "length"
+    assert all(o["usage"] is None for o in objs[:-1])
+
+
+def test_health_version_metrics_are_open(srv: Served, http: httpx2.Client) -> None:
+    http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 3})
+    h = httpx2.get(srv.url + "/health")  # no key: probes stay open
+    assert h.status_code == 200 and h.json() == {"status": "ok", "backend": srv.engine.backend}
+    assert httpx2.get(srv.url + "/version").json() == {"version": __version__}
+    r = httpx2.get(srv.url + "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    m = metrics(srv.url)
+    for name in (
+        "liteserve:num_requests_running",
+        "liteserve:num_requests_waiting",
+        "liteserve:kv_cache_usage_perc",
+        "liteserve:prefix_cache_queries_total",
+        "liteserve:prefix_cache_hits_total",
+        "liteserve:num_preemptions_total",
+    ):
+        assert name in m, name
+    assert m["liteserve:prompt_tokens_total"] > 0 and m["liteserve:generation_tokens_total"] > 0
+    for hist in ("time_to_first_token", "inter_token_latency", "e2e_request_latency"):
+        assert m[f"liteserve:{hist}_seconds_count"] > 0, hist
+    assert m["liteserve:request_queue_time_seconds_count"] > 0
+
+
+def test_tokenize_detokenize_and_tokenizer_info(http: httpx2.Client, artifact: Path) -> None:
+    t = http.post("/tokenize", json={"prompt": PROMPT}).json()
+    assert t["count"] == len(t["tokens"]) > 1 and t["max_model_len"] == SESSION_LEN
+    assert http.post("/detokenize", json={"tokens": t["tokens"]}).json() == {"prompt": PROMPT}
+    chat = _tokens(http, messages=MESSAGES)
+    bare = _tokens(http, messages=MESSAGES, add_generation_prompt=False)
+    assert chat[: len(bare)] == bare and len(chat) > len(bare)
+    info = http.get("/tokenizer_info").json()
+    assert info["eos_token"] == "<|im_end|>" and info["bos_token"] == "<|im_start|>"
+    assert info["chat_template"] == (artifact / "chat_template.jinja").read_text()
+    assert info["model_max_length"] == SESSION_LEN
+
+
+# ---- bad requests ----
+
+
+def _chunked(data: bytes):
+    """A body without Content-Length (chunked transfer): the limit must hold while reading."""
+    for i in range(0, len(data), 8192):
+        yield data[i : i + 8192]
+
+
+def _j(**kw: Any) -> bytes:
+    return json.dumps(kw).encode()
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+BAD = [
+    # id, path, body, headers, status, type, param, message pattern
+    ("malformed-json", "/v1/completions", b'{"model": "tiny", "prompt": ', AUTH, 400,
+     "invalid_request_error", None, r"invalid JSON"),
+    ("json-array", "/v1/completions", b"[1, 2]", AUTH, 400,
+     "invalid_request_error", None, r"object"),
+    ("wrong-type", "/v1/completions", _j(model=MODEL, prompt="x", max_tokens="5"), AUTH, 400,
+     "invalid_request_error", "max_tokens", r"max_tokens.*integer"),
+    ("wrong-type-messages", "/v1/chat/completions", _j(model=MODEL, messages="hi"), AUTH, 400,
+     "invalid_request_error", "messages", r"messages"),
+    ("negative-max-tokens", "/v1/completions", _j(model=MODEL, prompt="x", max_tokens=-1), AUTH,
+     400, "invalid_request_error", "max_tokens", r"max_tokens.*-1"),
+    ("negative-temperature", "/v1/chat/completions",
+     _j(model=MODEL, messages=MESSAGES, temperature=-1), AUTH, 400,
+     "invalid_request_error", "temperature", r"temperature"),
+    ("top-p-over-1", "/v1/completions", _j(model=MODEL, prompt="x", top_p=1.5), AUTH, 400,
+     "invalid_request_error", "top_p", r"top_p.*1\.5"),
+    ("empty-messages", "/v1/chat/completions", _j(model=MODEL, messages=[]), AUTH, 400,
+     "invalid_request_error", "messages", r"messages must not be empty"),
+    ("unknown-role", "/v1/chat/completions",
+     _j(model=MODEL, messages=[{"role": "wizard", "content": "hi"}]), AUTH, 400,
+     "invalid_request_error", "messages.0.role", r"role.*wizard"),
+    ("over-session-len", "/v1/completions",
+     _j(model=MODEL, prompt=[5] * 30, max_tokens=SESSION_LEN - 10), AUTH, 400,
+     "invalid_request_error", None,
+     rf"prompt \(30 tokens\).*\({SESSION_LEN - 10}\).*{SESSION_LEN + 20} tokens.*{SESSION_LEN}"),
+    ("chat-over-session-len", "/v1/chat/completions",
+     _j(model=MODEL, messages=[{"role": "user", "content": "word " * 600}], max_tokens=500),
+     AUTH, 400, "invalid_request_error", None, r"prompt \(\d+ tokens\).*over session_len"),
+    ("seed-overflow", "/v1/completions", _j(model=MODEL, prompt="x", seed=2**70), AUTH, 400,
+     "invalid_request_error", "seed", r"seed"),
+    ("not-json-content-type", "/v1/completions", _j(model=MODEL, prompt="x"),
+     {**AUTH, "Content-Type": "application/x-www-form-urlencoded"}, 400,
+     "invalid_request_error", None, r"Content-Type: application/json"),
+    ("detokenize-out-of-vocab", "/detokenize", _j(tokens=[5, 10**6]), AUTH, 400,
+     "invalid_request_error", "tokens", r"outside the vocabulary"),
+    ("huge-n", "/v1/completions", _j(model=MODEL, prompt="x", n=1000), AUTH, 400,
+     "invalid_request_error", "n", r"\bn\b.*1000"),
+    ("out-of-vocab", "/v1/completions", _j(model=MODEL, prompt=[1, 2, 10**6]), AUTH, 400,
+     "invalid_request_error", "prompt", r"outside the vocabulary"),
+    ("negative-token-id", "/v1/completions", _j(model=MODEL, prompt=[1, -2]), AUTH, 400,
+     "invalid_request_error", "prompt", r"token ids"),
+    ("invalid-utf8", "/v1/completions", b'{"model": "tiny", "prompt": "\xff\xfe"}', AUTH, 400,
+     "invalid_request_error", None, r"(?i)utf-8"),
+    ("stream-options-without-stream", "/v1/completions",
+     _j(model=MODEL, prompt="x", stream_options={"include_usage": True}), AUTH, 400,
+     "invalid_request_error", "stream_options", r"stream"),
+    ("unknown-model", "/v1/completions", _j(model="gpt-5", prompt="x"), AUTH, 404,
+     "not_found_error", "model", r"gpt-5"),
+    ("missing-key", "/v1/completions", _j(model=MODEL, prompt="x"), {}, 401,
+     "authentication_error", None, r"API key"),
+    ("wrong-key", "/v1/chat/completions", _j(model=MODEL, messages=MESSAGES),
+     {"Authorization": "Bearer nope"}, 401, "authentication_error", None, r"API key"),
+    ("wrong-key-tokenize", "/tokenize", _j(prompt="x"), {"Authorization": "Bearer nope"}, 401,
+     "authentication_error", None, r"API key"),
+    ("body-over-limit", "/v1/completions", _j(model=MODEL, prompt="x" * BODY_LIMIT), AUTH, 413,
+     "invalid_request_error", None, rf"over {BODY_LIMIT} bytes"),
+    ("chunked-body-over-limit", "/v1/completions", "chunked", AUTH, 413,
+     "invalid_request_error", None, rf"over {BODY_LIMIT} bytes"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "path, body, headers, status, type_, param, pattern",
+    [c[1:] for c in BAD],
+    ids=[c[0] for c in BAD],
+)
+def test_bad_request(srv: Served, path, body, headers, status, type_, param, pattern) -> None:
+    if body == "chunked":
+        body = _chunked(_j(model=MODEL, prompt="x" * BODY_LIMIT))
+    with httpx2.Client(base_url=srv.url, timeout=30) as c:
+        r = c.post(path, content=body, headers={"Content-Type": "application/json", **headers})
+        assert r.status_code == status, r.text
+        err = r.json()
+        assert set(err) == {"error"} and set(err["error"]) == {"message", "type", "param", "code"}
+        assert err["error"]["type"] == type_ and err["error"]["param"] == param, err
+        assert re.search(pattern, err["error"]["message"]), err["error"]["message"]
+        ok = c.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2},
+            headers=AUTH,
+        )
+        assert ok.status_code == 200, ok.text
+    wait_idle(srv)
+
+
+def test_openai_client_sees_typed_errors(srv: Served, client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=MODEL, prompt="x", temperature=-1)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="nope", prompt="x")
+    bad = openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_over_max_concurrent_requests_is_429(one_slot: Served) -> None:
+    small = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+    slow = {"model": MODEL, "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True}
+    with httpx2.Client(base_url=one_slot.url, timeout=30) as c:
+        with c.stream("POST", "/v1/completions", json={**slow, "stream": True}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()  # kept: a dropped iterator may close the response
+            next(lines)  # the slow request holds the only slot
+            busy = httpx2.post(one_slot.url + "/v1/completions", json=small)
+            assert busy.status_code == 429, busy.text
+            assert int(busy.headers["Retry-After"]) >= 1
+            err = busy.json()["error"]
+            assert err["type"] == "rate_limit_error" and "concurrent" in err["message"]
+            with pytest.raises(openai.RateLimitError):
+                openai.OpenAI(
+                    base_url=one_slot.url + "/v1", api_key="x", max_retries=0
+                ).completions.create(**small)
+        # the slow client left mid-stream: its slot and its blocks come back
+        wait_idle(one_slot)
+        assert c.post("/v1/completions", json=small).status_code == 200
+        assert c.post("/v1/completions", json=small).status_code == 200
+
+
+# ---- load, disconnects, failures ----
+
+
+def test_fifty_concurrent_streams_with_disconnects(srv: Served, client: openai.OpenAI) -> None:
+    prompts, lengths = [PROMPT, OTHER, "import os"], [5, 12, 25, 40]
+    ref = {
+        (p, n): client.completions.create(model=MODEL, prompt=p, max_tokens=n, **GREEDY)
+        .choices[0]
+        .text
+        for p in prompts
+        for n in lengths
+    }
+    before = metrics(srv.url)
+
+    async def one(i: int, ac: openai.AsyncOpenAI):
+        prompt, n, leaves = prompts[i % 3], lengths[i % 4], i % 3 == 1
+        stream = await ac.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=600 if leaves else n,  # a leaver would run long if never aborted
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        texts, finishes, usage = [], [], None
+        async for chunk in stream:
+            if chunk.choices:
+                texts.append(chunk.choices[0].text)
+                finishes.append(chunk.choices[0].finish_reason)
+            else:
+                usage = chunk.usage
+            if leaves and len(texts) == 3:
+                await stream.close()
+                return None
+        return prompt, n, "".join(texts), finishes, usage
+
+    async def run_all():
+        async with openai.AsyncOpenAI(
+            base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=60
+        ) as ac:
+            return await asyncio.wait_for(
+                asyncio.gather(*(one(i, ac) for i in range(50))), timeout=60
+            )
+
+    results = asyncio.run(run_all())
+    done = [r for r in results if r is not None]
+    assert len(done) == 50 - len(range(1, 50, 3))
+    for prompt, n, text, finishes, usage in done:
+        assert finishes == [None] * (len(finishes) - 1) + ["length"]
+        assert text == ref[(prompt, n)]
+        assert usage is not None and usage.completion_tokens == n
+
+    wait_idle(srv, timeout=10)
+    m = metrics(srv.url)
+    assert m["liteserve:num_requests_running"] == 0 and m["liteserve:num_requests_waiting"] == 0
+    assert m["liteserve:kv_cache_usage_perc"] == 0
+    assert m["liteserve:kv_cache_free_blocks"] == srv.engine.blocks.num_blocks
+    assert grew(m, before, ABORTS) == len(range(1, 50, 3))
+    by_leavers = grew(m, before, GENERATED) - sum(n for _, n, *_ in done)
+    assert by_leavers < 17 * 100  # each was aborted long before its 600 tokens
+
+
+def test_non_streaming_client_that_times_out_is_aborted(srv: Served) -> None:
+    before = metrics(srv.url)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True}
+    with pytest.raises(httpx2.TimeoutException):
+        httpx2.post(srv.url + "/v1/completions", json=body, headers=AUTH, timeout=0.4)
+    wait_idle(srv, timeout=10)
+    m = metrics(srv.url)
+    assert grew(m, before, ABORTS) == 1 and grew(m, before, GENERATED) < 1000
+
+
+def test_streaming_client_gone_before_the_first_byte(srv: Served) -> None:
+    """Clients that give up while their long prompt is still being prefilled, before any byte
+    came back: each request is aborted and its slot released."""
+    before = metrics(srv.url)
+    body = {
+        "model": MODEL,
+        "prompt": [7] * 700,
+        "max_tokens": 300,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    for _ in range(3):
+        with (
+            pytest.raises(httpx2.ReadTimeout),
+            httpx2.stream(
+                "POST",
+                srv.url + "/v1/completions",
+                json=body,
+                headers=AUTH,
+                timeout=httpx2.Timeout(5.0, read=0.02),  # the prefill takes ~0.1 s
+            ) as r,
+        ):
+            r.read()
+    wait_idle(srv, timeout=10)
+    m = metrics(srv.url)
+    assert grew(m, before, ABORTS) == 3 and grew(m, before, GENERATED) < 3 * 300
+
+
+def test_a_refused_prompt_aborts_the_ones_already_started(srv: Served) -> None:
+    """Prompts of one request start one by one; when a later one is refused (400), the
+    earlier ones must not run on for a client that got an error."""
+    before = metrics(srv.url)
+    body = {"model": MODEL, "prompt": [[5, 6, 7], [5] * 900], "max_tokens": 600, "ignore_eos": True}
+    r = httpx2.post(srv.url + "/v1/completions", json=body, headers=AUTH, timeout=30)
+    assert r.status_code == 400 and "over session_len" in r.json()["error"]["message"]
+    wait_idle(srv, timeout=10)
+    m = metrics(srv.url)
+    assert grew(m, before, ABORTS) == 1 and grew(m, before, GENERATED) < 600
+
+
+def test_engine_failure_is_a_500_and_an_error_event(
+    artifact: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    s = serve(artifact)
+    try:
+        eng = s.engine
+        real, failures = eng.step, []
+
+        def step():
+            out = real()
+            if failures:
+                failures.pop()
+                raise RuntimeError("injected")
+            return out
+
+        eng.step = step
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 50, "ignore_eos": True}
+        failures.append(1)
+        r = httpx2.post(s.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "internal_error"
+        assert "injected" in r.json()["error"]["message"]
+
+        with httpx2.stream(
+            "POST",
+            s.url + "/v1/completions",
+            json={**body, "max_tokens": 300, "stream": True},
+            timeout=30,
+        ) as r:
+            chunks, raw = r.iter_bytes(), b""
+            while b"\n\n" not in raw:  # a first update arrived: the request is running
+                raw += next(chunks)
+            failures.append(1)
+            raw += b"".join(chunks)
+        *payloads, done = _sse_payloads(raw)
+        assert done == "[DONE]"
+        assert "choices" in json.loads(payloads[0])
+        assert json.loads(payloads[-1])["error"]["type"] == "internal_error"
+
+        real_add = eng.add_request
+
+        def add_request(*args, **kw):
+            eng.add_request = real_add  # once
+            raise RuntimeError("injected at admission")
+
+        eng.add_request = add_request
+        r = httpx2.post(s.url + "/v1/completions", json=body, timeout=10)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "internal_error"
+        assert "RuntimeError" in r.json()["error"]["message"]
+
+        ok = httpx2.post(s.url + "/v1/completions", json={**body, "max_tokens": 3}, timeout=30)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+        wait_idle(s)
+        assert httpx2.get(s.url + "/health").status_code == 200
+    finally:
+        s.stop()
+    assert any("engine step failed" in r.getMessage() for r in caplog.records)
+
+
+# ---- lifecycle ----
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_sigterm_drains_in_flight_and_exits_0(artifact: Path) -> None:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "runtime", "serve", str(artifact), "--server-port", str(port)]
+    cmd += ["--num-blocks", "32", "--session-len", "1024", "--model-name", MODEL]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    events: list[str] = []
+    finished = threading.Event()
+
+    def consume() -> None:
+        body = {
+            "model": MODEL,
+            "prompt": PROMPT,
+            "max_tokens": 800,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        with httpx2.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            events.extend(line for line in r.iter_lines() if line)
+        finished.set()
+
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx2.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx2.TransportError:
+                time.sleep(0.1)
+        reader = threading.Thread(target=consume, daemon=True)
+        reader.start()
+        while len(events) < 3:
+            assert time.monotonic() < deadline and reader.is_alive()
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        while True:  # admission stops at once: the listening socket closes
+            assert time.monotonic() < deadline
+            try:
+                httpx2.get(url + "/health", timeout=1)
+            except httpx2.ConnectError:
+                break
+            time.sleep(0.05)
+        refused_while_streaming = not finished.is_set()
+        reader.join(timeout=60)
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = proc.stdout.read().decode()
+    assert refused_while_streaming
+    assert events[-1] == "data: [DONE]", events[-3:]
+    assert json.loads(events[-2].removeprefix("data: "))["usage"]["completion_tokens"] == 800
+    assert json.loads(events[-3].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
+    assert rc == 0, log
+    assert "Traceback" not in log, log
+    with pytest.raises(httpx2.ConnectError):
+        httpx2.get(url + "/health", timeout=1)
+
+
+# ---- runtime check ----
+
+CHECK = ["--num-blocks", "32", "--session-len", "256"]
+
+
+def test_check_fails_when_the_reply_never_ends(artifact: Path) -> None:
+    r = CliRunner().invoke(runtime_main, ["check", str(artifact), "--max-new-tokens", "4", *CHECK])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
+    assert "template  '<|im_start|>user\\nWhat is the capital of France?" in r.output
+    assert "did not end on an end token [2] within 4 tokens" in r.output
+    r = CliRunner().invoke(
+        runtime_main, ["check", str(artifact), "--max-new-tokens", "999", *CHECK]
+    )
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception  # no traceback
+    assert "over session_len 256" in r.output
+
+
+def test_check_passes_when_the_reply_ends_on_an_end_token(artifact: Path, tmp_path: Path) -> None:
+    """A random model never says its end token; make the token it says first the end token."""
+    art = Path(shutil.copytree(artifact, tmp_path / "art"))
+    pipe = pipeline(art, EngineConfig(num_blocks=32, session_len=256))  # what check loads
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    first = pipe(messages, GenerationConfig(max_new_tokens=1, temperature=0))[0].token_ids[0]
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["generation"]["stop_token_ids"] = [first]
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    r = CliRunner().invoke(runtime_main, ["check", str(art), *CHECK])
+    assert r.exit_code == 0, r.output
+    assert "backend   " in r.output and "(1 tokens, finish stop)" in r.output
+    assert r.output.rstrip().endswith("ok")
