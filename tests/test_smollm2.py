@@ -117,3 +117,48 @@ def test_runtime_matches_transformers_and_int8_kv_costs_under_1pct(
     assert abs(none / hf - 1) < 1e-4  # same weights, same math: fp32 rounding only
     assert abs(int8 / none - 1) < 0.01
     assert int4 > none  # measured and printed; int4 KV is a trade, not a free lunch
+
+
+def test_serve_and_check_the_real_model(artifacts: dict[str, Path]) -> None:
+    """The SmolLM2 artifact behind a real server, through the official client; and the deploy
+    check, which needs a model that really ends its replies."""
+    from openai import OpenAI
+
+    from runtime.cli import main as runtime_main
+    from runtime.config import EngineConfig
+    from tests.test_server import serve
+
+    config = EngineConfig(kv_quant="int8", session_len=1024, num_blocks=32)
+    served = serve(artifacts["awq"], ("KEY1",), config)
+    try:
+        client = OpenAI(base_url=served.url + "/v1", api_key="KEY1")
+        model = client.models.list().data[0].id
+        reply = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=48,
+            temperature=0,
+        )
+        assert "Paris" in reply.choices[0].message.content
+        assert reply.choices[0].finish_reason == "stop"
+        chunks = list(
+            client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": "What is the capital of France?"}],
+                max_tokens=48,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == reply.choices[0].message.content
+        assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+    finally:
+        served.stop()
+    result = CliRunner().invoke(
+        runtime_main,
+        ["check", str(artifacts["awq"]), "--num-blocks", "32", "--session-len", "1024"],
+    )
+    assert result.exit_code == 0, result.output
+    assert result.output.rstrip().endswith("ok")
