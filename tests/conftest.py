@@ -83,6 +83,28 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -
 
 
 @pytest.fixture(scope="session")
+def rtn_artifact(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A round-to-nearest artifact of the tiny Llama: the quickest real artifact to make."""
+    from click.testing import CliRunner
+
+    from lite.cli import main
+
+    out = tmp_path_factory.mktemp("rtn") / "art"
+    args = [
+        "auto_awq",
+        str(tiny_models["llama"]),
+        "--work-dir",
+        str(out),
+        "--calib-samples",
+        "0",
+        "--quiet",
+    ]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+@pytest.fixture(scope="session")
 def smollm2() -> Path:
     """The real model as a converted HF directory (cached across runs in the liteserve cache)."""
     from lite.sources import resolve

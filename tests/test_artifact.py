@@ -17,23 +17,9 @@ from runtime.artifact.reader import Artifact, ArtifactError
 from runtime.cli import main as runtime_main
 
 
-@pytest.fixture(scope="module")
-def artifact(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("art") / "rtn"
-    result = CliRunner().invoke(
-        lite_main,
-        [
-            "auto_awq",
-            str(tiny_models["llama"]),
-            "--work-dir",
-            str(out),
-            "--calib-samples",
-            "0",
-            "--quiet",
-        ],
-    )
-    assert result.exit_code == 0, result.output
-    return out
+@pytest.fixture
+def artifact(rtn_artifact: Path) -> Path:
+    return rtn_artifact
 
 
 @pytest.fixture

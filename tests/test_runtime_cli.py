@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from lite.cli import main as lite_main
 from runtime.cli import main, parse_bytes
 from runtime.config import EngineConfig
 from runtime.engine.engine import Engine
@@ -16,23 +15,9 @@ from runtime.engine.sampler import SamplingParams
 ENGINE = ["--num-blocks", "32", "--session-len", "256"]
 
 
-@pytest.fixture(scope="module")
-def art(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("cli") / "art"
-    r = CliRunner().invoke(
-        lite_main,
-        [
-            "auto_awq",
-            str(tiny_models["llama"]),
-            "--work-dir",
-            str(out),
-            "--calib-samples",
-            "0",
-            "--quiet",
-        ],
-    )
-    assert r.exit_code == 0, r.output
-    return out
+@pytest.fixture
+def art(rtn_artifact: Path) -> Path:
+    return rtn_artifact
 
 
 def test_generate_streams_what_the_engine_generates(art: Path) -> None:
