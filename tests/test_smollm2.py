@@ -87,7 +87,13 @@ def _engine_ppl(artifact: Path, kv_quant: str, batches: torch.Tensor) -> float:
 
     engine = Engine(
         artifact,
-        EngineConfig(kv_quant=kv_quant, session_len=1024, num_blocks=48, max_prefill_token_num=512),
+        EngineConfig(
+            kv_quant=kv_quant,
+            session_len=1024,
+            num_blocks=48,
+            dtype="float32",
+            max_prefill_token_num=512,
+        ),
     )
     params = SamplingParams(temperature=0, max_new_tokens=1, prompt_logprobs=0)
     seqs = engine.generate([w.tolist() for w in batches], params)
