@@ -9,6 +9,7 @@ for chunk in pipe.stream("Tell me about Paris"):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,23 +70,7 @@ class Pipeline:
         self.chat_template = chat_template
 
     def sampling_params(self, gen: GenerationConfig) -> SamplingParams:
-        d = self.engine.artifact.manifest.generation
-        return SamplingParams(
-            temperature=d.temperature if gen.temperature is None else gen.temperature,
-            top_p=d.top_p if gen.top_p is None else gen.top_p,
-            top_k=d.top_k if gen.top_k is None else gen.top_k,
-            min_p=gen.min_p,
-            repetition_penalty=d.repetition_penalty
-            if gen.repetition_penalty is None
-            else gen.repetition_penalty,
-            seed=gen.seed,
-            max_new_tokens=gen.max_new_tokens,
-            stop=gen.stop,
-            stop_token_ids=gen.stop_token_ids,
-            ignore_eos=gen.ignore_eos,
-            logprobs=gen.logprobs,
-            prompt_logprobs=gen.prompt_logprobs,
-        )
+        return self.engine.sampling_params(**dataclasses.asdict(gen))
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Text is tokenized as is; chat messages go through the artifact's chat template."""

@@ -96,6 +96,18 @@ class Engine:
     def session_len(self) -> int:
         return self.config.session_len
 
+    def sampling_params(self, **fields) -> SamplingParams:
+        """A request's settings over the artifact's generation defaults (None = the default);
+        the one place both the Python API and the server resolve them."""
+        d = self.artifact.manifest.generation
+        defaults = {
+            "temperature": d.temperature,
+            "top_p": d.top_p,
+            "top_k": d.top_k,
+            "repetition_penalty": d.repetition_penalty,
+        }
+        return SamplingParams(**{**defaults, **{k: v for k, v in fields.items() if v is not None}})
+
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Queue a request; every problem with it is a ValueError raised before anything is
         allocated."""

@@ -305,9 +305,6 @@ class _State:
     def params(self, req, n_index: int, prompt_len: int) -> SamplingParams:
         fields = {k: v for k, v in p.sampling_fields(req).items() if v is not None}
         engine = self.engine.engine
-        defaults = engine.artifact.manifest.generation
-        fields.setdefault("temperature", defaults.temperature)
-        fields.setdefault("top_p", defaults.top_p)
         if "max_new_tokens" not in fields:  # OpenAI's default: what the session has left
             room = min(self.session_len, engine.blocks.num_blocks * engine.kv_spec.block_size)
             fields["max_new_tokens"] = max(room - prompt_len, 1)
@@ -317,7 +314,7 @@ class _State:
             fields["prompt_logprobs"] = fields.get("logprobs") or 0
             # max_tokens 0 with echo scores the prompt alone: one token is run, none returned
             fields["max_new_tokens"] = max(fields.get("max_new_tokens", 1), 1)
-        params = SamplingParams(**fields)
+        params = engine.sampling_params(**fields)
         try:
             params.validate()
         except ValueError as e:
