@@ -83,6 +83,41 @@ def test_prefill_logits_match_transformers(family: str, artifacts: dict[str, Pat
     assert seq.output_ids == [int(ref[-1].argmax())]
 
 
+def test_score_returns_full_distributions(artifacts: dict[str, Path]) -> None:
+    """Engine.score: every position's whole next-token distribution, batched and chunked,
+    against transformers on the same weights (fp32, 1e-4 absolute on log-probabilities)."""
+    from lite.hf import load_dequantized
+
+    engine = Engine(artifacts["mistral"], _config(max_prefill_token_num=24))
+    prompts = [_ids(n, seed=n) for n in (2, 37, 61)]
+    got = engine.score(prompts)
+    model = load_dequantized(Artifact(artifacts["mistral"]))
+    for ids, logits in zip(prompts, got, strict=True):
+        with torch.no_grad():
+            ref = model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+        assert logits.shape == ref.shape
+        err = (logits.log_softmax(-1) - ref.log_softmax(-1)).abs().max()
+        assert float(err) < 1e-4, float(err)
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        engine.score([[5]])
+
+
+def test_prompt_logprobs_survive_preemption(artifacts: dict[str, Path]) -> None:
+    """A pool too small for every prompt at once preempts sequences mid-prompt; the recompute
+    must not record their rows twice."""
+    prompts = [_ids(45 + 7 * i, seed=30 + i) for i in range(5)]
+    params = SamplingParams(temperature=0, max_new_tokens=20, prompt_logprobs=0, ignore_eos=True)
+    alone = [Engine(artifacts["llama"], _config()).generate([p], params)[0] for p in prompts]
+    tiny = Engine(artifacts["llama"], _config(num_blocks=9, max_prefill_token_num=32))
+    got = tiny.generate(prompts, params)
+    assert tiny.scheduler.num_preemptions > 0
+    for a, b in zip(alone, got, strict=True):
+        assert len(b.prompt_logprobs) == b.num_prompt - 1
+        x = torch.tensor([lp.logprob for lp in a.prompt_logprobs])
+        y = torch.tensor([lp.logprob for lp in b.prompt_logprobs])
+        assert torch.allclose(x, y, atol=1e-5)
+
+
 def test_bf16_activations_stay_close(artifacts: dict[str, Path]) -> None:
     """The CPU default where bf16 is native; bf16 rounding (2^-8) bounds the drift."""
     ids = _ids(50, 6)

@@ -175,11 +175,17 @@ class Engine:
         return [seq for _, seq in ready]
 
     def _prompt_logprobs(self, seq: Sequence, chunk: torch.Tensor, n: int) -> None:
-        first = seq.num_computed
-        m = min(n, seq.num_prompt - 1 - first)  # rows whose next token is still prompt
+        # A sequence preempted during its prompt recomputes rows it has already recorded.
+        done = seq.prompt_rows()
+        first = max(seq.num_computed, done)
+        m = min(seq.num_computed + n, seq.num_prompt - 1) - first  # rows predicting prompt
         if m <= 0:
             return
-        logits = torch.cat([chunk[:m], chunk.new_zeros(1, chunk.shape[1])])
+        rows = chunk[first - seq.num_computed : first - seq.num_computed + m]
+        if seq.prompt_logits is not None:
+            seq.prompt_logits.append(rows.float())
+            return
+        logits = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
         ids = torch.tensor(seq.token_ids[first : first + m + 1])
         seq.prompt_logprobs.extend(prompt_logprobs(logits, ids, seq.params.prompt_logprobs))
 
@@ -209,6 +215,22 @@ class Engine:
         seq.finish_reason = reason
         self.scheduler.remove(seq)
         self.sequences.pop(seq.seq_id, None)
+
+    def score(self, prompts: list[list[int]]) -> list[torch.Tensor]:
+        """Float32 logits [T - 1, V] predicting tokens 1..T-1 of each prompt, batched by the
+        scheduler: the full next-token distributions that perplexity and KL divergence need
+        (prompt logprobs keep only the top k)."""
+        if any(len(p) < 2 for p in prompts):
+            raise ValueError("scoring needs prompts of at least 2 tokens")
+        params = SamplingParams(temperature=0.0, max_new_tokens=1, prompt_logprobs=0)
+        seqs = []
+        for p in prompts:
+            seq = self.add_request(p, params)
+            seq.prompt_logits = []
+            seqs.append(seq)
+        while any(not s.finished for s in seqs):
+            self.step()
+        return [torch.cat(s.prompt_logits) for s in seqs]
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
         """Run prompts to completion together (continuous batching)."""

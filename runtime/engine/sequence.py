@@ -33,6 +33,7 @@ class Sequence:
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logits: list[torch.Tensor] | None = None  # kept whole instead, for Engine.score
     preemptions: int = 0
     first_scheduled: float | None = None  # perf_counter at first admission (queue time)
 
@@ -43,6 +44,12 @@ class Sequence:
     @property
     def num_prompt(self) -> int:
         return len(self.prompt_ids)
+
+    def prompt_rows(self) -> int:
+        """Prompt positions whose next-token result is already recorded."""
+        if self.prompt_logits is not None:
+            return sum(len(t) for t in self.prompt_logits)
+        return len(self.prompt_logprobs)
 
     @property
     def output_ids(self) -> list[int]:
