@@ -10,8 +10,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+
 import pytest
 import torch
+
+# Triton reads this when a kernel is decorated: without a GPU its kernels run interpreted.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

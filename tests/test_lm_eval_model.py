@@ -1,0 +1,134 @@
+"""The lm-eval model `liteserve` against independent computations on a tiny artifact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from lm_eval.api.instance import Instance
+
+from lite.lm_eval_model import LiteserveLM
+from runtime.config import EngineConfig
+from runtime.engine.engine import Engine
+from runtime.engine.sampler import SamplingParams
+
+TEXT = (
+    "The sqlite3 module provides a SQL interface compliant with the DB-API 2.0 specification. "
+    "A context manager closes the file when the block ends, even when an exception is raised."
+)
+
+
+def _req(kind: str, *args: object) -> Instance:
+    return Instance(request_type=kind, doc={}, arguments=args, idx=0)
+
+
+@pytest.fixture(scope="module")
+def lm(rtn_artifact: Path) -> LiteserveLM:
+    return LiteserveLM(
+        str(rtn_artifact), max_length=64, dtype="float32", batch_size=3, kv_quant="none"
+    )
+
+
+def _logprobs(engine: Engine, ids: list[int]) -> torch.Tensor:
+    """log p(ids[t] | ids[:t]) for t >= 1, from the engine's whole distributions."""
+    logits = engine.score([ids])[0].log_softmax(-1)
+    return logits.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def test_loglikelihood_matches_direct_computation(lm: LiteserveLM, rtn_artifact: Path) -> None:
+    pairs = [("The sqlite3 module", " provides a SQL interface"), ("A context", " manager")]
+    words = TEXT.split(" ")
+    pairs += [(" ".join(words[:i]), " " + " ".join(words[i : i + 3])) for i in range(2, 14, 2)]
+    got = lm.loglikelihood([_req("loglikelihood", c, x) for c, x in pairs], disable_tqdm=True)
+    engine = Engine(rtn_artifact, EngineConfig(num_blocks=32, dtype="float32", kv_quant="none"))
+    tok = engine.tokenizer
+    for (context, cont), (ll, greedy) in zip(pairs, got, strict=True):
+        ctx = tok.encode(context, add_special_tokens=False).ids
+        whole = tok.encode(context + cont, add_special_tokens=False).ids
+        assert whole[: len(ctx)] == ctx and len(whole) <= lm.max_length
+        lps = _logprobs(engine, whole)[len(ctx) - 1 :]
+        assert ll == pytest.approx(float(lps.sum()), abs=1e-4)
+        logits = engine.score([whole])[0][len(ctx) - 1 :]
+        want_greedy = bool((logits.argmax(-1) == torch.tensor(whole[len(ctx) :])).all())
+        assert greedy == want_greedy
+
+
+def test_loglikelihood_truncates_on_the_left(lm: LiteserveLM, rtn_artifact: Path) -> None:
+    """Longer than max_length: the last max_length + 1 tokens are kept, as lm-eval's hf does."""
+    context, *last = TEXT.rsplit(" ", 3)
+    cont = " " + " ".join(last)
+    ((ll, _),) = lm.loglikelihood([_req("loglikelihood", context, cont)], True)
+    engine = Engine(rtn_artifact, EngineConfig(num_blocks=32, dtype="float32", kv_quant="none"))
+    tok = engine.tokenizer
+    ctx = tok.encode(context, add_special_tokens=False).ids
+    whole = tok.encode(TEXT, add_special_tokens=False).ids
+    assert whole[: len(ctx)] == ctx
+    n = len(whole) - len(ctx)
+    assert len(whole) > lm.max_length + 1
+    kept = whole[-(lm.max_length + 1) :]
+    assert ll == pytest.approx(float(_logprobs(engine, kept)[-n:].sum()), abs=1e-4)
+
+
+def test_loglikelihood_rolling_scores_every_token_once(
+    lm: LiteserveLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[tuple[list[int], list[int]]] = []
+    original = lm._loglikelihood_tokens
+
+    def spy(requests, **kw):
+        seen.extend((ctx, cont) for _, ctx, cont in requests)
+        return original(requests, **kw)
+
+    monkeypatch.setattr(lm, "_loglikelihood_tokens", spy)
+    total = lm.loglikelihood_rolling([_req("loglikelihood_rolling", TEXT * 2)], True)[0]
+    tokens = lm.tok_encode(TEXT * 2)
+    assert len(tokens) > 2 * lm.max_length  # several windows
+    assert [t for _, cont in seen for t in cont] == tokens
+    assert seen[0][0] == [lm.prefix_token_id]
+    assert all(len(cont) <= lm.max_length for _, cont in seen)
+    monkeypatch.undo()
+    parts = lm._loglikelihood_tokens([(None, c, x) for c, x in seen])
+    assert total == pytest.approx(sum(ll for ll, _ in parts), abs=1e-4)
+
+
+def test_loglikelihood_rolling_one_window_is_the_whole_sequence(rtn_artifact: Path) -> None:
+    lm = LiteserveLM(str(rtn_artifact), max_length=256, dtype="float32", kv_quant="none")
+    text = TEXT[:120]
+    total = lm.loglikelihood_rolling([_req("loglikelihood_rolling", text)], True)[0]
+    ids = [lm.prefix_token_id, *lm.tok_encode(text)]
+    assert total == pytest.approx(float(_logprobs(lm.engine, ids).sum()), abs=1e-4)
+
+
+def test_generate_until_stops_at_until(lm: LiteserveLM, rtn_artifact: Path) -> None:
+    engine = Engine(rtn_artifact, EngineConfig(num_blocks=32, dtype="float32", kv_quant="none"))
+    prompt = "def open(file, mode"
+    free = engine.generate(
+        [engine.tokenizer.encode(prompt, add_special_tokens=False).ids],
+        SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True),
+    )[0].text
+    stop = free[len(free) // 2 : len(free) // 2 + 2]
+    assert stop.strip(), free
+    cut = free[: free.index(stop)]
+    out = lm.generate_until(
+        [
+            _req("generate_until", prompt, {"until": [stop], "max_gen_toks": 24}),
+            _req("generate_until", prompt, {"until": ["\x00never"], "max_gen_toks": 5}),
+        ],
+        True,
+    )
+    assert out[0] == cut
+    assert free.startswith(out[1]) and len(out[1]) < len(free)
+
+
+def test_bad_arguments(rtn_artifact: Path, lm: LiteserveLM) -> None:
+    with pytest.raises(ValueError, match="kv_quant"):
+        LiteserveLM(str(rtn_artifact), kv_quant="int3")
+    with pytest.raises(ValueError, match="max_gen_toks"):
+        lm.generate_until([_req("generate_until", "x", {"max_gen_toks": 10_000})], True)
+
+
+def test_registered_for_lm_eval() -> None:
+    from lm_eval.api.registry import get_model
+
+    assert get_model("liteserve") is LiteserveLM
