@@ -127,66 +127,207 @@ def inspect_cmd(artifact: Path, verify: bool, as_json: bool) -> None:
     click.echo(json.dumps(facts, indent=2) if as_json else render(facts))
 
 
-@main.command("ppl")
-@click.option("--model", "model", help="Source model (as for auto_awq) to score as baseline.")
+def _csv(value: str | None) -> tuple[str, ...]:
+    return tuple(v.strip() for v in (value or "").split(",") if v.strip())
+
+
+def _limit(value: str | None) -> float | None:
+    """lm-eval's --limit: a count of documents per task, or a fraction below 1."""
+    if value is None:
+        return None
+    try:
+        limit = float(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a number") from None
+    if limit <= 0:
+        raise click.BadParameter("must be positive")
+    return int(limit) if limit >= 1 else limit
+
+
+def _eval_options(f):
+    options = [
+        click.option("--model", "model", help="Source model (as for auto_awq): the baseline."),
+        click.option(
+            "--artifact",
+            "artifacts",
+            multiple=True,
+            type=click.Path(exists=True, file_okay=False, path_type=Path),
+            help="Artifact to compare, served by the runtime engine; repeatable.",
+        ),
+        click.option(
+            "--kv-quant",
+            default="none",
+            show_default=True,
+            help="KV policies to run each artifact under, comma-separated: none,int8,int4.",
+        ),
+        click.option(
+            "--dtype",
+            type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+            default="auto",
+            show_default=True,
+            help="Activations of every model; auto = float32 on a CPU, bfloat16 on a GPU.",
+        ),
+        click.option("--batch-size", default=16, show_default=True, type=click.IntRange(min=1)),
+        click.option(
+            "--output",
+            type=click.Path(file_okay=False, path_type=Path),
+            help="Where results.json, report.md and deltas.png go; default reports/<time>.",
+        ),
+        click.option(
+            "--update-card",
+            is_flag=True,
+            help="Write the comparison into each artifact's README.md (Evaluation section).",
+        ),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+@main.command("eval")
+@_eval_options
+@click.option("--tasks", help="lm-eval tasks, comma-separated (piqa_local,arc_easy_local).")
 @click.option(
-    "--artifact",
-    "artifacts",
-    multiple=True,
-    type=click.Path(path_type=Path),
-    help="Artifact to score, dequantized by the reference unpacker; repeatable.",
+    "--include-path",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="Folder of extra lm-eval task YAMLs (evals/tasks for the local-file tasks).",
 )
+@click.option(
+    "--data-dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="Data folder of the local tasks (else $LITESERVE_EVAL_DATA).",
+)
+@click.option("--limit", help="Documents per task (or a fraction < 1); windows with --ppl.")
+@click.option("--num-fewshot", type=click.IntRange(min=0), help="Few-shot examples per task.")
+@click.option(
+    "--max-length",
+    default=2048,
+    show_default=True,
+    type=click.IntRange(min=16),
+    help="Context of every model (lm-eval's max_length): long inputs are cut on the left.",
+)
+@click.option("--seed", default=1234, show_default=True, type=int)
+@click.option("--ppl", is_flag=True, help="Perplexity, KL and top-1 agreement instead of tasks.")
+@click.option(
+    "--text-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="--ppl text (UTF-8); default: the held-out part of the pydoc set.",
+)
+@click.option("--seqlen", default=512, show_default=True, type=click.IntRange(min=2))
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+def eval_cmd(**kw) -> None:
+    """Task quality of a source model and its artifacts, each under each KV policy.
+
+    Tasks run through lm-eval: the source with lm-eval's hf model, every artifact with the
+    liteserve model (the runtime engine, in-process). --ppl instead scores a text: perplexity
+    over non-overlapping --seqlen windows, KL(source || variant) in nats per token and top-1
+    agreement with the source. One table is printed; results.json, report.md and deltas.png
+    are written to --output.
+    """
+    _run_eval(**kw)
+
+
+@main.command("ppl")
+@_eval_options
 @click.option(
     "--text-file",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="UTF-8 text to score; default: the held-out part of the pydoc set.",
 )
-@click.option(
-    "--seqlen",
-    default=512,
-    show_default=True,
-    help="Window length: non-overlapping windows, each scored alone, remainder dropped.",
-)
-@click.option("--limit", type=click.IntRange(min=1), help="Score at most this many windows.")
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per model.")
-def ppl_cmd(
-    model: str | None,
-    artifacts: tuple[Path, ...],
-    text_file: Path | None,
-    seqlen: int,
-    limit: int | None,
-    as_json: bool,
-) -> None:
-    """Token-level perplexity of a source model and its artifacts on the same tokens.
+@click.option("--seqlen", default=512, show_default=True, type=click.IntRange(min=2))
+@click.option("--limit", help="Score at most this many windows.")
+def ppl_cmd(**kw) -> None:
+    """Alias of `lite eval --ppl`: perplexity, KL and top-1 agreement on the same windows.
 
     Protocol: the text is tokenized once without special tokens and cut into non-overlapping
     windows of --seqlen tokens (default 512); each window is scored on its own and
-    ppl = exp(mean next-token NLL). Kept as the quick form of `lite eval --ppl`.
+    ppl = exp(mean next-token NLL).
     """
-    from lite.perplexity import run_ppl
+    _run_eval(ppl=True, **kw)
+
+
+def _run_eval(
+    model: str | None,
+    artifacts: tuple[Path, ...],
+    kv_quant: str,
+    dtype: str,
+    batch_size: int,
+    output: Path | None,
+    update_card: bool,
+    ppl: bool = False,
+    text_file: Path | None = None,
+    seqlen: int = 512,
+    limit: str | None = None,
+    tasks: str | None = None,
+    include_path: Path | None = None,
+    data_dir: Path | None = None,
+    num_fewshot: int | None = None,
+    max_length: int = 2048,
+    seed: int = 1234,
+    quiet: bool = False,
+) -> None:
+    from rich.console import Console
+
+    from lite.evaluate import EvalPlan, ppl_report, task_report
+    from lite.report import render_terminal, write_report
+    from lite.report import update_card as write_card
 
     if not model and not artifacts:
         raise click.UsageError("give --model, --artifact, or both")
+    kvs = _csv(kv_quant)
+    bad = [k for k in kvs if k not in ("none", "int8", "int4")]
+    if bad or not kvs:
+        raise click.BadParameter(f"{kv_quant!r}: use none, int8, int4", param_hint="--kv-quant")
+    plan = EvalPlan(
+        model=model,
+        artifacts=artifacts,
+        kv_quants=kvs,
+        tasks=_csv(tasks),
+        include_path=include_path,
+        data_dir=data_dir,
+        limit=_limit(limit),
+        num_fewshot=num_fewshot,
+        batch_size=batch_size,
+        max_length=max_length,
+        dtype=dtype,
+        seed=seed,
+    )
+    command = shlex.join(["lite", *sys.argv[1:]])
     try:
-        results = run_ppl(model, artifacts, text_file, seqlen, limit)
+        if ppl:
+            windows = None if plan.limit is None else max(1, int(plan.limit))
+            report = ppl_report(plan, command, text_file, seqlen, windows)
+        else:
+            report = task_report(plan, command, progress=not quiet)
     except USER_ERRORS as e:
         _fail(e)
-    if as_json:
-        for r in results:
-            click.echo(
-                json.dumps(
-                    {
-                        "model": r.name,
-                        "ppl": r.ppl,
-                        "nll": r.nll,
-                        "tokens": r.tokens,
-                        "windows": r.windows,
-                    }
-                )
-            )
-        return
-    base = results[0].ppl if model else None
-    click.echo(f"{'model':<48} {'ppl':>10} {'vs source':>10} {'tokens':>8}")
-    for r in results:
-        delta = f"{100 * (r.ppl / base - 1):+.1f}%" if base else "-"
-        click.echo(f"{r.name:<48} {r.ppl:>10.3f} {delta:>10} {r.tokens:>8}")
+    out = output or Path("reports") / report["created"].replace(":", "")
+    files = write_report(report, out)
+    Console().print(render_terminal(report))
+    click.echo(f"wrote {', '.join(str(p) for p in files.values())}")
+    if update_card:
+        for art in artifacts:
+            write_card(art, report)
+            click.echo(f"updated {art / 'README.md'}")
+
+
+@main.command(
+    "lm-eval",
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    add_help_option=False,
+)
+@click.pass_context
+def lm_eval_cmd(ctx: click.Context) -> None:
+    """lm-eval's own command line with the `liteserve` model registered.
+
+    lm-eval 0.4 has no plugin mechanism, so the stock `lm_eval` command cannot see a model
+    defined outside lm-eval; this runs it with `liteserve` registered, e.g.
+    `lite lm-eval run --model liteserve --model_args artifact=out/awq,kv_quant=int8 --tasks
+    piqa_local --include_path evals/tasks --metadata '{"data_dir": "../shared/data"}'`.
+    """
+    import lm_eval.__main__
+
+    import lite.lm_eval_model  # noqa: F401  (registers the model)
+
+    sys.argv = ["lm_eval", *ctx.args]
+    lm_eval.__main__.cli_evaluate()

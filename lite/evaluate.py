@@ -1,0 +1,304 @@
+"""`lite eval`: the source model and every artifact x KV policy on the same tasks, one report.
+
+The baseline is lm-eval's own `hf` model on the source checkpoint, so the reference number is
+the one users already trust; each variant is the `liteserve` model, which runs the artifact in
+the runtime engine exactly as `runtime serve` would (KV quantization included). Models run one
+after another and are freed in between, so only one is resident at a time.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from lite.perplexity import PerplexityResult, eval_dtype, run_ppl, variant_name
+from lite.report import SCHEMA_VERSION
+from runtime.artifact.reader import Artifact
+
+BASELINE = "source"
+_LOCAL_BUILDERS = {"json", "csv", "parquet", "text", "arrow", None}
+
+
+class EvalError(ValueError):
+    """A problem with the evaluation's inputs, explained for the user."""
+
+
+@dataclass(frozen=True)
+class EvalPlan:
+    model: str | None
+    artifacts: tuple[Path, ...]
+    kv_quants: tuple[str, ...] = ("none",)
+    tasks: tuple[str, ...] = ()
+    include_path: Path | None = None
+    data_dir: Path | None = None
+    limit: float | None = None
+    num_fewshot: int | None = None
+    batch_size: int = 16
+    max_length: int = 2048
+    dtype: str = "auto"
+    seed: int = 1234
+
+    def variants(self) -> list[dict[str, Any]]:
+        out = []
+        if self.model:
+            out.append(_variant(BASELINE, "source", model=self.model))
+        for art in self.artifacts:
+            method = Artifact(art, checksums=False).manifest.quantization.method
+            for kv in self.kv_quants:
+                out.append(_variant(variant_name(art, kv), "artifact", art, kv, method))
+        return out
+
+
+def _variant(
+    name: str,
+    kind: str,
+    artifact: Path | None = None,
+    kv_quant: str | None = None,
+    method: str | None = None,
+    model: str | None = None,
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "kind": kind,
+        "model": model,
+        "artifact": str(artifact) if artifact else None,
+        "kv_quant": kv_quant,
+        "method": method,
+    }
+
+
+def _report(plan: EvalPlan, mode: str, command: str, settings: dict, rows: list) -> dict:
+    from runtime import __version__
+
+    variants = plan.variants()
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "liteserve_version": __version__,
+        "command": command,
+        "mode": mode,
+        "baseline": variants[0]["name"],
+        "settings": settings,
+        "variants": variants,
+        "rows": rows,
+    }
+
+
+def check_artifacts(plan: EvalPlan) -> None:
+    """Every artifact verified (checksums included) before hours of evaluation start."""
+    if len(set(variant_name(a, "x") for a in plan.artifacts)) != len(plan.artifacts):
+        raise EvalError("two --artifact directories share a name; rename one of them")
+    for art in plan.artifacts:
+        Artifact(art)
+
+
+# --- perplexity mode -----------------------------------------------------------------------
+
+
+def ppl_report(
+    plan: EvalPlan, command: str, text_file: Path | None, seqlen: int, limit: int | None
+) -> dict:
+    check_artifacts(plan)
+    results = run_ppl(
+        plan.model,
+        plan.artifacts,
+        text_file,
+        seqlen,
+        limit,
+        plan.kv_quants,
+        plan.dtype,
+        batch_size=min(plan.batch_size, 4),
+    )
+    names = [v["name"] for v in plan.variants()]
+    task = text_file.name if text_file else "pydoc-heldout"
+    rows = _ppl_rows(task, dict(zip(names, results, strict=True)), names[0])
+    settings = {
+        "text": str(text_file) if text_file else "pydoc held-out split",
+        "seqlen": seqlen,
+        "windows": results[0].windows,
+        "tokens": results[0].tokens,
+        "dtype": str(eval_dtype(plan.dtype)).removeprefix("torch."),
+        "protocol": "non-overlapping windows, each scored alone; KL(baseline || variant) in "
+        "nats and top-1 agreement over every predicted token; stderr over windows",
+    }
+    return _report(plan, "ppl", command, settings, rows)
+
+
+def _ppl_rows(task: str, results: dict[str, PerplexityResult], base: str) -> list[dict]:
+    def row(metric: str, higher: bool, value, stderr) -> dict:
+        return {
+            "task": task,
+            "metric": metric,
+            "higher_is_better": higher,
+            "samples": results[base].tokens,
+            "values": {n: value(r) for n, r in results.items()},
+            "stderr": {n: stderr(r) for n, r in results.items()},
+        }
+
+    return [
+        row("ppl", False, lambda r: r.ppl, lambda r: r.ppl_stderr),
+        row("kl", False, lambda r: r.kl.mean if r.kl else 0.0, lambda r: r.kl and r.kl.stderr),
+        row(
+            "top1",
+            True,
+            lambda r: r.top1.mean if r.top1 else 1.0,
+            lambda r: r.top1 and r.top1.stderr,
+        ),
+    ]
+
+
+# --- task mode (lm-eval) -------------------------------------------------------------------
+
+
+def task_manager(plan: EvalPlan):
+    """Local tasks alone when they cover the request (indexing lm-eval's own ~15k tasks costs
+    seconds); the hub tasks otherwise, after a quick reachability check."""
+    from lm_eval.tasks import TaskManager
+
+    metadata = {"data_dir": str(plan.data_dir)} if plan.data_dir else None
+    include = str(plan.include_path) if plan.include_path else None
+    if include:
+        local = TaskManager(include_path=include, include_defaults=False, metadata=metadata)
+        if all(t in local.all_subtasks or t in local.all_groups for t in plan.tasks):
+            return local
+    manager = TaskManager(include_path=include, metadata=metadata)
+    unknown = [t for t in plan.tasks if t not in manager.all_tasks]
+    if unknown:
+        hint = "" if include else "; local tasks need --include-path evals/tasks"
+        raise EvalError(f"unknown task(s) {', '.join(unknown)}{hint}")
+    _require_hub(plan.tasks)
+    return manager
+
+
+def _require_hub(tasks: tuple[str, ...]) -> None:
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    host = urlparse(endpoint).hostname or "huggingface.co"
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
+    try:
+        if offline:
+            raise OSError("HF_HUB_OFFLINE is set")
+        socket.create_connection((host, 443), timeout=3).close()
+    except OSError as e:
+        raise EvalError(
+            f"task(s) {', '.join(tasks)} download their data from {host}, which cannot be "
+            f"reached ({e}). Offline, use the local tasks (piqa_local, arc_easy_local, "
+            f"arc_challenge_local, hellaswag_local, lambada_local, wikitext_local) with "
+            f"--include-path evals/tasks --data-dir DIR (see evals/README.md)"
+        ) from e
+
+
+def task_report(plan: EvalPlan, command: str, progress: bool = True) -> dict:
+    if not plan.tasks:
+        raise EvalError("give --tasks (for example piqa_local,arc_easy_local) or --ppl")
+    if not plan.model:
+        raise EvalError("task evaluation compares against the source: give --model")
+    check_artifacts(plan)
+    manager = task_manager(plan)
+    outputs = {}
+    for variant in plan.variants():
+        lm = _load(variant, plan)
+        outputs[variant["name"]] = _evaluate(lm, plan, manager, progress)
+        del lm
+        gc.collect()
+    settings = {
+        "tasks": list(plan.tasks),
+        "limit": plan.limit,
+        "num_fewshot": plan.num_fewshot,
+        "max_length": plan.max_length,
+        "batch_size": plan.batch_size,
+        "dtype": str(eval_dtype(plan.dtype)).removeprefix("torch."),
+        "seed": plan.seed,
+        "include_path": str(plan.include_path) if plan.include_path else None,
+        "data_dir": str(plan.data_dir) if plan.data_dir else None,
+    }
+    return _report(plan, "tasks", command, settings, task_rows(outputs, BASELINE))
+
+
+def _load(variant: dict, plan: EvalPlan):
+    dtype = str(eval_dtype(plan.dtype)).removeprefix("torch.")
+    if variant["kind"] == "source":
+        from lm_eval.models.huggingface import HFLM
+
+        from lite.sources import resolve
+
+        return HFLM(
+            pretrained=str(resolve(variant["model"]).path),
+            dtype=dtype,
+            batch_size=plan.batch_size,
+            max_length=plan.max_length,
+            device="cuda" if _cuda() else "cpu",
+        )
+    from lite.lm_eval_model import LiteserveLM
+
+    return LiteserveLM(
+        variant["artifact"],
+        kv_quant=variant["kv_quant"],
+        max_length=plan.max_length,
+        dtype=dtype,
+        batch_size=plan.batch_size,
+    )
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _evaluate(lm, plan: EvalPlan, manager, progress: bool) -> dict:
+    import lm_eval
+
+    out = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=list(plan.tasks),
+        num_fewshot=plan.num_fewshot,
+        limit=plan.limit,
+        task_manager=manager,
+        log_samples=False,
+        bootstrap_iters=1000,
+        random_seed=plan.seed,
+        numpy_random_seed=plan.seed,
+        torch_random_seed=plan.seed,
+        fewshot_random_seed=plan.seed,
+        verbosity="WARNING" if not progress else "INFO",
+    )
+    if out is None:  # lm-eval returns None on non-zero ranks only
+        raise EvalError("lm-eval returned no results")
+    return out
+
+
+def task_rows(outputs: dict[str, dict], baseline: str) -> list[dict]:
+    """One row per (task, metric) in the baseline's results; stderr from lm-eval."""
+    base = outputs[baseline]
+    rows = []
+    for task, metrics in base["results"].items():
+        better = base.get("higher_is_better", {}).get(task, {})
+        samples = base.get("n-samples", {}).get(task, {}).get("effective")
+        for key, value in metrics.items():
+            metric, _, flt = key.partition(",")
+            if metric.endswith("_stderr") or not isinstance(value, (int, float)):
+                continue
+            stderr_key = f"{metric}_stderr,{flt}"
+            rows.append(
+                {
+                    "task": task,
+                    "metric": metric if flt in ("none", "") else key,
+                    "higher_is_better": better.get(metric),
+                    "samples": samples,
+                    "values": {n: o["results"][task].get(key) for n, o in outputs.items()},
+                    "stderr": {
+                        n: _number(o["results"][task].get(stderr_key)) for n, o in outputs.items()
+                    },
+                }
+            )
+    return rows
+
+
+def _number(x: object) -> float | None:
+    return float(x) if isinstance(x, (int, float)) else None

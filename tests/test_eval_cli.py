@@ -1,0 +1,169 @@
+"""`lite eval` end to end on a tiny model and its artifact: the accuracy it reports equals a
+direct computation, the files it writes, the card it updates, and its errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from lite.cli import main
+from runtime.config import EngineConfig
+from runtime.engine.engine import Engine
+from runtime.engine.sampler import SamplingParams
+
+TASK = "tiny_mc_eval"
+DOCS = [
+    ("The capital of France is", ["Paris", "a small town", "Rome"]),
+    ("Water boils at", ["100 degrees", "the top of the mountain", "noon", "zero"]),
+    ("def add(a, b): return", ["a + b", "None", "a - b"]),
+    ("The opposite of hot is", ["cold", "warm water", "lukewarm tea"]),
+    ("A week has", ["seven days", "ten days", "one long weekend", "52 days"]),
+    ("The keyword to define a class in Python is", ["class", "def", "struct"]),
+    ("Two plus two equals", ["four", "five", "twenty two"]),
+    ("for i in range(3): print(", ["i)", "x)", "range)"]),
+]
+GOLDS = [0, 2, 1, 0, 3, 1, 2, 0]  # fixed; the models' choices decide the accuracy
+
+
+def _engine_choice(engine: Engine, context: str, choices: list[str]) -> int:
+    tok = engine.tokenizer
+    ctx = tok.encode(context, add_special_tokens=False).ids
+    scores = []
+    for choice in choices:
+        whole = tok.encode(context + " " + choice, add_special_tokens=False).ids
+        seq = engine.generate(
+            [whole], SamplingParams(prompt_logprobs=0, max_new_tokens=1, temperature=0)
+        )[0]
+        scores.append(sum(lp.logprob for lp in seq.prompt_logprobs[len(ctx) - 1 :]))
+    return max(range(len(scores)), key=scores.__getitem__)
+
+
+def _hf_choice(model, tok, context: str, choices: list[str]) -> int:
+    ctx = tok(context, add_special_tokens=False).input_ids
+    scores = []
+    for choice in choices:
+        whole = tok(context + " " + choice, add_special_tokens=False).input_ids
+        with torch.no_grad():
+            lp = model(input_ids=torch.tensor([whole])).logits[0].float().log_softmax(-1)
+        picked = lp[len(ctx) - 1 : -1].gather(1, torch.tensor(whole[len(ctx) :])[:, None])
+        scores.append(float(picked.sum()))
+    return max(range(len(scores)), key=scores.__getitem__)
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("tasks")
+    data = root / "docs.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps({"question": q, "choices": c, "answer": g}) + "\n"
+            for (q, c), g in zip(DOCS, GOLDS, strict=True)
+        )
+    )
+    (root / "task.yaml").write_text(
+        f"task: {TASK}\n"
+        "dataset_path: json\n"
+        "dataset_kwargs:\n"
+        f"  data_files:\n    test: {data}\n"
+        f"  cache_dir: {root / 'hf-cache'}\n"
+        "test_split: test\n"
+        "output_type: multiple_choice\n"
+        "doc_to_text: question\n"
+        "doc_to_choice: choices\n"
+        "doc_to_target: answer\n"
+        "metric_list:\n  - metric: acc\n"
+    )
+    return root
+
+
+def test_reported_accuracy_equals_direct_computation(
+    tiny_models: dict[str, Path], rtn_artifact: Path, task_dir: Path, tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "report"
+    args = ["eval", "--model", str(tiny_models["llama"]), "--artifact", str(rtn_artifact)]
+    args += ["--kv-quant", "none,int4", "--tasks", TASK, "--include-path", str(task_dir)]
+    args += ["--output", str(out), "--quiet", "--batch-size", "4"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(tiny_models["llama"])
+    want = {"source": [_hf_choice(model, tok, q, c) for q, c in DOCS]}
+    for kv in ("none", "int4"):
+        engine = Engine(rtn_artifact, EngineConfig(kv_quant=kv, num_blocks=16, dtype="float32"))
+        want[f"art kv={kv}"] = [_engine_choice(engine, q, c) for q, c in DOCS]
+    report = json.loads((out / "results.json").read_text())
+    (row,) = [r for r in report["rows"] if r["metric"] == "acc"]
+    assert row["task"] == TASK and row["samples"] == len(DOCS)
+    for name, preds in want.items():
+        acc = sum(p == g for p, g in zip(preds, GOLDS, strict=True)) / len(DOCS)
+        assert row["values"][name] == pytest.approx(acc), name
+        assert f"{acc:.4f}" in result.output
+    assert [v["name"] for v in report["variants"]] == ["source", "art kv=none", "art kv=int4"]
+    assert (out / "report.md").read_text().count(TASK) >= 1
+    assert (out / "deltas.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ppl_mode_writes_report_and_updates_card(
+    tiny_models: dict[str, Path], rtn_artifact: Path, tmp_path: Path
+) -> None:
+    from lite.data import pydoc_split
+    from lite.perplexity import run_ppl
+    from runtime.artifact.reader import Artifact
+
+    art = tmp_path / "art"
+    shutil.copytree(rtn_artifact, art)
+    text = tmp_path / "text.txt"
+    text.write_text(pydoc_split()[1][:12000])
+    out = tmp_path / "report"
+    args = ["ppl", "--model", str(tiny_models["llama"]), "--artifact", str(art)]
+    args += ["--kv-quant", "none,int8", "--text-file", str(text), "--seqlen", "40"]
+    args += ["--limit", "3", "--output", str(out), "--update-card"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "results.json").read_text())
+    assert report["mode"] == "ppl"
+    got = {r["metric"]: r["values"] for r in report["rows"]}
+    want = run_ppl(str(tiny_models["llama"]), (art,), text, 40, 3, ("none", "int8"))
+    names = [v["name"] for v in report["variants"]]
+    assert names == ["source", "art kv=none", "art kv=int8"]
+    for name, r in zip(names, want, strict=True):
+        assert got["ppl"][name] == pytest.approx(r.ppl, rel=1e-6)
+        assert got["kl"][name] == pytest.approx(r.kl.mean if r.kl else 0.0, abs=1e-9)
+    assert "ppl" in result.output and "kl" in result.output
+    card = (art / "README.md").read_text()
+    assert "art kv=int8" in card and "No evaluation yet" not in card
+    Artifact(art, checksums=True)  # the card is outside the checksums
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--kv-quant", "int3"], "use none, int8, int4"),
+        ([], "give --tasks"),
+        (["--tasks", "no_such_task_xyz", "--include-path", "{tasks}"], "unknown task"),
+        (["--tasks", "piqa"], "cannot be reached"),
+        (["--tasks", "piqa_local"], "unknown task(s) piqa_local; local tasks need --include-path"),
+    ],
+)
+def test_bad_input_is_explained(
+    extra: list[str],
+    message: str,
+    rtn_artifact: Path,
+    tiny_models: dict[str, Path],
+    task_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = ["eval", "--model", str(tiny_models["llama"]), "--artifact", str(rtn_artifact)]
+    args += [a.format(tasks=task_dir) for a in extra]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code != 0
+    assert message in result.output
