@@ -72,6 +72,9 @@ def main() -> None:
     help="Storage dtype of the unquantized tensors.",
 )
 @click.option("--overwrite", is_flag=True, help="Replace an existing artifact at --work-dir.")
+@click.option(
+    "--tune", "tune_after", is_flag=True, help="Then pin GEMM configs for this GPU (lite tune)."
+)
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.pass_context
 def auto_awq_cmd(
@@ -80,6 +83,7 @@ def auto_awq_cmd(
     work_dir: Path,
     recipe: Path | None,
     overwrite: bool,
+    tune_after: bool,
     quiet: bool,
     **flags,
 ) -> None:
@@ -91,8 +95,11 @@ def auto_awq_cmd(
     from lite.auto_awq import AwqConfig, auto_awq
     from lite.quantizer import QuantSpec
     from lite.recipe import Recipe, load_recipe
+    from lite.tune import check_device, tune
 
     try:
+        if tune_after:
+            check_device()  # before hours of calibration, not after
         rec = load_recipe(recipe) if recipe else Recipe()
         for name, value in rec.flags().items():
             if ctx.get_parameter_source(name) != ParameterSource.COMMANDLINE:
@@ -108,8 +115,40 @@ def auto_awq_cmd(
         )
         command = shlex.join(["lite", *sys.argv[1:]])
         auto_awq(model, work_dir, cfg, command=command, overwrite=overwrite, progress=not quiet)
+        if tune_after:
+            tune(work_dir, progress=click.echo)
     except USER_ERRORS as e:
         _fail(e)
+
+
+@main.command("tune")
+@click.argument("artifact", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--buckets", help="Row buckets to tune, comma-separated (default: all, 1..512).")
+@click.option("--max-configs", type=click.IntRange(min=1), help="Time at most N configs each.")
+@click.option(
+    "--dtype",
+    type=click.Choice(["bfloat16", "float16"]),
+    default="bfloat16",
+    show_default=True,
+    help="Activation dtype the server will run.",
+)
+def tune_cmd(artifact: Path, buckets: str | None, max_configs: int | None, dtype: str) -> None:
+    """Pin the W4A16 GEMM's tile configs for this GPU into ARTIFACT's manifest.
+
+    Times every config of the kernel's space for each GEMM shape of the model at M in
+    1, 2, 4, ..., 512+ and writes the winners under the GPU's architecture (e.g. sm_90); the
+    server then starts without autotuning. Only manifest.json changes.
+    """
+    import torch
+
+    from lite.tune import tune
+
+    try:
+        chosen = tuple(int(b) for b in _csv(buckets)) or None
+        winners = tune(artifact, chosen, max_configs, getattr(torch, dtype), progress=click.echo)
+    except USER_ERRORS as e:
+        _fail(e)
+    click.echo(f"pinned {len(winners)} GEMM configs in {artifact / 'manifest.json'}")
 
 
 @main.command("inspect")

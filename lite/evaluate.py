@@ -196,8 +196,6 @@ def _require_hub(tasks: tuple[str, ...]) -> None:
 def task_report(plan: EvalPlan, command: str, progress: bool = True) -> dict:
     if not plan.tasks:
         raise EvalError("give --tasks (for example piqa_local,arc_easy_local) or --ppl")
-    if not plan.model:
-        raise EvalError("task evaluation compares against the source: give --model")
     check_artifacts(plan)
     manager = task_manager(plan)
     outputs = {}
@@ -217,7 +215,7 @@ def task_report(plan: EvalPlan, command: str, progress: bool = True) -> dict:
         "include_path": str(plan.include_path) if plan.include_path else None,
         "data_dir": str(plan.data_dir) if plan.data_dir else None,
     }
-    return _report(plan, "tasks", command, settings, task_rows(outputs, BASELINE))
+    return _report(plan, "tasks", command, settings, task_rows(outputs, next(iter(outputs))))
 
 
 def _load(variant: dict, plan: EvalPlan):
@@ -274,7 +272,8 @@ def _evaluate(lm, plan: EvalPlan, manager, progress: bool) -> dict:
 
 
 def task_rows(outputs: dict[str, dict], baseline: str) -> list[dict]:
-    """One row per (task, metric) in the baseline's results; stderr from lm-eval."""
+    """One row per (task, metric) in the baseline's results (the source's, or without one
+    the first variant's); stderr from lm-eval."""
     base = outputs[baseline]
     rows = []
     for task, metrics in base["results"].items():

@@ -168,3 +168,62 @@ def test_serve_and_check_the_real_model(artifacts: dict[str, Path]) -> None:
     )
     assert result.exit_code == 0, result.output
     assert result.output.rstrip().endswith("ok")
+
+
+PIQA = [
+    (
+        "How do I boil an egg?",
+        "Put the egg in boiling water for ten minutes.",
+        "Put the egg in a cold oven for ten seconds.",
+        0,
+    ),
+    (
+        "How do I cool a hot drink quickly?",
+        "Pour it into a pot and heat it.",
+        "Add a few ice cubes to it.",
+        1,
+    ),
+    ("How can I keep bread fresh?", "Store it in a sealed bag.", "Leave it open in the sun.", 0),
+    (
+        "How do I dry wet shoes?",
+        "Put them in the freezer overnight.",
+        "Stuff them with newspaper.",
+        1,
+    ),
+    ("How do I sharpen a pencil?", "Use a pencil sharpener.", "Soak it in water.", 0),
+    ("How do I water a plant?", "Pour sand on its leaves.", "Pour water on the soil.", 1),
+]
+
+
+def test_lite_eval_end_to_end(artifacts: dict[str, Path], tmp_path: Path) -> None:
+    """`lite eval` on the real model with the local PIQA task and --limit: the table printed,
+    results.json consistent with it, report.md and a valid PNG chart, the card updated."""
+    import json
+    import shutil
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "piqa_valid.jsonl").write_text(
+        "".join(json.dumps({"goal": g, "sol1": a, "sol2": b}) + "\n" for g, a, b, _ in PIQA)
+    )
+    (data / "piqa_valid_labels.lst").write_text("".join(f"{y}\n" for *_, y in PIQA))
+    art = tmp_path / "awq"
+    shutil.copytree(artifacts["awq"], art)
+    out = tmp_path / "report"
+    args = ["eval", "--model", "smollm2-135m-instruct", "--artifact", str(art)]
+    args += ["--kv-quant", "none,int8", "--tasks", "piqa_local", "--limit", "5"]
+    args += ["--include-path", str(Path(__file__).parents[1] / "evals" / "tasks")]
+    args += ["--data-dir", str(data), "--output", str(out), "--update-card", "--quiet"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "results.json").read_text())
+    acc = {r["metric"]: r for r in report["rows"]}["acc"]
+    assert acc["samples"] == 5
+    for name in ("source", "awq kv=none", "awq kv=int8"):
+        value = acc["values"][name]
+        assert value in {i / 5 for i in range(6)}
+        assert f"{value:.4f}" in result.output
+    assert "piqa_local" in (out / "report.md").read_text()
+    assert (out / "deltas.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "awq kv=int8" in (art / "README.md").read_text()
+    Artifact(art)  # still verifies

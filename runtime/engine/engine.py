@@ -24,7 +24,7 @@ from runtime.engine.model_runner import ModelRunner
 from runtime.engine.sampler import Sampler, SamplingParams, check_stop, prompt_logprobs
 from runtime.engine.scheduler import Scheduler
 from runtime.engine.sequence import Sequence
-from runtime.kernels import ops
+from runtime.kernels.ops import Backend, select_backend
 from runtime.model.llama import LlamaModel
 
 log = logging.getLogger("liteserve")
@@ -32,10 +32,14 @@ log = logging.getLogger("liteserve")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def auto_dtype() -> torch.dtype:
-    """bf16 where the CPU computes it natively (torch's int4 kernel is fast only in bf16:
-    30x over fp32 at decode, see runtime/kernels/cpu.py), fp32 elsewhere."""
-    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+def auto_dtype(backend: Backend) -> torch.dtype:
+    """On a CPU, bf16 where it is native (torch's int4 kernel is fast only in bf16: 30x over
+    fp32 at decode, see runtime/kernels/cpu.py), fp32 elsewhere. On a GPU bf16 (fp16's range
+    overflows on some models' activations); under the Triton interpreter fp16, which numpy
+    computes exactly where its bf16 support is incomplete."""
+    if backend.name == "cpu":
+        return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    return torch.bfloat16 if backend.device.type == "cuda" else torch.float16
 
 
 class Engine:
@@ -47,9 +51,19 @@ class Engine:
         self.config = config.with_launch_defaults(manifest.launch)
         self.config.validate()
         self.arch = manifest.architecture
-        self.backend = ops.BACKEND
-        self.dtype = auto_dtype() if config.dtype == "auto" else _DTYPES[config.dtype]
-        self.model = LlamaModel(self.artifact, self.dtype, self.config.session_len)
+        requested = self.config.backend
+        self.ops = select_backend(
+            manifest.launch.backend if requested == "auto" else requested, manifest.launch.kernels
+        )
+        self.backend = self.ops.name
+        self.dtype = auto_dtype(self.ops) if config.dtype == "auto" else _DTYPES[config.dtype]
+        if self.dtype not in self.ops.dtypes:
+            names = ", ".join(str(d).removeprefix("torch.") for d in self.ops.dtypes)
+            raise ValueError(
+                f"backend {self.backend} runs {names} activations, not "
+                f"{str(self.dtype).removeprefix('torch.')}; choose one of those as dtype"
+            )
+        self.model = LlamaModel(self.artifact, self.dtype, self.config.session_len, self.ops)
         self.tokenizer = Tokenizer.from_file(str(self.artifact.path / "tokenizer.json"))
         self.eos_ids = tuple(manifest.generation.stop_token_ids or self.arch.eos_token_ids)
         self.kv_spec = KVSpec(
@@ -62,14 +76,14 @@ class Engine:
         )
         self.kv_spec.validate()
         num_blocks = self.config.num_blocks or self._blocks_from_memory()
-        self.cache = KVCache(self.kv_spec, num_blocks)
+        self.cache = KVCache(self.kv_spec, num_blocks, self.ops.device)
         self.blocks = BlockManager(
             num_blocks, self.kv_spec.block_size, self.config.enable_prefix_caching
         )
         self.scheduler = Scheduler(
             self.blocks, self.config.max_batch_size, self.config.max_prefill_token_num
         )
-        self.runner = ModelRunner(self.model, self.cache, self.blocks)
+        self.runner = ModelRunner(self.model, self.cache, self.blocks, self.backend)
         self.sampler = Sampler()
         self._ids = itertools.count()
         self.sequences: dict[int, Sequence] = {}
@@ -87,7 +101,13 @@ class Engine:
     def _blocks_from_memory(self) -> int:
         """cache_max_entry_count of the memory free now, but never more than a full batch of
         full sessions could use, nor less than one session."""
-        free = psutil.virtual_memory().available * self.config.cache_max_entry_count
+        device = self.ops.device
+        available = (
+            torch.cuda.mem_get_info(device)[0]
+            if device.type == "cuda"
+            else psutil.virtual_memory().available
+        )
+        free = available * self.config.cache_max_entry_count
         per_session = -(-self.config.session_len // self.kv_spec.block_size)
         useful = per_session * self.config.max_batch_size
         return max(min(KVCache.num_blocks_for(self.kv_spec, int(free)), useful), per_session)

@@ -20,6 +20,16 @@ class DecodeBatch:
 
 
 @dataclass
+class KernelTensors:
+    """The step's metadata as device tensors, for the GPU kernels (built once per step)."""
+
+    block_tables: torch.Tensor  # int32 [S, max_blocks], padded with block 0
+    context_lens: torch.Tensor  # int32 [S]
+    cu_query_lens: torch.Tensor  # int32 [S + 1]
+    all_decode: bool  # every sequence has one new token
+
+
+@dataclass
 class StepContext:
     """A step runs the new tokens of several sequences, concatenated without padding."""
 
@@ -31,6 +41,7 @@ class StepContext:
     logits_indices: torch.Tensor  # int64: rows of the step whose logits are wanted
     cache: KVCache
     decode: DecodeBatch | None = None  # set when some sequences decode (query_len 1)
+    tensors: KernelTensors | None = None  # set for the GPU backends
 
 
 _current: StepContext | None = None

@@ -53,11 +53,12 @@ class Rotary:
         scaling: dict | None,
         max_positions: int,
         dtype: torch.dtype,
+        device: torch.device | str = "cpu",
     ) -> None:
         inv = inv_frequencies(head_dim, theta, scaling)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv)
-        self.cos = angles.cos().to(dtype)
-        self.sin = angles.sin().to(dtype)
+        self.cos = angles.cos().to(device, dtype)
+        self.sin = angles.sin().to(device, dtype)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, head_dim/2] for a step's positions: looked up once, used by every

@@ -1,0 +1,409 @@
+"""W4A16 GEMM in Triton, reading the artifact's packed int4 layout (``lsq4-mma16x16-v1``) as is.
+
+``y[M, N] = x[M, K] @ W_hat^T`` with ``W_hat[n, k] = q[n, k] * s + b`` taken straight from the
+artifact's ``qweight`` / ``qparams`` (docs/artifact-layout.md); nothing is repacked at load.
+
+Each program owns a ``BLOCK_M x BLOCK_N`` tile of y and one slice of K. Per ``BLOCK_K`` step it
+loads the packed words of the weight tile (each word once), expands them to int4 codes in
+registers, dequantizes every code with one fp32 FMA ``q * s + b`` (the group's fp16 ``(s, b)``
+widened), rounds the weight once to x's dtype and accumulates ``tl.dot`` with the x tile in fp32.
+
+Unpacking, and why this way. A word holds 8 codes of one 16 x 16 tile that differ only in the
+local bits k3, k0 and n3 (docs section 4); the other bits (kt, k2, k1) and (nt, n2, n1, n0) pick
+the word. So the words form a plain 2-D ``[BLOCK_K / 4, BLOCK_N / 2]`` grid, and broadcasting each
+word over a 4 x 2 block (rows k3 k0, columns n3) then shifting by ``4 * (4 k0 + 2 n3 + k3)``
+yields a ``[BLOCK_K, BLOCK_N]`` code tile whose rows and columns are k and n permuted within each
+16. A dot product is indifferent to the order of k as long as x is loaded in the same order, and
+the permuted columns only change where the qparams are read and the outputs stored, so the layout
+is consumed with index arithmetic and one broadcast-reshape. Word loads stay contiguous in runs
+of 4 (16-byte vectors) and x in k0 pairs (4 bytes). The alternatives cost more: gathering every
+element's word issues 8 loads per word, and restoring natural order means the rank-10
+reshape/permute of the reference unpacker, a large layout shuffle in the kernel.
+
+Config rules (:class:`GemmConfig`):
+
+* ``block_m``, ``block_n``, ``block_k`` are powers of two >= 16 (``tl.dot``'s minimum and the
+  16 x 16 tile), at most 256, 256 and 128;
+* ``group_size % block_k == 0``: a k-step never straddles a quantization group, so the
+  ``(s, b)`` of a step is one ``[BLOCK_N]`` vector per column instead of a full tile;
+* ``split_k`` (1..64) cuts the k-steps into that many contiguous slices, one program each
+  (fewer when there are fewer k-steps: no slice is left empty).
+  Partial sums go to an fp32 buffer ``[split_k, M, N]`` that torch sums over the first axis
+  afterwards: results are bit-for-bit reproducible, unlike ``tl.atomic_add``, whose order of
+  arrival varies, and the extra traffic is negligible at the decode-sized M where split-K pays;
+* ``num_warps`` in {1, 2, 4, 8, 16}, ``num_stages`` 1..8 (software pipelining depth).
+
+:func:`config_space` lists, per M bucket, the configs worth autotuning for a weight shape;
+:func:`heuristic_config` picks one of them when the manifest pins none.
+
+Under ``TRITON_INTERPRET=1`` (triton 3.6) ``tl.dot`` multiplies bf16 operands as their raw
+uint16 storage, so there bf16 tiles are widened to fp32 for the dot: exact, since a product of
+two bf16 values is exact in fp32. Compiled kernels always take the native bf16 dot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from itertools import product
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from runtime.artifact.layout import GROUP_SIZES, N_ALIGN, TILE, padded_shape
+
+M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # 512 means 512+
+ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
+
+_GROUP_M = 8  # programs sharing a weight column block run back to back (L2 reuse)
+_TARGET_PROGRAMS = 128  # about one wave on an H100/H200; split-K fills the GPU up to this
+_MAX_BLOCK = {"block_m": 256, "block_n": 256, "block_k": 128}
+_MAX_SPLIT_K = 64
+# Accumulator plus expanded code tile, in elements per thread, that ptxas holds without spilling
+# at sm_90 (found by compiling every config offline; 128x128x64 on 4 warps, 192, spills).
+_MAX_LIVE_PER_THREAD = 160
+_NUM_WARPS = (1, 2, 4, 8, 16)
+_MAX_STAGES = 8
+
+
+def _is_pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Launch configuration of :func:`w4a16_gemm`; the rules are in the module docstring."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"{f.name} must be an int, got {v!r}")
+        for name, hi in _MAX_BLOCK.items():
+            v = getattr(self, name)
+            if not (_is_pow2(v) and TILE <= v <= hi):
+                raise ValueError(f"{name} must be a power of two in {TILE}..{hi}, got {v}")
+        if not 1 <= self.split_k <= _MAX_SPLIT_K:
+            raise ValueError(f"split_k must be in 1..{_MAX_SPLIT_K}, got {self.split_k}")
+        if self.num_warps not in _NUM_WARPS:
+            raise ValueError(f"num_warps must be one of {_NUM_WARPS}, got {self.num_warps}")
+        if not 1 <= self.num_stages <= _MAX_STAGES:
+            raise ValueError(f"num_stages must be in 1..{_MAX_STAGES}, got {self.num_stages}")
+
+    def to_dict(self) -> dict[str, int]:
+        """The manifest's pinned launch config form."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, object]) -> GemmConfig:
+        """Inverse of :meth:`to_dict`; a ValueError names any missing, unknown or bad key."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"GemmConfig needs a mapping, got {type(d).__name__}")
+        names = [f.name for f in fields(cls)]
+        missing = [name for name in names if name not in d]
+        unknown = sorted(str(key) for key in d if key not in names)
+        if missing:
+            raise ValueError(f"GemmConfig is missing key(s) {missing}")
+        if unknown:
+            raise ValueError(f"GemmConfig got unknown key(s) {unknown}")
+        return cls(**{name: d[name] for name in names})
+
+    def check_group_size(self, group_size: int) -> None:
+        """Raise ValueError unless every k-step lies inside one quantization group."""
+        if group_size % self.block_k != 0:
+            raise ValueError(
+                f"block_k={self.block_k} does not divide group_size={group_size}: "
+                "a k-step must lie inside one quantization group"
+            )
+
+
+def m_bucket(m: int) -> int:
+    """The bucket of a row count: the smallest bucket >= m, and 512 for every m > 256."""
+    if m < 1:
+        raise ValueError(f"row count must be >= 1, got {m}")
+    return next((b for b in M_BUCKETS if m <= b), M_BUCKETS[-1])
+
+
+def _space_axes(bucket: int) -> dict[str, tuple[int, ...]]:
+    """Candidate values per config field for one M bucket, before per-shape pruning."""
+    if bucket <= 16:  # decode: one 16-row tile, parallelism and bandwidth come from split-K
+        return {
+            "block_m": (16,),
+            "block_n": (32, 64, 128),
+            "block_k": (32, 64, 128),
+            "split_k": (1, 2, 4, 8),
+            "num_warps": (4,),
+            "num_stages": (2, 4),
+        }
+    if bucket <= 64:
+        return {
+            "block_m": (32, 64),
+            "block_n": (64, 128),
+            "block_k": (32, 64),
+            "split_k": (1, 2, 4),
+            "num_warps": (4,),
+            "num_stages": (3, 4),
+        }
+    return {
+        "block_m": (64, 128),
+        "block_n": (64, 128),
+        "block_k": (32, 64),
+        "split_k": (1,),
+        "num_warps": (4, 8),
+        "num_stages": (3, 4),
+    }
+
+
+def _fits_registers(cfg: GemmConfig) -> bool:
+    live = (cfg.block_m + cfg.block_k) * cfg.block_n  # fp32 accumulator + int32 code tile
+    return live <= _MAX_LIVE_PER_THREAD * 32 * cfg.num_warps
+
+
+def config_space(m: int, n: int, k: int, group_size: int) -> list[GemmConfig]:
+    """The autotune space for m's bucket and the weight (n, k, group_size).
+
+    Pruned to configs that are valid for group_size and not wasteful for the shape: block_m
+    at most the bucket (16 minimum), block_n at most N padded to 64, split_k at most the
+    number of k-steps, and no more live tile elements per thread than fit in registers.
+    """
+    np_, _ = padded_shape(n, k, group_size)
+    bucket = m_bucket(m)
+    axes = _space_axes(bucket)
+    configs = []
+    for values in product(*axes.values()):
+        cfg = GemmConfig(**dict(zip(axes, values, strict=True)))
+        if (
+            group_size % cfg.block_k == 0
+            and cfg.block_m <= max(TILE, bucket)
+            and cfg.block_n <= np_
+            and cfg.split_k <= triton.cdiv(k, cfg.block_k)
+            and _fits_registers(cfg)
+        ):
+            configs.append(cfg)
+    return configs
+
+
+def _split_for(tiles: int, k_steps: int, max_split: int) -> int:
+    """Double split_k while the grid is under one wave and each slice keeps >= 2 k-steps."""
+    split = 1
+    while split < max_split and tiles * split < _TARGET_PROGRAMS and k_steps >= 4 * split:
+        split *= 2
+    return split
+
+
+def heuristic_config(m: int, n: int, k: int, group_size: int) -> GemmConfig:
+    """A reasonable config when no pinned one exists; always a member of config_space."""
+    np_, _ = padded_shape(n, k, group_size)
+    bucket = m_bucket(m)
+    if bucket <= 64:
+        block_m = max(TILE, bucket)
+        block_k = min(group_size, 128 if bucket <= 16 else 64)
+        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, 64)
+        split = _split_for(tiles, triton.cdiv(k, block_k), 8 if bucket <= 16 else 4)
+        stages = 4 if bucket <= 16 else 3
+        return GemmConfig(block_m, 64, block_k, split, 4, stages)
+    block_m = 128 if bucket >= 256 else 64
+    block_n = 128 if np_ >= 128 else 64
+    warps = 8 if block_m * block_n >= 128 * 128 else 4
+    return GemmConfig(block_m, block_n, min(group_size, 64), 1, warps, 3)
+
+
+@triton.jit
+def _w4a16_kernel(
+    x_ptr,
+    qw_ptr,
+    qp_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    steps_per_split,
+    stride_xm,
+    stride_xk,
+    stride_qwk,
+    stride_qwn,
+    stride_qpg,
+    stride_qpn,
+    stride_qpc,
+    stride_os,
+    stride_om,
+    stride_on,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    # Grouped program order: GROUP_M row blocks sweep the same weight columns together.
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_m
+    pid_n = (pid % in_group) // group_m
+
+    # Index arithmetic uses // and % (not shifts and masks) so that the compiler's axis analysis
+    # sees the contiguous runs: the 4 words of a row quad, the k0 pairs of x.
+    # Tile row i = 4 r + 2 k3 + k0 holds local k = 16 (i // 16) + 8 k3 + 2 (k2 k1) + k0.
+    i = tl.arange(0, BLOCK_K)
+    k_perm = (i // 16) * 16 + (i // 2 % 2) * 8 + (i // 4 % 4) * 2 + i % 2
+    k_perm = tl.max_contiguous(tl.multiple_of(k_perm, 2), 2)
+    row_shift = 16 * (i % 2) + 4 * (i // 2 % 2)  # nibble p = 4 k0 + 2 n3 + k3
+    # Tile column j = 2 c + n3 holds n = pid_n * BLOCK_N + 16 (j // 16) + 8 n3 + (n2 n1 n0).
+    j = tl.arange(0, BLOCK_N)
+    offs_n = pid_n * BLOCK_N + (j // 16) * 16 + (j % 2) * 8 + j // 2 % 8
+    col_shift = 8 * (j % 2)
+    n_mask = offs_n < N
+    # Word grid: row r = (kt, k2 k1), column c = (nt, n2 n1 n0); word t = 4 (n2 n1 n0) + k2 k1.
+    r = tl.arange(0, BLOCK_K // 4)
+    c = tl.arange(0, BLOCK_N // 2)
+    word_n = pid_n * BLOCK_N + (c // 8) * 16 + c % 8  # the n3 = 0 column of each word
+    word_cols = (pid_n * (BLOCK_N // 16) + c // 8) * 32 + (c % 8) * 4
+    word_ptrs = (
+        qw_ptr
+        + (r // 4)[:, None] * stride_qwk
+        + ((r % 4)[:, None] + word_cols[None, :]) * stride_qwn
+    )
+    word_mask = (word_n < N)[None, :]
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    m_mask = offs_m < M
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    step_begin = pid_k * steps_per_split
+    step_end = tl.minimum(step_begin + steps_per_split, tl.cdiv(K, BLOCK_K))
+    for step in range(step_begin, step_end):
+        k0 = step * BLOCK_K
+        offs_k = k0 + k_perm
+        xt = tl.load(
+            x_rows + offs_k[None, :] * stride_xk,
+            mask=m_mask[:, None] & (offs_k < K)[None, :],
+            other=0.0,
+        )
+        words = tl.load(word_ptrs + step * (BLOCK_K // 16) * stride_qwk, mask=word_mask, other=0)
+        rep = tl.broadcast_to(words[:, None, :, None], (BLOCK_K // 4, 4, BLOCK_N // 2, 2))
+        rep = tl.reshape(rep, (BLOCK_K, BLOCK_N))
+        # Arithmetic >> sign-extends negative words, but & 0xF keeps exactly the nibble.
+        codes = (rep >> (row_shift[:, None] + col_shift[None, :])) & 0xF
+        qp = qp_ptr + (k0 // GROUP_SIZE) * stride_qpg + offs_n * stride_qpn
+        s = tl.load(qp, mask=n_mask, other=0.0).to(tl.float32)
+        b = tl.load(qp + stride_qpc, mask=n_mask, other=0.0).to(tl.float32)
+        w = tl.fma(codes.to(tl.float32), s[None, :], b[None, :]).to(xt.dtype)
+        if DOT_FP32:
+            acc = tl.dot(xt.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xt, w, acc)
+
+    out = (
+        out_ptr
+        + pid_k.to(tl.int64) * stride_os
+        + offs_m.to(tl.int64)[:, None] * stride_om
+        + offs_n[None, :] * stride_on
+    )
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _check_inputs(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qparams: torch.Tensor,
+    n: int,
+    k: int,
+    group_size: int,
+) -> None:
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size!r}")
+    if n < 1 or k < 1:
+        raise ValueError(f"n and k must be positive, got n={n}, k={k}")
+    if x.dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"x must be float16 or bfloat16, got {x.dtype}")
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [M, K={k}], got shape {tuple(x.shape)}")
+    np_, kp = padded_shape(n, k, group_size)
+    qw_shape = (kp // TILE, 2 * np_)
+    if qweight.dtype != torch.int32 or tuple(qweight.shape) != qw_shape:
+        raise ValueError(
+            f"qweight must be int32 {list(qw_shape)} for N={n}, K={k}, group_size={group_size} "
+            f"(N padded to {N_ALIGN}, K to the group), got {qweight.dtype} {list(qweight.shape)}"
+        )
+    qp_shape = (kp // group_size, np_, 2)
+    if qparams.dtype != torch.float16 or tuple(qparams.shape) != qp_shape:
+        raise ValueError(
+            f"qparams must be float16 {list(qp_shape)} for N={n}, K={k}, "
+            f"group_size={group_size}, got {qparams.dtype} {list(qparams.shape)}"
+        )
+    if not (x.device == qweight.device == qparams.device):
+        raise ValueError(
+            f"x, qweight and qparams must share a device, got {x.device}, {qweight.device}, "
+            f"{qparams.device}"
+        )
+
+
+def w4a16_gemm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qparams: torch.Tensor,
+    n: int,
+    k: int,
+    group_size: int,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """x [M, K] fp16 or bf16 (any strides) -> y [M, N] in x.dtype.
+
+    qweight / qparams are the artifact's tensors for a linear of logical shape [n, k] (or an
+    N-shard of them); config defaults to :func:`heuristic_config`.
+    """
+    _check_inputs(x, qweight, qparams, n, k, group_size)
+    if config is not None:
+        config.check_group_size(group_size)
+    m = x.shape[0]
+    if m == 0:
+        return x.new_empty((0, n))
+    cfg = config if config is not None else heuristic_config(m, n, k, group_size)
+    k_steps = triton.cdiv(k, cfg.block_k)
+    steps_per_split = triton.cdiv(k_steps, cfg.split_k)
+    splits = triton.cdiv(k_steps, steps_per_split)  # no slice is left empty
+    if splits == 1:
+        out = torch.empty((1, m, n), dtype=x.dtype, device=x.device)
+    else:
+        out = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), splits)
+    _w4a16_kernel[grid](
+        x,
+        qweight,
+        qparams,
+        out,
+        m,
+        n,
+        k,
+        steps_per_split,
+        *x.stride(),
+        *qweight.stride(),
+        *qparams.stride(),
+        *out.stride(),
+        GROUP_SIZE=group_size,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=_GROUP_M,
+        DOT_FP32=isinstance(_w4a16_kernel, InterpretedFunction) and x.dtype == torch.bfloat16,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if splits == 1:
+        return out[0]
+    return out.sum(dim=0).to(x.dtype)

@@ -1,0 +1,258 @@
+"""The W4A16 Triton GEMM against the pure-torch layout reference.
+
+Weights are random codes, scales and zeros packed with ``pack_qweight`` / ``pack_qparams`` exactly
+as the artifact writer does, and the kernel reads those tensors as they are. Without CUDA the
+kernel runs under ``TRITON_INTERPRET=1`` (set by conftest), so shapes stay small.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from runtime.artifact.layout import dequantize, pack_qparams, pack_qweight
+from runtime.kernels.triton.gemm import (
+    M_BUCKETS,
+    GemmConfig,
+    config_space,
+    heuristic_config,
+    m_bucket,
+    w4a16_gemm,
+)
+
+F16, BF16 = torch.float16, torch.bfloat16
+# Norm-relative error bound against the fp64 product with the reference W_hat: 2 * eps(dtype).
+# The kernel rounds each dequantized weight to x's dtype and the output once more. Each rounding
+# is below eps relative (half of it with round-to-nearest on a GPU; the interpreter truncates
+# fp32 -> bf16, a full eps), the weight roundings are independent across the K terms, and fp32
+# accumulation adds ~K * 2^-24. Seen: at most 3.3e-4 for fp16 (bound 1.95e-3), 6.3e-3 for bf16
+# (bound 1.56e-2; fewest outputs at M = 1, N = 40).
+TOL = {dt: 2 * torch.finfo(dt).eps for dt in (F16, BF16)}
+
+
+def make_weight(
+    n: int, k: int, group_size: int, device: str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random codes, zeros and scales of a realistic magnitude, packed as the writer packs them."""
+    groups = -(-k // group_size)
+    q = torch.randint(0, 16, (n, k), dtype=torch.int32)
+    scale = torch.rand(n, groups) * 0.02 + 0.002
+    zero = torch.randint(0, 16, (n, groups), dtype=torch.int32)
+    qweight = pack_qweight(q, group_size)
+    qparams = pack_qparams(scale, zero, group_size, k)
+    return qweight.to(device), qparams.to(device)
+
+
+def rel_error(
+    y: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, qparams: torch.Tensor, gs: int
+) -> float:
+    n, k = y.shape[1], x.shape[1]
+    ref = x.double() @ dequantize(qweight, qparams, n, k, gs).double().T
+    return ((y.double() - ref).norm() / ref.norm()).item()
+
+
+# (M, N, K, group_size, dtype): M edges 1, 3, 17; N 40 and 72 (not multiples of 64); K 80, 130,
+# 200 not multiples of their group size, so qweight / qparams carry padded rows.
+CASES = [
+    (1, 72, 80, 32, F16),
+    (3, 40, 200, 64, BF16),
+    (17, 72, 130, 128, F16),
+    (17, 40, 80, 32, BF16),
+    (1, 40, 130, 128, BF16),
+    (3, 72, 200, 64, F16),
+]
+# None: heuristic_config. block_k 32 divides every group size; split_k 3 leaves a short last slice.
+CONFIGS = {
+    "heuristic": None,
+    "split1": GemmConfig(block_m=16, block_n=32, block_k=32, split_k=1, num_warps=4, num_stages=2),
+    "split3": GemmConfig(block_m=16, block_n=64, block_k=32, split_k=3, num_warps=4, num_stages=2),
+    "bm32": GemmConfig(block_m=32, block_n=64, block_k=32, split_k=2, num_warps=4, num_stages=3),
+}
+
+
+@pytest.mark.parametrize("config_name", list(CONFIGS))
+@pytest.mark.parametrize(("m", "n", "k", "gs", "dtype"), CASES)
+def test_matches_reference(
+    m: int, n: int, k: int, gs: int, dtype: torch.dtype, config_name: str
+) -> None:
+    torch.manual_seed(1000 * m + 10 * n + k)
+    qweight, qparams = make_weight(n, k, gs)
+    x = torch.randn(m, k, dtype=dtype)
+    y = w4a16_gemm(x, qweight, qparams, n, k, gs, CONFIGS[config_name])
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert rel_error(y, x, qweight, qparams, gs) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_space_configs_agree(dtype: torch.dtype) -> None:
+    """Different tiles and split-K only reorder the fp32 sums: outputs differ by <= 1 ulp."""
+    torch.manual_seed(7)
+    m, n, k, gs = 3, 72, 200, 64
+    qweight, qparams = make_weight(n, k, gs)
+    x = torch.randn(m, k, dtype=dtype)
+    space = config_space(m, n, k, gs)
+    first, last = space[0], space[-1]
+    assert first.block_n != last.block_n and first.split_k != last.split_k
+    y1 = w4a16_gemm(x, qweight, qparams, n, k, gs, first).float()
+    y2 = w4a16_gemm(x, qweight, qparams, n, k, gs, last).float()
+    assert (y1 - y2).abs().max() <= torch.finfo(dtype).eps * y1.abs().max()
+    assert rel_error(y2, x, qweight, qparams, gs) < TOL[dtype]
+
+
+def test_split_k_is_deterministic() -> None:
+    torch.manual_seed(8)
+    n, k, gs = 40, 200, 64
+    qweight, qparams = make_weight(n, k, gs)
+    x = torch.randn(2, k, dtype=BF16)
+    cfg = CONFIGS["split3"]
+    y1 = w4a16_gemm(x, qweight, qparams, n, k, gs, cfg)
+    y2 = w4a16_gemm(x, qweight, qparams, n, k, gs, cfg)
+    assert torch.equal(y1, y2)
+
+
+def test_strided_views() -> None:
+    """A column slice of x and an N-shard of the packed tensors (docs section 8) are views."""
+    torch.manual_seed(9)
+    n, k, gs = 136, 80, 32
+    qweight, qparams = make_weight(n, k, gs)
+    wide = torch.randn(3, k + 24, dtype=F16)
+    x = wide[:, 5 : 5 + k]
+    shard_w, shard_p = qweight[:, 128:], qparams[:, 64:]  # columns 64..135: N = 72
+    assert not shard_w.is_contiguous() and not x.is_contiguous()
+    y = w4a16_gemm(x, shard_w, shard_p, 72, k, gs, CONFIGS["split3"])
+    ref = x.double() @ dequantize(qweight, qparams, n, k, gs)[64:].double().T
+    assert ((y.double() - ref).norm() / ref.norm()).item() < TOL[F16]
+
+
+def test_empty_batch() -> None:
+    qweight, qparams = make_weight(40, 80, 32)
+    y = w4a16_gemm(torch.empty(0, 80, dtype=F16), qweight, qparams, 40, 80, 32)
+    assert y.shape == (0, 40) and y.dtype == F16
+
+
+@pytest.mark.parametrize("gs", [32, 64, 128])
+def test_config_space_is_valid(gs: int) -> None:
+    for m in M_BUCKETS + (3, 300, 5000):
+        for n, k in [(40, 80), (72, 200), (4096, 4096)]:
+            space = config_space(m, n, k, gs)
+            assert space and len(set(space)) == len(space)
+            for cfg in space:
+                cfg.check_group_size(gs)
+                assert GemmConfig.from_dict(cfg.to_dict()) == cfg
+                assert cfg.split_k <= -(-k // cfg.block_k)
+            assert heuristic_config(m, n, k, gs) in space
+
+
+@pytest.mark.parametrize("gs", [32, 64, 128])
+@pytest.mark.parametrize("m", [1, 33, 130])
+def test_space_configs_run(m: int, gs: int) -> None:
+    """About 4 configs spread over a bucket's space (all of them run in the GPU test)."""
+    torch.manual_seed(m + gs)
+    n, k = 72, 200
+    qweight, qparams = make_weight(n, k, gs)
+    x = torch.randn(m, k, dtype=F16)
+    space = config_space(m, n, k, gs)
+    for cfg in space[:: max(1, len(space) // 4)]:
+        y = w4a16_gemm(x, qweight, qparams, n, k, gs, cfg)
+        assert rel_error(y, x, qweight, qparams, gs) < TOL[F16], cfg
+
+
+def test_config_round_trip() -> None:
+    cfg = GemmConfig(block_m=32, block_n=128, block_k=64, split_k=4, num_warps=8, num_stages=3)
+    d = cfg.to_dict()
+    assert d == {
+        "block_m": 32,
+        "block_n": 128,
+        "block_k": 64,
+        "split_k": 4,
+        "num_warps": 8,
+        "num_stages": 3,
+    }
+    assert GemmConfig.from_dict(d) == cfg
+
+
+GOOD = CONFIGS["split3"].to_dict()
+
+
+@pytest.mark.parametrize(
+    ("d", "key"),
+    [
+        ({k: v for k, v in GOOD.items() if k != "split_k"}, "split_k"),
+        (GOOD | {"block_q": 16}, "block_q"),
+        (GOOD | {"block_n": "64"}, "block_n"),
+        (GOOD | {"num_stages": True}, "num_stages"),
+        (GOOD | {"block_k": 48}, "block_k"),
+        (GOOD | {"block_m": 8}, "block_m"),
+        (GOOD | {"block_k": 256}, "block_k"),
+        (GOOD | {"split_k": 0}, "split_k"),
+        (GOOD | {"num_warps": 3}, "num_warps"),
+        (GOOD | {"num_stages": 0}, "num_stages"),
+    ],
+)
+def test_config_from_dict_errors(d: dict, key: str) -> None:
+    with pytest.raises(ValueError, match=key):
+        GemmConfig.from_dict(d)
+
+
+@pytest.mark.parametrize(
+    ("m", "bucket"),
+    [(1, 1), (2, 2), (3, 4), (5, 8), (16, 16), (17, 32), (256, 256), (257, 512), (512, 512)]
+    + [(513, 512), (100_000, 512)],
+)
+def test_m_bucket(m: int, bucket: int) -> None:
+    assert m_bucket(m) == bucket
+
+
+def test_m_bucket_rejects_zero() -> None:
+    with pytest.raises(ValueError, match="row count"):
+        m_bucket(0)
+
+
+Args = dict[str, object]
+BAD_INPUTS: dict[str, tuple[Callable[[Args], Args], str]] = {
+    "fp32 x": (lambda a: a | {"x": a["x"].float()}, "float16 or bfloat16"),
+    "wrong K": (lambda a: a | {"x": torch.randn(2, 81, dtype=F16)}, r"K=80"),
+    "1-D x": (lambda a: a | {"x": torch.randn(80, dtype=F16)}, r"\[M, K=80\]"),
+    "qweight of another N": (lambda a: a | {"n": 200}, "qweight"),
+    "qweight of another group": (lambda a: a | {"group_size": 128}, "qweight"),
+    "fp32 qparams": (lambda a: a | {"qparams": a["qparams"].float()}, "qparams"),
+    "group size 48": (lambda a: a | {"group_size": 48}, "group_size"),
+    "block_k over the group": (
+        lambda a: a | {"config": GemmConfig(16, 64, 64, 1, 4, 2)},
+        "block_k=64 does not divide group_size=32",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_inputs(case: str) -> None:
+    qweight, qparams = make_weight(40, 80, 32)
+    args: Args = {
+        "x": torch.randn(2, 80, dtype=F16),
+        "qweight": qweight,
+        "qparams": qparams,
+        "n": 40,
+        "k": 80,
+        "group_size": 32,
+        "config": None,
+    }
+    mutate, message = BAD_INPUTS[case]
+    with pytest.raises(ValueError, match=message):
+        w4a16_gemm(**mutate(args))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize(("n", "k", "gs"), [(4136, 4096, 128), (1000, 2000, 64), (576, 1536, 32)])
+def test_gpu_every_config(n: int, k: int, gs: int, dtype: torch.dtype) -> None:
+    """Compiled kernels at real sizes: every config of every bucket, and the heuristic."""
+    torch.manual_seed(n + k)
+    qweight, qparams = make_weight(n, k, gs, "cuda")
+    for m in (1, 7, 16, 40, 300):
+        x = torch.randn(m, k, dtype=dtype, device="cuda")
+        for cfg in [None, *config_space(m, n, k, gs)]:
+            y = w4a16_gemm(x, qweight, qparams, n, k, gs, cfg)
+            assert rel_error(y, x, qweight, qparams, gs) < TOL[dtype], (m, cfg)
