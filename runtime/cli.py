@@ -52,6 +52,17 @@ def _engine_options(f):
             click.option("--cache-max-entry-count", type=float, default=0.8, show_default=True),
             click.option("--enable-prefix-caching", is_flag=True),
             click.option(
+                "--backend",
+                type=click.Choice(["auto", "cpu", "triton", "cuda"]),
+                help="Kernels (default: the artifact's launch config, auto = triton on a "
+                "CUDA GPU, cpu otherwise).",
+            ),
+            click.option(
+                "--dtype",
+                type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+                help="Activations (default auto: the backend's fastest).",
+            ),
+            click.option(
                 "--chat-template",
                 type=click.Path(exists=True, dir_okay=False, path_type=Path),
                 help="Override the artifact's chat template.",
@@ -285,8 +296,8 @@ def check_cmd(artifact: Path, max_new_tokens: int, **kw) -> None:
     engine = pipe.engine
     click.echo(f"artifact  {artifact} ({engine.artifact.manifest.source.id})")
     click.echo(
-        f"backend   {engine.backend}, {str(engine.dtype).removeprefix('torch.')} "
-        f"activations, kv {engine.config.kv_quant}"
+        f"backend   {engine.backend} ({engine.ops.detail}), "
+        f"{str(engine.dtype).removeprefix('torch.')} activations, kv {engine.config.kv_quant}"
     )
     if pipe.chat_template is None:
         raise click.ClickException("no chat template in the artifact (give --chat-template)")

@@ -449,7 +449,8 @@ def test_sse_wire_format(http: httpx2.Client, chat: bool) -> None:
 def test_health_version_metrics_are_open(srv: Served, http: httpx2.Client) -> None:
     http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 3})
     h = httpx2.get(srv.url + "/health")  # no key: probes stay open
-    assert h.status_code == 200 and h.json() == {"status": "ok", "backend": srv.engine.backend}
+    assert h.status_code == 200
+    assert h.json() == {"status": "ok", "backend": "cpu", "kernels": srv.engine.ops.detail}
     assert httpx2.get(srv.url + "/version").json() == {"version": __version__}
     r = httpx2.get(srv.url + "/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
@@ -886,5 +887,5 @@ def test_check_passes_when_the_reply_ends_on_an_end_token(artifact: Path, tmp_pa
     (art / "manifest.json").write_text(json.dumps(manifest))
     r = CliRunner().invoke(runtime_main, ["check", str(art), *CHECK])
     assert r.exit_code == 0, r.output
-    assert "backend   " in r.output and "(1 tokens, finish stop)" in r.output
+    assert "backend   cpu (torch " in r.output and "(1 tokens, finish stop)" in r.output
     assert r.output.rstrip().endswith("ok")

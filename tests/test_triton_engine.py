@@ -93,3 +93,16 @@ def test_lite_tune_pins_configs_the_backend_uses(rtn_artifact: Path, tmp_path: P
     assert qkv.config(1) == GemmConfig.from_dict(pinned["w4a16/N256xK96/m1"])
     bad = CliRunner().invoke(main, ["tune", str(art), "--buckets", "3"])
     assert bad.exit_code != 0 and "row buckets" in bad.output
+
+
+def test_runtime_cli_reports_the_triton_backend(rtn_artifact: Path, caplog) -> None:
+    from runtime.cli import main as runtime_main
+
+    args = ["-v", "generate", str(rtn_artifact), "--backend", "triton", "--dtype", "float16"]
+    args += ["--prompt", "def add(a, b):", "--raw", "--max-new-tokens", "3", "--num-blocks", "8"]
+    with caplog.at_level("INFO"):
+        r = CliRunner().invoke(runtime_main, args)
+    assert r.exit_code == 0, r.output
+    assert "backend triton (interpreter: heuristics), float16 activations" in caplog.text
+    bad = CliRunner().invoke(runtime_main, [a if a != "triton" else "cuda" for a in args[1:]])
+    assert bad.exit_code != 0 and "not built" in bad.output

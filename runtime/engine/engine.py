@@ -88,8 +88,10 @@ class Engine:
         self._ids = itertools.count()
         self.sequences: dict[int, Sequence] = {}
         log.info(
-            "backend %s, %s activations, kv %s: %d bytes/token, %d blocks of %d, %d tokens fit",
+            "backend %s (%s), %s activations, kv %s: %d bytes/token, %d blocks of %d, "
+            "%d tokens fit",
             self.backend,
+            self.ops.detail,
             str(self.dtype).removeprefix("torch."),
             self.config.kv_quant,
             self.kv_spec.bytes_per_token(),

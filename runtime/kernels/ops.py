@@ -35,6 +35,7 @@ class Backend:
     # kv_write(cache, layer, k, v, slot_mapping)
     kv_write: Callable[..., None]
     dtypes: tuple[torch.dtype, ...]  # activation dtypes it supports
+    detail: str = ""  # what it runs on, for logs, /health and `runtime check`
 
 
 def interpreting() -> bool:
@@ -92,4 +93,5 @@ def _cpu() -> Backend:
         rms_norm=cpu.rms_norm,
         kv_write=lambda cache, layer, k, v, slots: cache.write(layer, k, v, slots),
         dtypes=(torch.float32, torch.bfloat16, torch.float16),
+        detail=f"torch {torch.__version__} on the CPU ({torch.get_num_threads()} threads)",
     )

@@ -153,7 +153,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def health() -> Response:
         if not engine.alive or state.draining:
             return _error(503, "not serving", "service_unavailable")
-        return JSONResponse({"status": "ok", "backend": engine.engine.backend})
+        e = engine.engine
+        return JSONResponse({"status": "ok", "backend": e.backend, "kernels": e.ops.detail})
 
     @app.get("/version")
     async def version() -> dict:

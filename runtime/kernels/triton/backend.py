@@ -149,4 +149,5 @@ def triton_backend(device: torch.device, kernels: dict[str, dict[str, dict[str, 
         rms_norm=cpu.rms_norm,  # torch's fused rms_norm runs on the GPU as well
         kv_write=_kv_write,
         dtypes=(torch.float16, torch.bfloat16),
+        detail=f"{arch}: {len(pinned)} pinned GEMM configs" if pinned else f"{arch}: heuristics",
     )
