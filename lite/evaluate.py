@@ -281,8 +281,8 @@ def task_rows(outputs: dict[str, dict], baseline: str) -> list[dict]:
         samples = base.get("n-samples", {}).get(task, {}).get("effective")
         for key, value in metrics.items():
             metric, _, flt = key.partition(",")
-            if metric.endswith("_stderr") or not isinstance(value, (int, float)):
-                continue
+            if metric not in better or not isinstance(value, (int, float)):
+                continue  # stderr entries and bookkeeping such as sample_len
             stderr_key = f"{metric}_stderr,{flt}"
             rows.append(
                 {
