@@ -335,7 +335,7 @@ def _run_eval(
     try:
         if ppl:
             windows = None if plan.limit is None else max(1, int(plan.limit))
-            report = ppl_report(plan, command, text_file, seqlen, windows)
+            report = ppl_report(plan, command, text_file, seqlen, windows, progress=not quiet)
         else:
             report = task_report(plan, command, progress=not quiet)
     except USER_ERRORS as e:

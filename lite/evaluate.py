@@ -102,7 +102,12 @@ def check_artifacts(plan: EvalPlan) -> None:
 
 
 def ppl_report(
-    plan: EvalPlan, command: str, text_file: Path | None, seqlen: int, limit: int | None
+    plan: EvalPlan,
+    command: str,
+    text_file: Path | None,
+    seqlen: int,
+    limit: int | None,
+    progress: bool = True,
 ) -> dict:
     check_artifacts(plan)
     results = run_ppl(
@@ -114,6 +119,7 @@ def ppl_report(
         plan.kv_quants,
         plan.dtype,
         batch_size=min(plan.batch_size, 4),
+        progress=progress,
     )
     names = [v["name"] for v in plan.variants()]
     task = text_file.name if text_file else "pydoc-heldout"

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from tqdm import tqdm
 
 if TYPE_CHECKING:
     from runtime.engine.engine import Engine
@@ -113,11 +114,18 @@ def windows(tokens: torch.Tensor, seqlen: int, limit: int | None = None) -> torc
 
 @torch.inference_mode()
 def compare(
-    names: list[str], scorers: list[Logits], batches: torch.Tensor, batch_size: int = 4
+    names: list[str],
+    scorers: list[Logits],
+    batches: torch.Tensor,
+    batch_size: int = 4,
+    progress: bool = False,
 ) -> list[PerplexityResult]:
     """Score every window with every model; the first is the baseline of KL and top-1."""
     stats = [WindowStats() for _ in scorers]
-    for i in range(0, len(batches), batch_size):
+    starts = range(0, len(batches), batch_size)
+    for i in tqdm(
+        starts, desc=f"{len(batches)} windows x {len(scorers)} models", disable=not progress
+    ):
         ids = batches[i : i + batch_size]
         base = None
         for j, score in enumerate(scorers):
@@ -159,6 +167,7 @@ def run_ppl(
     kv_quants: tuple[str, ...] = ("none",),
     dtype: str = "auto",
     batch_size: int = 4,
+    progress: bool = False,
 ) -> list[PerplexityResult]:
     """Score the source (if given) and each artifact under each KV policy on identical
     windows; KL and top-1 are against the source, or the first variant without one."""
@@ -195,7 +204,7 @@ def run_ppl(
         for kv in kv_quants:
             names.append(variant_name(art.path, kv))
             scorers.append(engine_logits(Engine(art.path, replace(config, kv_quant=kv))))
-    return compare(names, scorers, batches, batch_size)
+    return compare(names, scorers, batches, batch_size, progress)
 
 
 def variant_name(artifact: Path, kv_quant: str) -> str:
