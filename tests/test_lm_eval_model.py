@@ -132,3 +132,25 @@ def test_registered_for_lm_eval() -> None:
     from lm_eval.api.registry import get_model
 
     assert get_model("liteserve") is LiteserveLM
+
+
+def test_lite_lm_eval_runs_lm_evals_cli_with_liteserve(rtn_artifact: Path, tmp_path: Path) -> None:
+    """The stock lm-eval command line, with `liteserve` registered, on the local PIQA task."""
+    import json
+    import subprocess
+    import sys
+
+    docs = [("How do I boil an egg?", "In boiling water.", "In a cold oven.", 0)] * 3
+    (tmp_path / "piqa_valid.jsonl").write_text(
+        "".join(json.dumps({"goal": g, "sol1": a, "sol2": b}) + "\n" for g, a, b, _ in docs)
+    )
+    (tmp_path / "piqa_valid_labels.lst").write_text("0\n0\n0\n")
+    tasks = Path(__file__).parents[1] / "evals" / "tasks"
+    args = ["run", "--model", "liteserve", "--tasks", "piqa_local", "--include_path", str(tasks)]
+    args += ["--model_args", f"artifact={rtn_artifact},kv_quant=int8,dtype=float32"]
+    args += ["--metadata", json.dumps({"data_dir": str(tmp_path)})]
+    out = subprocess.run(
+        [sys.executable, "-m", "lite", "lm-eval", *args], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "|piqa_local|" in out.stdout and "acc" in out.stdout
