@@ -75,18 +75,22 @@ def _store_quantized(
     codes_row,
     scale_at,
     zero_at,
-    valid,
+    slot,
     HEAD_DIM: tl.constexpr,
     QMAX_: tl.constexpr,
     PACK: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
-    """Quantize one head vector (``x_row`` points at element 0) into one slot."""
+    """Quantize one head vector (``x_row`` points at element 0) into one slot (< 0: skip).
+
+    Masks combine with the slot test as tensors (``d * 0 + slot``): triton 3.9's interpreter
+    rejects a block mask made by ``&`` with a scalar."""
     offs_p = tl.arange(0, BLOCK_P)
     offs_j = tl.arange(0, PACK)
     d = offs_p[:, None] * PACK + offs_j[None, :]  # [BLOCK_P, PACK]: element index
     in_dim = d < HEAD_DIM
-    x = tl.load(x_row + d, mask=in_dim & valid, other=0.0).to(tl.float32)
+    valid = slot >= 0
+    x = tl.load(x_row + d, mask=in_dim & (d * 0 + slot >= 0), other=0.0).to(tl.float32)
     x = tl.minimum(tl.maximum(x, -_MAX), _MAX)
     lo = tl.min(tl.min(tl.where(in_dim, x, float("inf")), axis=1), axis=0)
     hi = tl.max(tl.max(tl.where(in_dim, x, float("-inf")), axis=1), axis=0)
@@ -98,7 +102,7 @@ def _store_quantized(
     q = tl.minimum(tl.maximum(q, 0), QMAX_)
     shift = (offs_j * (8 // PACK))[None, :]
     packed = tl.sum(q << shift, axis=1).to(tl.uint8)  # disjoint bits: the sum is an OR
-    tl.store(codes_row + offs_p, packed, mask=(offs_p * PACK < HEAD_DIM) & valid)
+    tl.store(codes_row + offs_p, packed, mask=(offs_p * PACK < HEAD_DIM) & (offs_p * 0 + slot >= 0))
     tl.store(scale_at, scale, mask=valid)
     tl.store(zero_at, zero, mask=valid)
 
@@ -132,7 +136,6 @@ def _kv_write_kernel(
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    valid = slot >= 0
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
     k_row = k_ptr + t.to(tl.int64) * stride_kt + h * stride_kh
@@ -140,7 +143,7 @@ def _kv_write_kernel(
     cache_row = block * stride_cb + offset * stride_co + h * stride_ch
     if QUANT == 0:
         offs = tl.arange(0, BLOCK_P)
-        mask = (offs < HEAD_DIM) & valid
+        mask = (offs < HEAD_DIM) & (offs * 0 + slot >= 0)  # see _store_quantized
         tl.store(k_cache + cache_row + offs, tl.load(k_row + offs, mask=mask), mask=mask)
         tl.store(v_cache + cache_row + offs, tl.load(v_row + offs, mask=mask), mask=mask)
     else:
@@ -148,11 +151,11 @@ def _kv_write_kernel(
         pack: tl.constexpr = 1 if QUANT == 1 else 2
         param = block * stride_pb + offset * stride_po + h * stride_ph
         _store_quantized(
-            k_row, k_cache + cache_row, k_scale + param, k_zero + param, valid,
+            k_row, k_cache + cache_row, k_scale + param, k_zero + param, slot,
             HEAD_DIM, qmax, pack, BLOCK_P,
         )  # fmt: skip
         _store_quantized(
-            v_row, v_cache + cache_row, v_scale + param, v_zero + param, valid,
+            v_row, v_cache + cache_row, v_scale + param, v_zero + param, slot,
             HEAD_DIM, qmax, pack, BLOCK_P,
         )  # fmt: skip
 
