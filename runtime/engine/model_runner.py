@@ -96,15 +96,16 @@ def decode_batch(
     block_size: int,
     window: int | None,
 ) -> DecodeBatch | None:
-    """Padded slot indices of every decoding sequence, built once per step for all layers."""
+    """Padded block tables of every decoding sequence, built once per step for all layers:
+    attention gathers whole blocks (contiguous runs of block_size tokens), not single slots."""
     picked = [i for i, n in enumerate(num_tokens) if n == 1]
     if not picked:
         return None
     lens = torch.tensor([ctx_lens[i] for i in picked])
-    pos = torch.arange(int(lens.max()))
+    needed = -(-int(lens.max()) // block_size)
     blocks = torch.nn.utils.rnn.pad_sequence([tables[i] for i in picked], batch_first=True)
-    slots = blocks[:, pos // block_size] * block_size + pos % block_size
+    pos = torch.arange(needed * block_size)
     valid = pos[None, :] < lens[:, None]
     if window is not None:
         valid &= pos[None, :] > (lens[:, None] - 1 - window)
-    return DecodeBatch(torch.tensor([rows[i] for i in picked]), torch.where(valid, slots, 0), valid)
+    return DecodeBatch(torch.tensor([rows[i] for i in picked]), blocks[:, :needed], valid)

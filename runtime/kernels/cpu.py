@@ -119,15 +119,33 @@ def paged_attention(
 def _batched_decode(
     q: torch.Tensor, cache: KVCache, layer: int, d: DecodeBatch, scale: float
 ) -> torch.Tensor:
-    """q [B, H, D] over each sequence's padded context: [B, H, D] in q's dtype."""
-    k, v = cache.read(layer, d.slots, torch.float32)  # [B, L, Hkv, D]
+    """q [B, H, D] over each sequence's padded context: [B, H, D] in q's dtype.
+
+    Quantized K/V are never dequantized: with x = c * s + z per token and head,
+    q . k = s (q . c) + z sum(q), and sum_t p_t v_t = (p s) @ c + sum_t p_t z_t, so the codes
+    are only widened to fp32 and the scales and zeros act on the [B, H, L] scores."""
+    k, v = cache.read_blocks(layer, d.blocks)  # [B, L, Hkv, D] (+ [B, L, Hkv] scale, zero)
     b, h, dim = q.shape
-    hkv = k.shape[2]
+    hkv = k[0].shape[2]
     qg = q.float().view(b, hkv, h // hkv, dim)
-    scores = qg @ k.permute(0, 2, 3, 1) * scale  # [B, Hkv, group, L]
-    scores.masked_fill_(~d.valid[:, None, None, :], float("-inf"))
-    o = torch.softmax(scores, dim=-1) @ v.permute(0, 2, 1, 3)  # [B, Hkv, group, D]
+    scores = qg @ _widen(k[0].permute(0, 2, 3, 1))  # [B, Hkv, group, L]
+    if cache.quantized:
+        ks, kz = (t.float().transpose(1, 2)[:, :, None, :] for t in k[1:])  # [B, Hkv, 1, L]
+        scores = scores * ks + qg.sum(-1, keepdim=True) * kz
+    scores = (scores * scale).masked_fill_(~d.valid[:, None, None, :], float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    if not cache.quantized:
+        o = p @ _widen(v[0].transpose(1, 2))  # [B, Hkv, group, D]
+    else:
+        vs, vz = (t.float().transpose(1, 2)[:, :, None, :] for t in v[1:])
+        o = (p * vs) @ _widen(v[0].transpose(1, 2)) + (p * vz).sum(-1, keepdim=True)
     return o.reshape(b, h, dim).to(q.dtype)
+
+
+def _widen(x: torch.Tensor) -> torch.Tensor:
+    """fp32 and contiguous in x's (permuted) order, in the one copy the widening makes anyway:
+    bmm on strided operands copies them again, slowly."""
+    return x.to(torch.float32, memory_format=torch.contiguous_format)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

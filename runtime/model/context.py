@@ -15,8 +15,8 @@ class DecodeBatch:
     """The step's single-token sequences, laid out for one batched attention per layer."""
 
     rows: torch.Tensor  # int64 [B]: their rows in the step
-    slots: torch.Tensor  # int64 [B, L]: KV slots of each context, padded with slot 0
-    valid: torch.Tensor  # bool [B, L]: real (and in-window) positions
+    blocks: torch.Tensor  # int64 [B, NB]: block tables, padded with block 0
+    valid: torch.Tensor  # bool [B, NB * block_size]: real (and in-window) positions
 
 
 @dataclass
