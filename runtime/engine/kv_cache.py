@@ -102,17 +102,14 @@ def quantize_kv(x: torch.Tensor, kv_quant: str) -> tuple[torch.Tensor, torch.Ten
     fp16 ``scale``, ``zero`` of shape ``x.shape[:-1]``. See the module docstring."""
     qmax = QMAX[kv_quant]
     x = x.float().clamp(-_FP16_MAX, _FP16_MAX)
-    lo = x.amin(dim=-1)
-    hi = x.amax(dim=-1)
+    lo, hi = torch.aminmax(x, dim=-1)
     zero = lo.half()
-    zero = torch.where(
-        zero.float() > lo, torch.nextafter(zero, torch.full_like(zero, -_FP16_MAX)), zero
-    )
+    down = torch.tensor(-_FP16_MAX, dtype=torch.float16, device=x.device)
+    zero = torch.where(zero.float() > lo, torch.nextafter(zero, down), zero)
     step = ((hi - zero.float()) / qmax).clamp_min(_FP16_TINY)
     scale = step.half()
-    scale = torch.where(
-        scale.float() < step, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale
-    )
+    up = torch.tensor(float("inf"), dtype=torch.float16, device=x.device)
+    scale = torch.where(scale.float() < step, torch.nextafter(scale, up), scale)
     q = torch.round((x - zero.float()[..., None]) / scale.float()[..., None]).clamp_(0, qmax)
     q = q.to(torch.uint8)
     if kv_quant == "int4":

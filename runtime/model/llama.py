@@ -83,14 +83,15 @@ class Layer:
     def attention(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         ctx = get_context()
         t = x.shape[0]
-        q, k, v = self.qkv(x).split(self.qkv.splits, dim=-1)
-        q = q.view(t, self.heads, self.head_dim)
-        k = k.view(t, self.kv_heads, self.head_dim)
-        v = v.view(t, self.kv_heads, self.head_dim)
+        h, hkv, d = self.heads, self.kv_heads, self.head_dim
+        qkv = self.qkv(x)
+        qk = qkv[:, : (h + hkv) * d].view(t, h + hkv, d)  # q and k side by side: one rotary
+        v = qkv[:, (h + hkv) * d :].view(t, hkv, d)
         if self.q_norm is not None:
-            q = self.ops.rms_norm(q, self.q_norm, self.eps)
-            k = self.ops.rms_norm(k, self.k_norm, self.eps)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            q = self.ops.rms_norm(qk[:, :h], self.q_norm, self.eps)
+            qk = torch.cat((q, self.ops.rms_norm(qk[:, h:], self.k_norm, self.eps)), dim=1)
+        qk = apply_rotary(qk, *rope)
+        q, k = qk[:, :h], qk[:, h:]
         self.ops.kv_write(ctx.cache, self.index, k, v, ctx.slot_mapping)
         o = self.ops.paged_attention(q, ctx, self.index, self.scale, self.sliding_window)
         return self.o(o.reshape(t, -1))
