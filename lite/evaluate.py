@@ -13,6 +13,7 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -44,7 +45,9 @@ class EvalPlan:
     dtype: str = "auto"
     seed: int = 1234
 
+    @cached_property
     def variants(self) -> list[dict[str, Any]]:
+        """Baseline first; each artifact's manifest read once."""
         out = []
         if self.model:
             out.append(_variant(BASELINE, "source", model=self.model))
@@ -76,7 +79,7 @@ def _variant(
 def _report(plan: EvalPlan, mode: str, command: str, settings: dict, rows: list) -> dict:
     from runtime import __version__
 
-    variants = plan.variants()
+    variants = plan.variants
     return {
         "schema_version": SCHEMA_VERSION,
         "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -92,7 +95,7 @@ def _report(plan: EvalPlan, mode: str, command: str, settings: dict, rows: list)
 
 def check_artifacts(plan: EvalPlan) -> None:
     """Every artifact verified (checksums included) before hours of evaluation start."""
-    if len(set(variant_name(a, "x") for a in plan.artifacts)) != len(plan.artifacts):
+    if len({Path(a).name for a in plan.artifacts}) != len(plan.artifacts):
         raise EvalError("two --artifact directories share a name; rename one of them")
     for art in plan.artifacts:
         Artifact(art)
@@ -121,7 +124,7 @@ def ppl_report(
         batch_size=min(plan.batch_size, 4),
         progress=progress,
     )
-    names = [v["name"] for v in plan.variants()]
+    names = [v["name"] for v in plan.variants]
     task = text_file.name if text_file else "pydoc-heldout"
     rows = _ppl_rows(task, dict(zip(names, results, strict=True)), names[0])
     settings = {
@@ -205,7 +208,7 @@ def task_report(plan: EvalPlan, command: str, progress: bool = True) -> dict:
     check_artifacts(plan)
     manager = task_manager(plan)
     outputs = {}
-    for variant in plan.variants():
+    for variant in plan.variants:
         lm = _load(variant, plan)
         outputs[variant["name"]] = _evaluate(lm, plan, manager, progress)
         del lm

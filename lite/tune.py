@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,10 @@ from runtime.artifact.reader import Artifact
 from runtime.artifact.writer import write_manifest
 from runtime.kernels.ops import interpreting
 from runtime.model.llama import FUSED_LINEARS
+
+if TYPE_CHECKING:
+    from runtime.kernels.triton.backend import TritonInt4Weight
+    from runtime.kernels.triton.gemm import GemmConfig
 
 log = logging.getLogger("lite.tune")
 
@@ -82,7 +87,12 @@ def _timer(device: torch.device, reps: int) -> Callable[[Callable[[], object]], 
     return wall
 
 
-def _fastest(x: torch.Tensor, w, space: list, timer) -> tuple[float, object]:
+def _fastest(
+    x: torch.Tensor,
+    w: TritonInt4Weight,
+    space: list[GemmConfig],
+    timer: Callable[[Callable[[], object]], float],
+) -> tuple[float, GemmConfig]:
     from runtime.kernels.triton.gemm import w4a16_gemm
 
     timed = []

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from lite.cli import main
 from runtime.config import EngineConfig
 from runtime.engine.engine import Engine
-from runtime.engine.sampler import SamplingParams
+from tests.test_server_lm_eval import choice_scores, write_mc_task
 
 TASK = "tiny_mc_eval"
 DOCS = [
@@ -31,15 +31,7 @@ GOLDS = [0, 2, 1, 0, 3, 1, 2, 0]  # fixed; the models' choices decide the accura
 
 
 def _engine_choice(engine: Engine, context: str, choices: list[str]) -> int:
-    tok = engine.tokenizer
-    ctx = tok.encode(context, add_special_tokens=False).ids
-    scores = []
-    for choice in choices:
-        whole = tok.encode(context + " " + choice, add_special_tokens=False).ids
-        seq = engine.generate(
-            [whole], SamplingParams(prompt_logprobs=0, max_new_tokens=1, temperature=0)
-        )[0]
-        scores.append(sum(lp.logprob for lp in seq.prompt_logprobs[len(ctx) - 1 :]))
+    scores = choice_scores(engine, context, choices)
     return max(range(len(scores)), key=scores.__getitem__)
 
 
@@ -58,26 +50,7 @@ def _hf_choice(model, tok, context: str, choices: list[str]) -> int:
 @pytest.fixture(scope="module")
 def task_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("tasks")
-    data = root / "docs.jsonl"
-    data.write_text(
-        "".join(
-            json.dumps({"question": q, "choices": c, "answer": g}) + "\n"
-            for (q, c), g in zip(DOCS, GOLDS, strict=True)
-        )
-    )
-    (root / "task.yaml").write_text(
-        f"task: {TASK}\n"
-        "dataset_path: json\n"
-        "dataset_kwargs:\n"
-        f"  data_files:\n    test: {data}\n"
-        f"  cache_dir: {root / 'hf-cache'}\n"
-        "test_split: test\n"
-        "output_type: multiple_choice\n"
-        "doc_to_text: question\n"
-        "doc_to_choice: choices\n"
-        "doc_to_target: answer\n"
-        "metric_list:\n  - metric: acc\n"
-    )
+    write_mc_task(root, TASK, DOCS, GOLDS)
     return root
 
 

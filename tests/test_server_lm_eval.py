@@ -33,7 +33,7 @@ DOCS = [
 ]
 
 
-def _score(engine: Engine, context: str, choices: list[str]) -> list[float]:
+def choice_scores(engine: Engine, context: str, choices: list[str]) -> list[float]:
     """What lm-eval computes for each choice, here in-process: the context and the context
     plus " choice" are tokenized; the continuation is the tokens past the context's; its
     score is the sum of those tokens' log-probabilities (prompt logprobs of one greedy pass)."""
@@ -51,6 +51,32 @@ def _score(engine: Engine, context: str, choices: list[str]) -> list[float]:
     return scores
 
 
+def write_mc_task(
+    root: Path, task: str, docs: list[tuple[str, list[str]]], golds: list[int]
+) -> None:
+    """A local lm-eval multiple-choice task (jsonl + YAML) over `docs` in `root`."""
+    data = root / "docs.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps({"question": q, "choices": c, "answer": g}) + "\n"
+            for (q, c), g in zip(docs, golds, strict=True)
+        )
+    )
+    (root / "task.yaml").write_text(
+        f"task: {task}\n"
+        "dataset_path: json\n"
+        "dataset_kwargs:\n"
+        f"  data_files:\n    test: {data}\n"
+        f"  cache_dir: {root / 'hf-cache'}\n"
+        "test_split: test\n"
+        "output_type: multiple_choice\n"
+        "doc_to_text: question\n"
+        "doc_to_choice: choices\n"
+        "doc_to_target: answer\n"
+        "metric_list:\n  - metric: acc\n"
+    )
+
+
 @pytest.fixture(scope="module")
 def artifact(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_artifact(tokenizer_dir, tmp_path_factory.mktemp("lm-eval"))
@@ -66,30 +92,11 @@ def test_lm_eval_local_completions_matches_in_process(
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
     engine = Engine(artifact, engine_config())
-    scores = [_score(engine, q, choices) for q, choices in DOCS]
+    scores = [choice_scores(engine, q, choices) for q, choices in DOCS]
     preds = [max(range(len(s)), key=s.__getitem__) for s in scores]
     golds = [p if i % 2 == 0 else (p + 1) % len(DOCS[i][1]) for i, p in enumerate(preds)]
 
-    data = tmp_path / "docs.jsonl"
-    data.write_text(
-        "".join(
-            json.dumps({"question": q, "choices": c, "answer": g}) + "\n"
-            for (q, c), g in zip(DOCS, golds, strict=True)
-        )
-    )
-    (tmp_path / "task.yaml").write_text(
-        f"task: {TASK}\n"
-        "dataset_path: json\n"
-        "dataset_kwargs:\n"
-        f"  data_files:\n    test: {data}\n"
-        f"  cache_dir: {tmp_path / 'hf-cache'}\n"
-        "test_split: test\n"
-        "output_type: multiple_choice\n"
-        "doc_to_text: question\n"
-        "doc_to_choice: choices\n"
-        "doc_to_target: answer\n"
-        "metric_list:\n  - metric: acc\n"
-    )
+    write_mc_task(tmp_path, TASK, DOCS, golds)
 
     s = serve(artifact)  # no keys: lm-eval sends "Bearer " with an empty key
     try:

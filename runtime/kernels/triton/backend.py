@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.engine.kv_cache import KVCache
 from runtime.kernels import cpu
 from runtime.kernels.ops import Backend
 from runtime.kernels.triton.attention import paged_decode_attention, paged_prefill_attention
@@ -116,12 +115,6 @@ def _attention(
     )
 
 
-def _kv_write(
-    cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
-) -> None:
-    kv_write(cache, layer, k, v, slots)
-
-
 def triton_backend(device: torch.device, kernels: dict[str, dict[str, dict[str, int]]]) -> Backend:
     arch = gpu_arch(device)
     pinned = kernels.get(arch, {})
@@ -147,7 +140,7 @@ def triton_backend(device: torch.device, kernels: dict[str, dict[str, dict[str, 
         int4_linear=_linear,
         paged_attention=_attention,
         rms_norm=cpu.rms_norm,  # torch's fused rms_norm runs on the GPU as well
-        kv_write=_kv_write,
+        kv_write=kv_write,
         dtypes=(torch.float16, torch.bfloat16),
         detail=f"{arch}: {len(pinned)} pinned GEMM configs" if pinned else f"{arch}: heuristics",
     )
