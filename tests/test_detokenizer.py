@@ -132,10 +132,12 @@ def test_random_texts_with_unseen_characters(name, prompt, gen):
 @pytest.mark.parametrize("name", BYTE_CAPABLE)
 def test_characters_split_over_tokens_are_held_back(name):
     tok = TOKENIZERS[name]
-    for ch in ("🦀", "日"):
+    # outside the training text, so byte tokens for certain ("日" was in the limited alphabet
+    # of the llama tokenizer in some trainings: the trainer breaks frequency ties freely)
+    for ch in ("🦀", "Ω"):
         assert len(tok.encode(ch, add_special_tokens=False).ids) > 1  # really split
     prompt = tok.encode("hi there", add_special_tokens=False).ids
-    gen = tok.encode("x 🦀 日本 👨‍👩‍👧 y", add_special_tokens=False).ids
+    gen = tok.encode("x 🦀 日本 Ω 👨‍👩‍👧 y", add_special_tokens=False).ids
     detok, outs = _run(tok, prompt, gen)
     assert "" in outs  # something was held back ...
     assert all("\ufffd" not in o for o in outs)
