@@ -9,7 +9,7 @@ from lite.quantizer import QuantSpec, quantize
 from runtime.artifact import layout
 from runtime.engine.kv_cache import KVCache, KVSpec
 from runtime.engine.model_runner import decode_batch
-from runtime.kernels import cpu, reference
+from runtime.kernels import cpu, native, reference
 from runtime.model.context import StepContext
 
 
@@ -37,11 +37,15 @@ def test_int4_linear_matches_reference_dequantize(dtype, rows, ns, k, gs) -> Non
     assert rel < (1e-5 if dtype == torch.float32 else 2e-2), rel
 
 
+@pytest.mark.parametrize("path", ["torch", "c"])
 @pytest.mark.parametrize("kv_quant", ["none", "int8", "int4"])
 @pytest.mark.parametrize("window", [None, 20])
-def test_batched_decode_attention_matches_reference(kv_quant: str, window: int | None) -> None:
+def test_batched_decode_attention_matches_reference(
+    path: str, kv_quant: str, window: int | None
+) -> None:
     """A step mixing decodes and a prefill chunk over shuffled blocks; the CPU path batches
-    the decodes. Tolerance 1e-5 (both fp32 over the same dequantized K/V)."""
+    the decodes (in torch ops, or in the C kernel). Tolerance 1e-5 (both fp32 over the same
+    dequantized K/V)."""
     g = torch.Generator().manual_seed(1)
     spec = KVSpec(
         num_layers=1,
@@ -76,6 +80,7 @@ def test_batched_decode_attention_matches_reference(kv_quant: str, window: int |
         cache=cache,
         decode=decode,
     )
-    got = cpu.paged_attention(q, ctx, 0, 0.25, window)
+    lib = native.library() if path == "c" else None
+    got = cpu.paged_attention(q, ctx, 0, 0.25, window, lib=lib)
     want = reference.paged_attention(q, cache, 0, tables, lens, qlens, 0.25, window)
     assert torch.allclose(got, want, atol=1e-5), float((got - want).abs().max())

@@ -108,4 +108,6 @@ def decode_batch(
     valid = pos[None, :] < lens[:, None]
     if window is not None:
         valid &= pos[None, :] > (lens[:, None] - 1 - window)
-    return DecodeBatch(torch.tensor([rows[i] for i in picked]), blocks[:, :needed], valid)
+    return DecodeBatch(
+        torch.tensor([rows[i] for i in picked]), blocks[:, :needed].contiguous(), valid, lens
+    )

@@ -13,13 +13,14 @@ development machine with SmolLM2's shapes (evals/bench/RESULTS.md):
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
 
 from runtime.artifact.layout import unpack_qparams, unpack_qweight
-from runtime.engine.kv_cache import KVCache
-from runtime.kernels import reference
+from runtime.engine.kv_cache import QMAX, KVCache
+from runtime.kernels import native, reference
 from runtime.model.context import DecodeBatch, StepContext
 
 INT4_KERNEL_MAX_ROWS = {torch.bfloat16: 47}  # above this, dequantize + dense GEMM wins
@@ -89,19 +90,25 @@ def int4_linear(x: torch.Tensor, w: CpuInt4Weight) -> torch.Tensor:
 
 
 def paged_attention(
-    q: torch.Tensor, ctx: StepContext, layer: int, scale: float, sliding_window: int | None
+    q: torch.Tensor,
+    ctx: StepContext,
+    layer: int,
+    scale: float,
+    sliding_window: int | None,
+    lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
-    """Decoding sequences in one batched attention (a few ops per layer, whatever the batch);
-    prefill chunks through the reference, one sequence at a time (they are compute-bound)."""
-    out = torch.empty_like(q)
+    """Decoding sequences in one call per layer (the C kernel when `lib` is loaded, else a
+    few batched torch ops); prefill chunks through the reference, one sequence at a time (they
+    are compute-bound)."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     d = ctx.decode
-    done = set()
-    if d is not None:
+    if d is not None and lib is not None:
+        _native_decode(lib, q, out, ctx.cache, layer, d, scale, sliding_window)
+    elif d is not None:
         out[d.rows] = _batched_decode(q[d.rows], ctx.cache, layer, d, scale)
-        done = set(d.rows.tolist())
     start = 0
     for table, length, n in zip(ctx.block_tables, ctx.context_lens, ctx.query_lens, strict=True):
-        if start not in done or n != 1:
+        if n != 1:  # every single-token sequence is in the decode batch
             out[start : start + n] = reference.paged_attention(
                 q[start : start + n],
                 ctx.cache,
@@ -114,6 +121,98 @@ def paged_attention(
             )
         start += n
     return out
+
+
+def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """[T, H, D] with heads and dims packed (the token stride may be anything): what the C
+    kernels index."""
+    d = x.shape[-1]
+    return x if x.stride(2) == 1 and x.stride(1) == d else x.contiguous()
+
+
+def _native_decode(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    out: torch.Tensor,
+    cache: KVCache,
+    layer: int,
+    d: DecodeBatch,
+    scale: float,
+    window: int | None,
+) -> None:
+    q = _heads_contiguous(q)
+    spec = cache.spec
+    kind = native.KV_KIND.get(spec.kv_quant, native.DTYPE_CODES[spec.dtype])
+    params = (
+        [t[layer].data_ptr() for t in (cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero)]
+        if cache.quantized
+        else [None] * 4
+    )
+    lib.decode_attention(
+        q.data_ptr(),
+        q.stride(0),
+        native.DTYPE_CODES[q.dtype],
+        out.data_ptr(),
+        d.rows.data_ptr(),
+        cache.k_cache[layer].data_ptr(),
+        cache.v_cache[layer].data_ptr(),
+        *params,
+        kind,
+        d.blocks.data_ptr(),
+        d.blocks.stride(0),
+        d.lens.data_ptr(),
+        window or 0,
+        d.rows.shape[0],
+        q.shape[1],
+        spec.num_kv_heads,
+        spec.head_dim,
+        spec.block_size,
+        scale,
+    )
+
+
+def kv_write(
+    cache: KVCache,
+    layer: int,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    lib: ctypes.CDLL | None = None,
+) -> None:
+    """Quantized pools through the C quantizer (bit-identical to quantize_kv) when loaded;
+    everything else through KVCache.write."""
+    spec = cache.spec
+    if lib is None or not cache.quantized or k.dtype not in native.DTYPE_CODES:
+        cache.write(layer, k, v, slots)
+        return
+    expected = (slots.shape[0], spec.num_kv_heads, spec.head_dim)
+    if tuple(k.shape) != expected or tuple(v.shape) != expected or slots.dtype != torch.int64:
+        cache.write(layer, k, v, slots)  # its checks name the problem
+        return
+    k, v, slots = _heads_contiguous(k), _heads_contiguous(v), slots.contiguous()
+    lib.kv_write_quantized(
+        k.data_ptr(),
+        k.stride(0),
+        v.data_ptr(),
+        v.stride(0),
+        native.DTYPE_CODES[k.dtype],
+        slots.data_ptr(),
+        slots.shape[0],
+        *(
+            t[layer].data_ptr()
+            for t in (
+                cache.k_cache,
+                cache.k_scale,
+                cache.k_zero,
+                cache.v_cache,
+                cache.v_scale,
+                cache.v_zero,
+            )
+        ),
+        spec.num_kv_heads,
+        spec.head_dim,
+        QMAX[spec.kv_quant],
+    )
 
 
 def _batched_decode(

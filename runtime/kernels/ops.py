@@ -8,6 +8,8 @@ CPU otherwise. A backend that cannot run is refused with the reason, never silen
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 
 BACKENDS = ("auto", "cpu", "triton", "cuda")
+log = logging.getLogger(__name__)
 
 
 class BackendError(ValueError):
@@ -82,16 +85,21 @@ def select_backend(requested: str, pinned: dict[str, dict[str, dict[str, int]]])
 
 
 def _cpu() -> Backend:
-    from runtime.kernels import cpu
+    from runtime.kernels import cpu, native
 
+    usable, kernels = native.available()
+    if not usable:
+        log.warning("CPU backend without its C decode kernels: %s", kernels)
+    lib = native.library() if usable else None
     return Backend(
         name="cpu",
         device=torch.device("cpu"),
         prepare_int4=cpu.prepare_int4,
         int4_linear=cpu.int4_linear,
-        paged_attention=cpu.paged_attention,
+        paged_attention=functools.partial(cpu.paged_attention, lib=lib),
         rms_norm=cpu.rms_norm,
-        kv_write=lambda cache, layer, k, v, slots: cache.write(layer, k, v, slots),
+        kv_write=functools.partial(cpu.kv_write, lib=lib),
         dtypes=(torch.float32, torch.bfloat16, torch.float16),
-        detail=f"torch {torch.__version__} on the CPU ({torch.get_num_threads()} threads)",
+        detail=f"torch {torch.__version__} on the CPU ({torch.get_num_threads()} threads), "
+        f"{kernels}",
     )

@@ -17,6 +17,7 @@ class DecodeBatch:
     rows: torch.Tensor  # int64 [B]: their rows in the step
     blocks: torch.Tensor  # int64 [B, NB]: block tables, padded with block 0
     valid: torch.Tensor  # bool [B, NB * block_size]: real (and in-window) positions
+    lens: torch.Tensor  # int64 [B]: tokens in each sequence's KV after this step
 
 
 @dataclass

@@ -1,0 +1,274 @@
+/*
+ * CPU decode kernels: paged attention for single-token queries and the quantized KV write.
+ *
+ * Why C: on a CPU a decode step of a small model is dominated by per-op overhead, not by
+ * arithmetic. The torch formulation of these two steps costs some 30 tensor ops per layer
+ * (gathers, widening copies, masks, the rounding rules of the KV quantizer); here each is one
+ * call that reads the paged pool in place. runtime/kernels/native.py compiles this file once
+ * per machine with the system C compiler and loads it with ctypes (no torch headers, so the
+ * build takes a second and does not depend on torch's ABI).
+ *
+ * Layouts are those of runtime/engine/kv_cache.py: codes [blocks, block_size, kv_heads, Dc],
+ * fp16 scale and zero [blocks, block_size, kv_heads], x = code * scale + zero.
+ * The quantizer reproduces quantize_kv bit for bit (the tests compare them).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { F32 = 0, BF16 = 1, F16 = 2, INT8 = 3, INT4 = 4 };
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+static inline float f16_to_f32(uint16_t h) {
+    _Float16 v;
+    memcpy(&v, &h, 2);
+    return (float)v;
+}
+
+static inline uint16_t f32_to_f16(float f) {
+    _Float16 v = (_Float16)f;
+    uint16_t h;
+    memcpy(&h, &v, 2);
+    return h;
+}
+
+/* Next fp16 towards -inf (up = 0) or +inf (up = 1); inputs are finite. */
+static inline uint16_t f16_step(uint16_t h, int up) {
+    int negative = h >> 15;
+    if ((h & 0x7fff) == 0) return up ? 0x0001 : 0x8001;
+    return (uint16_t)((negative != up) ? h + 1 : h - 1);
+}
+
+static void load_row(const void *src, int dtype, int64_t n, float *dst) {
+    if (dtype == F32) {
+        memcpy(dst, src, (size_t)n * 4);
+    } else if (dtype == BF16) {
+        const uint16_t *s = src;
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+    } else {
+        const uint16_t *s = src;
+        for (int64_t i = 0; i < n; i++) dst[i] = f16_to_f32(s[i]);
+    }
+}
+
+static void store_row(const float *src, int dtype, int64_t n, void *dst) {
+    if (dtype == F32) {
+        memcpy(dst, src, (size_t)n * 4);
+    } else if (dtype == BF16) {
+        uint16_t *d = dst;
+        for (int64_t i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
+    } else {
+        uint16_t *d = dst;
+        for (int64_t i = 0; i < n; i++) d[i] = f32_to_f16(src[i]);
+    }
+}
+
+/* One stored K or V row widened to fp32 codes (quantized: the raw codes, unscaled). */
+static inline void widen(const uint8_t *row, int kind, int64_t d, float *restrict out) {
+    switch (kind) {
+    case F32:
+        memcpy(out, row, (size_t)d * 4);
+        break;
+    case BF16: {
+        const uint16_t *s = (const uint16_t *)row;
+#pragma omp simd
+        for (int64_t i = 0; i < d; i++) out[i] = bf16_to_f32(s[i]);
+        break;
+    }
+    case F16: {
+        const _Float16 *s = (const _Float16 *)row;
+#pragma omp simd
+        for (int64_t i = 0; i < d; i++) out[i] = (float)s[i];
+        break;
+    }
+    case INT8:
+#pragma omp simd
+        for (int64_t i = 0; i < d; i++) out[i] = (float)row[i];
+        break;
+    default: /* INT4: element 2i in the low nibble, 2i + 1 in the high one */
+#pragma omp simd
+        for (int64_t i = 0; i < d / 2; i++) {
+            out[2 * i] = (float)(row[i] & 0xf);
+            out[2 * i + 1] = (float)(row[i] >> 4);
+        }
+    }
+}
+
+typedef struct {
+    const uint8_t *k, *v;                           /* codes of one layer */
+    const uint16_t *k_scale, *k_zero, *v_scale, *v_zero; /* NULL when unquantized */
+    int kind;
+    int64_t kv_heads, head_dim, block_size, row_bytes; /* row_bytes: one head of one token */
+} Pool;
+
+static inline int64_t slot_of(const int64_t *table, int64_t t, int64_t block_size) {
+    return table[t / block_size] * block_size + t % block_size;
+}
+
+/* Attention of the `group` query heads sharing KV head `kvh` over positions [start, len). */
+static void attend(const Pool *p, const float *q, int64_t group, const int64_t *table,
+                   int64_t start, int64_t len, int64_t kvh, float scale, float *scores,
+                   float *row, float *out) {
+    const int64_t d = p->head_dim, n = len - start;
+    const int quantized = p->k_scale != NULL;
+    float qsum[group];
+    for (int64_t g = 0; g < group; g++) {
+        float s = 0.f;
+        for (int64_t i = 0; i < d; i++) s += q[g * d + i];
+        qsum[g] = s;
+    }
+    /* scores: q . k, where for codes k = c * s + z gives s (q . c) + z sum(q) */
+    for (int64_t t = 0; t < n; t++) {
+        int64_t idx = slot_of(table, start + t, p->block_size) * p->kv_heads + kvh;
+        widen(p->k + idx * p->row_bytes, p->kind, d, row);
+        float ks = quantized ? f16_to_f32(p->k_scale[idx]) : 1.f;
+        float kz = quantized ? f16_to_f32(p->k_zero[idx]) : 0.f;
+        for (int64_t g = 0; g < group; g++) {
+            const float *qg = q + g * d;
+            float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t i = 0; i < d; i++) acc += qg[i] * row[i];
+            scores[g * n + t] = (acc * ks + qsum[g] * kz) * scale;
+        }
+    }
+    for (int64_t g = 0; g < group; g++) { /* softmax in place */
+        float *s = scores + g * n, m = -INFINITY, total = 0.f;
+        for (int64_t t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
+        for (int64_t t = 0; t < n; t++) {
+            s[t] = expf(s[t] - m);
+            total += s[t];
+        }
+        float inv = 1.f / total;
+        for (int64_t t = 0; t < n; t++) s[t] *= inv;
+    }
+    /* out = sum_t p_t v_t, where for codes v = c * s + z: sum (p s) c + sum p z */
+    memset(out, 0, (size_t)(group * d) * sizeof(float));
+    float pz[group];
+    memset(pz, 0, sizeof(pz));
+    for (int64_t t = 0; t < n; t++) {
+        int64_t idx = slot_of(table, start + t, p->block_size) * p->kv_heads + kvh;
+        widen(p->v + idx * p->row_bytes, p->kind, d, row);
+        float vs = quantized ? f16_to_f32(p->v_scale[idx]) : 1.f;
+        float vz = quantized ? f16_to_f32(p->v_zero[idx]) : 0.f;
+        for (int64_t g = 0; g < group; g++) {
+            float w = scores[g * n + t] * vs;
+            float *o = out + g * d;
+#pragma omp simd
+            for (int64_t i = 0; i < d; i++) o[i] += w * row[i];
+            pz[g] += scores[g * n + t] * vz;
+        }
+    }
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t i = 0; i < d; i++) out[g * d + i] += pz[g];
+}
+
+/*
+ * q: rows `rows[b]` of a [T, heads, head_dim] tensor (token stride q_stride elements, heads
+ * contiguous) in q_dtype; out: the same rows of a contiguous [T, heads, head_dim] tensor in
+ * q_dtype. tables: [B, table_stride] block ids; lens: tokens in each sequence's KV.
+ * window > 0 keeps only the last `window` positions.
+ */
+void decode_attention(const void *q, int64_t q_stride, int q_dtype, void *out, const int64_t *rows,
+                      const uint8_t *k, const uint8_t *v, const uint16_t *k_scale,
+                      const uint16_t *k_zero, const uint16_t *v_scale, const uint16_t *v_zero,
+                      int kind, const int64_t *tables, int64_t table_stride, const int64_t *lens,
+                      int64_t window, int64_t batch, int64_t heads, int64_t kv_heads,
+                      int64_t head_dim, int64_t block_size, float scale) {
+    int64_t code_dim = kind == INT4 ? head_dim / 2 : head_dim;
+    int64_t elem = kind == F32 ? 4 : (kind == BF16 || kind == F16) ? 2 : 1;
+    Pool p = {k, v, k_scale, k_zero, v_scale, v_zero, kind, kv_heads, head_dim, block_size,
+              code_dim * elem};
+    int64_t group = heads / kv_heads, q_elem = q_dtype == F32 ? 4 : 2, longest = 0, work = 0;
+    for (int64_t b = 0; b < batch; b++) {
+        longest = lens[b] > longest ? lens[b] : longest;
+        work += lens[b];
+    }
+    /* a parallel region costs more than the whole of a short single sequence */
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) if (work * kv_heads >= 4096)
+    for (int64_t b = 0; b < batch; b++) {
+        for (int64_t h = 0; h < kv_heads; h++) {
+            int64_t len = lens[b], start = (window > 0 && len > window) ? len - window : 0;
+            float *scratch = malloc(sizeof(float) * (size_t)(group * (longest + 2 * head_dim) +
+                                                              head_dim));
+            float *qf = scratch, *o = qf + group * head_dim, *row = o + group * head_dim,
+                  *scores = row + head_dim;
+            const uint8_t *qrow = (const uint8_t *)q + (rows[b] * q_stride + h * group * head_dim) * q_elem;
+            load_row(qrow, q_dtype, group * head_dim, qf);
+            attend(&p, qf, group, tables + b * table_stride, start, len, h, scale, scores, row, o);
+            uint8_t *orow = (uint8_t *)out + (rows[b] * heads + h * group) * head_dim * q_elem;
+            store_row(o, q_dtype, group * head_dim, orow);
+            free(scratch);
+        }
+    }
+}
+
+/*
+ * Quantize and store K and V rows [T, kv_heads, head_dim] (token strides k_stride, v_stride
+ * elements; heads contiguous) at `slots` (negative: padding, skipped). qmax 255 (int8) or 15
+ * (int4, two codes a byte). The rounding rules are quantize_kv's: zero = fp16(min) rounded
+ * towards -inf, scale = fp16((max - zero) / qmax) rounded towards +inf and at least the
+ * smallest fp16 subnormal, code = clamp(rint((x - zero) / scale), 0, qmax).
+ */
+static void quantize_row(const float *x, int64_t d, int qmax, uint8_t *codes, uint16_t *scale,
+                         uint16_t *zero) {
+    const float big = 65504.f, tiny = 5.9604644775390625e-08f;
+    float lo = INFINITY, hi = -INFINITY;
+    for (int64_t i = 0; i < d; i++) {
+        float c = fminf(fmaxf(x[i], -big), big);
+        lo = c < lo ? c : lo;
+        hi = c > hi ? c : hi;
+    }
+    uint16_t z = f32_to_f16(lo);
+    if (f16_to_f32(z) > lo) z = f16_step(z, 0);
+    float zf = f16_to_f32(z), step = fmaxf((hi - zf) / (float)qmax, tiny);
+    uint16_t s = f32_to_f16(step);
+    if (f16_to_f32(s) < step) s = f16_step(s, 1);
+    float sf = f16_to_f32(s);
+    uint8_t q[d];
+    for (int64_t i = 0; i < d; i++) {
+        float c = fminf(fmaxf(x[i], -big), big);
+        float r = rintf((c - zf) / sf);
+        q[i] = (uint8_t)fminf(fmaxf(r, 0.f), (float)qmax);
+    }
+    if (qmax == 15)
+        for (int64_t i = 0; i < d / 2; i++) codes[i] = q[2 * i] | (uint8_t)(q[2 * i + 1] << 4);
+    else
+        memcpy(codes, q, (size_t)d);
+    *scale = s;
+    *zero = z;
+}
+
+void kv_write_quantized(const void *k, int64_t k_stride, const void *v, int64_t v_stride,
+                        int x_dtype, const int64_t *slots, int64_t tokens, uint8_t *k_codes,
+                        uint16_t *k_scale, uint16_t *k_zero, uint8_t *v_codes, uint16_t *v_scale,
+                        uint16_t *v_zero, int64_t kv_heads, int64_t head_dim, int qmax) {
+    int64_t x_elem = x_dtype == F32 ? 4 : 2, code_dim = qmax == 15 ? head_dim / 2 : head_dim;
+    float x[head_dim];
+    for (int64_t t = 0; t < tokens; t++) {
+        if (slots[t] < 0) continue;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            int64_t at = slots[t] * kv_heads + h;
+            load_row((const uint8_t *)k + (t * k_stride + h * head_dim) * x_elem, x_dtype,
+                     head_dim, x);
+            quantize_row(x, head_dim, qmax, k_codes + at * code_dim, k_scale + at, k_zero + at);
+            load_row((const uint8_t *)v + (t * v_stride + h * head_dim) * x_elem, x_dtype,
+                     head_dim, x);
+            quantize_row(x, head_dim, qmax, v_codes + at * code_dim, v_scale + at, v_zero + at);
+        }
+    }
+}

@@ -1,0 +1,116 @@
+"""Build and load the C decode kernels (cpu_decode.c) for the CPU backend.
+
+The library is compiled once per machine with the system C compiler (``$CC``, else ``cc``)
+and cached under ``$LITESERVE_CACHE`` (default ``~/.cache/liteserve``), keyed by the source,
+the compiler and the CPU's features, since ``-march=native`` code only runs where it was built.
+It links the OpenMP runtime that torch has already loaded, so both share one thread pool.
+ctypes rather than a torch C++ extension: without torch's headers the build takes about a
+second instead of a minute and does not depend on torch's ABI.
+
+When no compiler is available the CPU backend runs its torch formulation of the same steps
+and says so in its detail line (logs, /health, ``runtime check``); ``LITESERVE_NATIVE=0``
+chooses that path explicitly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
+# the kernels' dtype codes (cpu_decode.c's enum)
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+KV_KIND = {"int8": 3, "int4": 4}
+
+_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {
+    "decode_attention": [_P, _I64, _I32, _P, _P, *[_P] * 6, _I32, _P, _I64, _P, *[_I64] * 6, _F32],
+    "kv_write_quantized": [_P, _I64, _P, _I64, _I32, _P, _I64, *[_P] * 6, _I64, _I64, _I32],
+}
+
+
+class NativeUnavailable(RuntimeError):
+    """The C kernels cannot be built or loaded here; the message says why."""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("LITESERVE_CACHE") or Path.home() / ".cache" / "liteserve"
+    return Path(root) / "native"
+
+
+def _cpu_features() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    return next((line for line in text.splitlines() if line.startswith("flags")), "")
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        raise NativeUnavailable(
+            f"no C compiler ({cc!r} is not on PATH): install gcc or clang, or set CC"
+        )
+    return cc
+
+
+def build() -> Path:
+    """The compiled library's path, compiling it first if this machine has no cached copy."""
+    cc = _compiler()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode() + _cpu_features().encode()
+    ).hexdigest()[:16]
+    target = cache_dir() / f"cpu_decode-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            raise NativeUnavailable(f"{cc} failed to build {SOURCE.name}:\n{done.stderr[-2000:]}")
+        os.replace(tmp, target)  # atomic: a concurrent build never sees half a file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The loaded kernels; raises NativeUnavailable with the reason when they cannot be had."""
+    if os.environ.get("LITESERVE_NATIVE") == "0":
+        raise NativeUnavailable("disabled by LITESERVE_NATIVE=0")
+    path = build()
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise NativeUnavailable(f"cannot load {path}: {e}") from e
+    for name, args in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, None
+    return lib
+
+
+def available() -> tuple[bool, str]:
+    """(usable, a line for logs): which decode kernels the CPU backend runs and why."""
+    try:
+        path = library()._name
+    except NativeUnavailable as e:
+        return False, f"torch decode attention ({e})"
+    return True, f"C decode kernels ({Path(path).name})"

@@ -1,0 +1,149 @@
+"""The C decode kernels (runtime/kernels/cpu_decode.c): attention against the torch reference,
+the KV quantizer bit for bit against quantize_kv, and how the library is built and refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.engine.kv_cache import KVCache, KVSpec
+from runtime.engine.model_runner import decode_batch
+from runtime.kernels import cpu, native, reference
+from runtime.kernels.ops import select_backend
+from runtime.model.context import StepContext
+
+HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 64, 16
+
+
+def _filled_cache(
+    kv_quant: str, dtype: torch.dtype, lens: list[int], g: torch.Generator
+) -> tuple[KVCache, list[torch.Tensor]]:
+    """Sequences of `lens` tokens on shuffled, non-contiguous blocks."""
+    spec = KVSpec(1, KV_HEADS, DIM, BLOCK, kv_quant, dtype)
+    total = sum(-(-n // BLOCK) for n in lens)
+    cache = KVCache(spec, num_blocks=total + 7)
+    perm = torch.randperm(total + 7, generator=g)
+    tables, used = [], 0
+    for n in lens:
+        blocks = -(-n // BLOCK)
+        tables.append(perm[used : used + blocks])
+        used += blocks
+        kv = torch.randn(2, n, KV_HEADS, DIM, generator=g) * 2
+        cache.write(0, kv[0], kv[1], cache.slots_for(tables[-1], n))
+    return cache, tables
+
+
+@pytest.mark.parametrize(
+    ("kv_quant", "kv_dtype"),
+    [
+        ("none", torch.float32),
+        ("none", torch.bfloat16),
+        ("none", torch.float16),
+        ("int8", torch.float32),  # quantized: dtype is only the reference's K/V
+        ("int4", torch.float32),
+    ],
+)
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens", [[37], [5, 300, 129, 64, 700, 1]])  # serial, then threaded
+def test_decode_attention_matches_reference(kv_quant, kv_dtype, q_dtype, lens) -> None:
+    """q is a strided view (as the model's q beside k is). Tolerance: 1e-5 with fp32 queries
+    (same math, different summation order); bf16 output rounds at 2^-8 (1e-2 relative)."""
+    g = torch.Generator().manual_seed(len(lens) + 7 * len(kv_quant))
+    cache, tables = _filled_cache(kv_quant, kv_dtype, lens, g)
+    n = len(lens)
+    qk = torch.randn(n, HEADS + KV_HEADS, DIM, generator=g).to(q_dtype)
+    q = qk[:, :HEADS]
+    decode = decode_batch(tables, lens, [1] * n, list(range(n)), BLOCK, None)
+    ctx = StepContext(
+        positions=torch.zeros(0),
+        slot_mapping=torch.zeros(0),
+        block_tables=tables,
+        context_lens=lens,
+        query_lens=[1] * n,
+        logits_indices=torch.zeros(0),
+        cache=cache,
+        decode=decode,
+    )
+    got = cpu.paged_attention(q, ctx, 0, DIM**-0.5, None, lib=native.library()).float()
+    want = reference.paged_attention(
+        q.float(), cache, 0, tables, lens, [1] * n, DIM**-0.5, None
+    ).float()
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if q_dtype == torch.float32:
+        assert torch.allclose(got, want, atol=1e-5), float((got - want).abs().max())
+    else:
+        rel = float((got - want).norm() / want.norm())
+        assert rel < 1e-2, rel
+
+
+def _hard_rows(g: torch.Generator, tokens: int) -> torch.Tensor:
+    """[tokens, KV_HEADS, DIM]: random scales plus the quantizer's edge cases."""
+    x = torch.randn(tokens, KV_HEADS, DIM, generator=g)
+    x = x * torch.logspace(-6, 3, tokens)[:, None, None]
+    x[0, 0] = 0.37  # constant row
+    x[1, 1] = -1e6  # beyond fp16: saturates
+    x[2, 0, ::2] = 7e4
+    x[3, 1] = 1e-9 * torch.randn(DIM, generator=g)  # below fp16's subnormals
+    return x
+
+
+@pytest.mark.parametrize("kv_quant", ["int8", "int4"])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kv_write_is_bit_identical_to_quantize_kv(kv_quant: str, x_dtype: torch.dtype) -> None:
+    """K and V as strided views of one qkv row (as the model passes them), with padding
+    slots; every code, scale and zero must equal the torch quantizer's."""
+    g = torch.Generator().manual_seed(3)
+    tokens = 40
+    qkv = torch.empty(tokens, (HEADS + 2 * KV_HEADS) * DIM + 16)
+    qkv[:, : HEADS * DIM] = torch.randn(tokens, HEADS * DIM, generator=g)
+    qkv[:, HEADS * DIM : (HEADS + KV_HEADS) * DIM] = _hard_rows(g, tokens).flatten(1)
+    qkv[:, (HEADS + KV_HEADS) * DIM : -16] = _hard_rows(g, tokens).flip(0).flatten(1)
+    qkv = qkv.to(x_dtype)
+    k = qkv[:, HEADS * DIM : (HEADS + KV_HEADS) * DIM].view(tokens, KV_HEADS, DIM)
+    v = qkv[:, (HEADS + KV_HEADS) * DIM : -16].view(tokens, KV_HEADS, DIM)
+    slots = torch.randperm(64, generator=g)[:tokens]
+    slots[5] = slots[17] = -1
+    spec = KVSpec(2, KV_HEADS, DIM, BLOCK, kv_quant, torch.float32)
+    torch_side, c_side = KVCache(spec, num_blocks=4), KVCache(spec, num_blocks=4)
+    torch_side.write(1, k, v, slots)
+    cpu.kv_write(c_side, 1, k, v, slots, lib=native.library())
+    for name in ("k_cache", "v_cache", "k_scale", "k_zero", "v_scale", "v_zero"):
+        a, b = getattr(torch_side, name)[1], getattr(c_side, name)[1]
+        assert torch.equal(a, b), f"{name}: {int((a != b).sum())} elements differ"
+    assert bool(c_side.k_scale[1].flatten()[: BLOCK * 4].ne(0).any())  # it wrote
+
+
+def test_library_is_built_once_and_cached(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("LITESERVE_CACHE", str(tmp_path))
+    first = native.build()
+    assert first.parent == tmp_path / "native" and first.stat().st_size > 0
+    stamp = first.stat().st_mtime_ns
+    assert native.build() == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary left
+
+
+def test_missing_compiler_is_named(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("LITESERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-cc")
+    with pytest.raises(native.NativeUnavailable, match="no C compiler.*no-such-cc"):
+        native.build()
+
+
+def test_broken_build_names_the_compiler_error(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("LITESERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "FLAGS", [*native.FLAGS, "-fno-such-flag"])
+    with pytest.raises(native.NativeUnavailable, match="(?s)failed to build.*no-such-flag"):
+        native.build()
+    assert not list((tmp_path / "native").iterdir())  # nothing half-written
+
+
+def test_backend_says_which_decode_kernels_it_runs(monkeypatch) -> None:
+    assert "C decode kernels" in select_backend("cpu", {}).detail
+    monkeypatch.setenv("LITESERVE_NATIVE", "0")
+    native.library.cache_clear()
+    try:
+        backend = select_backend("cpu", {})
+        assert "torch decode attention (disabled by LITESERVE_NATIVE=0)" in backend.detail
+        assert backend.paged_attention.keywords["lib"] is None
+    finally:
+        native.library.cache_clear()
