@@ -116,35 +116,83 @@ typedef struct {
     int64_t kv_heads, head_dim, block_size, row_bytes; /* row_bytes: one head of one token */
 } Pool;
 
-static inline int64_t slot_of(const int64_t *table, int64_t t, int64_t block_size) {
-    return table[t / block_size] * block_size + t % block_size;
+/* The pool slots of positions [start, len), walking the block table (no division per token). */
+static void fill_slots(const int64_t *table, int64_t start, int64_t len, int64_t block_size,
+                       int64_t *slots) {
+    int64_t block = start / block_size, offset = start % block_size;
+    for (int64_t t = 0; t < len - start; t++) {
+        slots[t] = table[block] * block_size + offset;
+        if (++offset == block_size) {
+            offset = 0;
+            block++;
+        }
+    }
 }
 
-/* Attention of the `group` query heads sharing KV head `kvh` over positions [start, len). */
-static void attend(const Pool *p, const float *q, int64_t group, const int64_t *table,
-                   int64_t start, int64_t len, int64_t kvh, float scale, float *scores,
-                   float *row, float *out) {
-    const int64_t d = p->head_dim, n = len - start;
-    const int quantized = p->k_scale != NULL;
-    float qsum[group];
+/* Summed in 16 independent lanes and a fixed tree: vectorizes without reassociation flags
+ * (a plain reduction loop makes the compiler add the lanes one by one). */
+static inline float dot(const float *restrict a, const float *restrict b, int64_t d) {
+    float acc[16] = {0}, tail = 0.f;
+    int64_t i = 0;
+    for (; i + 16 <= d; i += 16)
+        for (int j = 0; j < 16; j++) acc[j] += a[i + j] * b[i + j];
+    for (; i < d; i++) tail += a[i] * b[i];
+    for (int w = 8; w > 0; w /= 2)
+        for (int j = 0; j < w; j++) acc[j] += acc[j + w];
+    return acc[0] + tail;
+}
+
+/* out[i] += sum_t w[t] * rows[t][i], 16 outputs at a time kept in registers across tokens. */
+static inline void accumulate(float *restrict out, const float *restrict w,
+                              const float *restrict rows, int64_t m, int64_t d) {
+    int64_t i = 0;
+    for (; i + 16 <= d; i += 16) {
+        float acc[16];
+        for (int j = 0; j < 16; j++) acc[j] = out[i + j];
+        for (int64_t t = 0; t < m; t++)
+            for (int j = 0; j < 16; j++) acc[j] += w[t] * rows[t * d + i + j];
+        for (int j = 0; j < 16; j++) out[i + j] = acc[j];
+    }
+    for (; i < d; i++)
+        for (int64_t t = 0; t < m; t++) out[i] += w[t] * rows[t * d + i];
+}
+
+enum { TILE = 64 }; /* tokens widened at a time: a tile of fp32 rows stays in L1/L2 */
+
+/* Widen the stored rows of `m` slots into `tile` [m, d]; quantized: their scale and zero. */
+static void load_tile(const Pool *p, const uint8_t *codes, const uint16_t *scales,
+                      const uint16_t *zeros, const int64_t *slots, int64_t m, int64_t kvh,
+                      float *tile, float *scale, float *zero) {
+    for (int64_t t = 0; t < m; t++) {
+        int64_t idx = slots[t] * p->kv_heads + kvh;
+        widen(codes + idx * p->row_bytes, p->kind, p->head_dim, tile + t * p->head_dim);
+        scale[t] = scales ? f16_to_f32(scales[idx]) : 1.f;
+        zero[t] = zeros ? f16_to_f32(zeros[idx]) : 0.f;
+    }
+}
+
+/* Attention of the `group` query heads sharing KV head `kvh` over the n slots given.
+ * scratch: group * n + TILE * (head_dim + group + 2) floats. */
+static void attend(const Pool *p, const float *q, int64_t group, const int64_t *slots, int64_t n,
+                   int64_t kvh, float scale, float *scratch, float *out) {
+    const int64_t d = p->head_dim;
+    float *scores = scratch, *tile = scores + group * n, *w = tile + TILE * d,
+          *ts = w + group * TILE, *tz = ts + TILE;
+    float qsum[group], pz[group];
     for (int64_t g = 0; g < group; g++) {
         float s = 0.f;
         for (int64_t i = 0; i < d; i++) s += q[g * d + i];
         qsum[g] = s;
+        pz[g] = 0.f;
     }
     /* scores: q . k, where for codes k = c * s + z gives s (q . c) + z sum(q) */
-    for (int64_t t = 0; t < n; t++) {
-        int64_t idx = slot_of(table, start + t, p->block_size) * p->kv_heads + kvh;
-        widen(p->k + idx * p->row_bytes, p->kind, d, row);
-        float ks = quantized ? f16_to_f32(p->k_scale[idx]) : 1.f;
-        float kz = quantized ? f16_to_f32(p->k_zero[idx]) : 0.f;
-        for (int64_t g = 0; g < group; g++) {
-            const float *qg = q + g * d;
-            float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-            for (int64_t i = 0; i < d; i++) acc += qg[i] * row[i];
-            scores[g * n + t] = (acc * ks + qsum[g] * kz) * scale;
-        }
+    for (int64_t t0 = 0; t0 < n; t0 += TILE) {
+        int64_t m = n - t0 < TILE ? n - t0 : TILE;
+        load_tile(p, p->k, p->k_scale, p->k_zero, slots + t0, m, kvh, tile, ts, tz);
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t t = 0; t < m; t++)
+                scores[g * n + t0 + t] =
+                    (dot(q + g * d, tile + t * d, d) * ts[t] + qsum[g] * tz[t]) * scale;
     }
     for (int64_t g = 0; g < group; g++) { /* softmax in place */
         float *s = scores + g * n, m = -INFINITY, total = 0.f;
@@ -158,19 +206,16 @@ static void attend(const Pool *p, const float *q, int64_t group, const int64_t *
     }
     /* out = sum_t p_t v_t, where for codes v = c * s + z: sum (p s) c + sum p z */
     memset(out, 0, (size_t)(group * d) * sizeof(float));
-    float pz[group];
-    memset(pz, 0, sizeof(pz));
-    for (int64_t t = 0; t < n; t++) {
-        int64_t idx = slot_of(table, start + t, p->block_size) * p->kv_heads + kvh;
-        widen(p->v + idx * p->row_bytes, p->kind, d, row);
-        float vs = quantized ? f16_to_f32(p->v_scale[idx]) : 1.f;
-        float vz = quantized ? f16_to_f32(p->v_zero[idx]) : 0.f;
+    for (int64_t t0 = 0; t0 < n; t0 += TILE) {
+        int64_t m = n - t0 < TILE ? n - t0 : TILE;
+        load_tile(p, p->v, p->v_scale, p->v_zero, slots + t0, m, kvh, tile, ts, tz);
         for (int64_t g = 0; g < group; g++) {
-            float w = scores[g * n + t] * vs;
-            float *o = out + g * d;
-#pragma omp simd
-            for (int64_t i = 0; i < d; i++) o[i] += w * row[i];
-            pz[g] += scores[g * n + t] * vz;
+            const float *pg = scores + g * n + t0;
+            for (int64_t t = 0; t < m; t++) {
+                w[g * TILE + t] = pg[t] * ts[t];
+                pz[g] += pg[t] * tz[t];
+            }
+            accumulate(out + g * d, w + g * TILE, tile, m, d);
         }
     }
     for (int64_t g = 0; g < group; g++)
@@ -203,13 +248,14 @@ void decode_attention(const void *q, int64_t q_stride, int q_dtype, void *out, c
     for (int64_t b = 0; b < batch; b++) {
         for (int64_t h = 0; h < kv_heads; h++) {
             int64_t len = lens[b], start = (window > 0 && len > window) ? len - window : 0;
-            float *scratch = malloc(sizeof(float) * (size_t)(group * (longest + 2 * head_dim) +
-                                                              head_dim));
-            float *qf = scratch, *o = qf + group * head_dim, *row = o + group * head_dim,
-                  *scores = row + head_dim;
+            size_t floats = (size_t)(group * (longest + 2 * head_dim) + TILE * (head_dim + group + 2));
+            float *scratch = malloc(sizeof(float) * (floats + 1) + sizeof(int64_t) * (size_t)longest);
+            float *qf = scratch, *o = qf + group * head_dim, *work_area = o + group * head_dim;
+            int64_t *slots = (int64_t *)(scratch + floats + (floats & 1));
             const uint8_t *qrow = (const uint8_t *)q + (rows[b] * q_stride + h * group * head_dim) * q_elem;
             load_row(qrow, q_dtype, group * head_dim, qf);
-            attend(&p, qf, group, tables + b * table_stride, start, len, h, scale, scores, row, o);
+            fill_slots(tables + b * table_stride, start, len, block_size, slots);
+            attend(&p, qf, group, slots, len - start, h, scale, work_area, o);
             uint8_t *orow = (uint8_t *)out + (rows[b] * heads + h * group) * head_dim * q_elem;
             store_row(o, q_dtype, group * head_dim, orow);
             free(scratch);
