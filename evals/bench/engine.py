@@ -11,6 +11,7 @@ fraction of this machine's measured copy bandwidth, and where a decode step's ti
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -72,38 +73,56 @@ def bench_hf(model, batch: int, new: int, vocab: int) -> float:
 
 
 def profile_decode(engine: Engine, batch: int) -> dict[str, float]:
-    """Share of a decode step's wall time per op family (torch profiler, CPU)."""
+    """Milliseconds per decode step in each backend op, timed by wrapping the ops the model
+    calls (a profiler's per-op overhead would swamp the small ops it is meant to find)."""
     params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
     seqs = [engine.add_request(p, params) for p in prompts(batch, engine.arch.vocab_size)]
     while any(s.num_computed < s.num_prompt for s in seqs):
         engine.step()
+    spent: dict[str, float] = defaultdict(float)
+
+    def timed(name: str, fn):
+        def run(*args, **kwargs):
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            spent[name] += time.perf_counter() - t
+            return out
+
+        return run
+
+    model, ops = engine.model, engine.model.ops
+    wrapped = dataclasses.replace(
+        ops,
+        int4_linear=timed("int4 linears", ops.int4_linear),
+        paged_attention=timed("attention", ops.paged_attention),
+        kv_write=timed("kv write", ops.kv_write),
+        rms_norm=timed("rms norms", ops.rms_norm),
+    )
+    linears = [
+        lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+    ]
+    modules = [model, *model.layers, *linears]
+    for m in modules:
+        m.ops = wrapped
+    run_model = engine.runner.run
+    engine.runner.run = timed("model forward", run_model)
     steps = 0
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    try:
         t = time.perf_counter()
         while any(not s.finished for s in seqs):
             engine.step()
             steps += 1
         wall = time.perf_counter() - t
-    buckets: dict[str, float] = defaultdict(float)
-    for e in prof.key_averages():
-        name = e.key
-        kind = (
-            "int4 matmul"
-            if "int4pack" in name
-            else "dense matmul"
-            if name in ("aten::mm", "aten::addmm", "aten::matmul")
-            else "attention"
-            if "scaled_dot" in name
-            else "kv write/gather"
-            if name in ("aten::index_put_", "aten::index", "aten::round", "aten::clamp")
-            else None
-        )
-        if kind:
-            buckets[kind] += e.self_cpu_time_total / 1e6
-    buckets = {k: v / wall for k, v in buckets.items()}
-    buckets["rest (python, small ops, sampling)"] = 1 - sum(buckets.values())
-    buckets["step ms"] = 1000 * wall / steps
-    return buckets
+    finally:
+        for m in modules:
+            m.ops = ops
+        engine.runner.run = run_model
+    out = {k: 1000 * v / steps for k, v in spent.items() if k != "model forward"}
+    forward = 1000 * spent["model forward"] / steps
+    out["rest of the forward (lm_head, rotary, activations, python)"] = forward - sum(out.values())
+    out["outside the forward (scheduler, sampler, detokenizer)"] = 1000 * wall / steps - forward
+    out["step"] = 1000 * wall / steps
+    return out
 
 
 def weight_bytes(engine: Engine) -> int:
@@ -165,9 +184,11 @@ def main() -> None:
         f"\nweights read per decode step: {wb / 2**20:.1f} MiB; at batch {batches[0]} that is "
         f"{wb / step_s / 1e9:.2f} GB/s = {wb / step_s / bandwidth:.0%} of copy bandwidth"
     )
-    print("\nwhere a batch-1 decode step goes:")
-    for k, v in profile_decode(engine, batches[0]).items():
-        print(f"  {k}: {v:.1f}" if k == "step ms" else f"  {k}: {v:.0%}")
+    for b in (batches[0], batches[-1]):
+        print(f"\nwhere a batch-{b} decode step goes (ms):")
+        parts = profile_decode(engine, b)
+        for k, v in parts.items():
+            print(f"  {k}: {v:.2f} ({v / parts['step']:.0%})")
 
 
 if __name__ == "__main__":
