@@ -3,6 +3,8 @@ the KV quantizer bit for bit against quantize_kv, and how the library is built a
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -147,3 +149,18 @@ def test_backend_says_which_decode_kernels_it_runs(monkeypatch) -> None:
         assert backend.paged_attention.keywords["lib"] is None
     finally:
         native.library.cache_clear()
+
+
+def test_compiler_without_openmp_still_builds(tmp_path, monkeypatch) -> None:
+    """Apple's clang has no -fopenmp: the kernels are built single-threaded instead."""
+    fake = tmp_path / "cc-no-openmp"
+    fake.write_text(
+        '#!/bin/sh\ncase "$*" in *-fopenmp*) echo "unsupported option -fopenmp" >&2; exit 1;; '
+        'esac\nexec cc "$@"\n'
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("LITESERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(fake))
+    path = native.build()
+    lib = ctypes.CDLL(str(path))
+    assert lib.decode_attention and lib.kv_write_quantized

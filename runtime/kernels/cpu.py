@@ -1,5 +1,6 @@
-"""CPU int4 linear: torch's int4 weight-only matmul for small batches, dequantize + dense
-matmul for large ones.
+"""The CPU backend's ops. Int4 linear: torch's int4 weight-only matmul for small batches,
+dequantize + dense matmul for large ones. Decode attention and the quantized KV write: the C
+kernels of cpu_decode.c when native.py could build them, else the torch formulation below.
 
 The artifact's layout is for the GPU; on the CPU the weights are repacked once at load into
 torch's `_weight_int4pack_mm_for_cpu` format. Measured on the 2-core AVX-512 (bf16-capable)

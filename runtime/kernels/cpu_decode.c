@@ -129,29 +129,89 @@ static void fill_slots(const int64_t *table, int64_t start, int64_t len, int64_t
     }
 }
 
-/* Summed in 16 independent lanes and a fixed tree: vectorizes without reassociation flags
- * (a plain reduction loop makes the compiler add the lanes one by one). */
-static inline float dot(const float *restrict a, const float *restrict b, int64_t d) {
-    float acc[16] = {0}, tail = 0.f;
-    int64_t i = 0;
-    for (; i + 16 <= d; i += 16)
-        for (int j = 0; j < 16; j++) acc[j] += a[i + j] * b[i + j];
-    for (; i < d; i++) tail += a[i] * b[i];
-    for (int w = 8; w > 0; w /= 2)
-        for (int j = 0; j < w; j++) acc[j] += acc[j + w];
-    return acc[0] + tail;
+/* 16 fp32 lanes in the compiler's vector extension (GCC and clang): lowered to whatever SIMD
+ * width the machine has. Plain C reduction loops would be summed lane by lane without
+ * reassociation flags, which the quantizer's exactness rules out for this file. */
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+static inline v16 load16(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
 }
 
-/* out[i] += sum_t w[t] * rows[t][i], 16 outputs at a time kept in registers across tokens. */
+static inline float hsum(v16 v) {
+    v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+static inline float dot(const float *restrict a, const float *restrict b, int64_t d) {
+    v16 acc = {0};
+    float tail = 0.f;
+    int64_t i = 0;
+    for (; i + 16 <= d; i += 16) acc += load16(a + i) * load16(b + i);
+    for (; i < d; i++) tail += a[i] * b[i];
+    return hsum(acc) + tail;
+}
+
+static inline float sum(const float *a, int64_t n) {
+    v16 acc = {0};
+    float tail = 0.f;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) acc += load16(a + i);
+    for (; i < n; i++) tail += a[i];
+    return hsum(acc) + tail;
+}
+
+/* e^x for x <= 0 (softmax after subtracting the max), in plain arithmetic so the loop
+ * vectorizes (libm's expf is a call per element): Cody-Waite reduction by ln 2 and Cephes'
+ * degree-6 polynomial, within 2 ulp; below -87 (under fp32's normal range) it returns
+ * e^-87 ~ 1.6e-38 instead of a denormal, which no sum of probabilities can tell apart. */
+static inline float exp_nonpositive(float x) {
+    x = x > -87.f ? x : -87.f;
+    float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f; /* round(x / ln 2) */
+    float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23; /* 2^n, n >= -126 */
+    float two_n;
+    memcpy(&two_n, &bits, 4);
+    return p * two_n;
+}
+
+/* out[i] += sum_t w[t] * rows[t][i]: 64 outputs at a time in four independent register
+ * accumulators (one would wait on its own FMA latency every token). */
 static inline void accumulate(float *restrict out, const float *restrict w,
                               const float *restrict rows, int64_t m, int64_t d) {
     int64_t i = 0;
+    for (; i + 64 <= d; i += 64) {
+        v16 a0 = load16(out + i), a1 = load16(out + i + 16), a2 = load16(out + i + 32),
+            a3 = load16(out + i + 48);
+        for (int64_t t = 0; t < m; t++) {
+            const float *r = rows + t * d + i;
+            a0 += w[t] * load16(r);
+            a1 += w[t] * load16(r + 16);
+            a2 += w[t] * load16(r + 32);
+            a3 += w[t] * load16(r + 48);
+        }
+        memcpy(out + i, &a0, sizeof a0);
+        memcpy(out + i + 16, &a1, sizeof a1);
+        memcpy(out + i + 32, &a2, sizeof a2);
+        memcpy(out + i + 48, &a3, sizeof a3);
+    }
     for (; i + 16 <= d; i += 16) {
-        float acc[16];
-        for (int j = 0; j < 16; j++) acc[j] = out[i + j];
-        for (int64_t t = 0; t < m; t++)
-            for (int j = 0; j < 16; j++) acc[j] += w[t] * rows[t * d + i + j];
-        for (int j = 0; j < 16; j++) out[i + j] = acc[j];
+        v16 acc = load16(out + i);
+        for (int64_t t = 0; t < m; t++) acc += w[t] * load16(rows + t * d + i);
+        memcpy(out + i, &acc, sizeof acc);
     }
     for (; i < d; i++)
         for (int64_t t = 0; t < m; t++) out[i] += w[t] * rows[t * d + i];
@@ -195,13 +255,10 @@ static void attend(const Pool *p, const float *q, int64_t group, const int64_t *
                     (dot(q + g * d, tile + t * d, d) * ts[t] + qsum[g] * tz[t]) * scale;
     }
     for (int64_t g = 0; g < group; g++) { /* softmax in place */
-        float *s = scores + g * n, m = -INFINITY, total = 0.f;
+        float *s = scores + g * n, m = -INFINITY;
         for (int64_t t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
-        for (int64_t t = 0; t < n; t++) {
-            s[t] = expf(s[t] - m);
-            total += s[t];
-        }
-        float inv = 1.f / total;
+        for (int64_t t = 0; t < n; t++) s[t] = exp_nonpositive(s[t] - m);
+        float inv = 1.f / sum(s, n);
         for (int64_t t = 0; t < n; t++) s[t] *= inv;
     }
     /* out = sum_t p_t v_t, where for codes v = c * s + z: sum (p s) c + sum p z */
@@ -211,10 +268,8 @@ static void attend(const Pool *p, const float *q, int64_t group, const int64_t *
         load_tile(p, p->v, p->v_scale, p->v_zero, slots + t0, m, kvh, tile, ts, tz);
         for (int64_t g = 0; g < group; g++) {
             const float *pg = scores + g * n + t0;
-            for (int64_t t = 0; t < m; t++) {
-                w[g * TILE + t] = pg[t] * ts[t];
-                pz[g] += pg[t] * tz[t];
-            }
+            for (int64_t t = 0; t < m; t++) w[g * TILE + t] = pg[t] * ts[t];
+            pz[g] += dot(pg, tz, m);
             accumulate(out + g * d, w + g * TILE, tile, m, d);
         }
     }

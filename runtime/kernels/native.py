@@ -65,6 +65,12 @@ def _compiler() -> str:
     return cc
 
 
+def _compile(cc: str, flags: list[str], out: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [cc, *flags, str(SOURCE), "-o", out, "-lm"], capture_output=True, text=True
+    )
+
+
 def build() -> Path:
     """The compiled library's path, compiling it first if this machine has no cached copy."""
     cc = _compiler()
@@ -79,9 +85,11 @@ def build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run(
-            [cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True
-        )
+        done = _compile(cc, FLAGS, tmp)
+        if done.returncode != 0 and "-fopenmp" in FLAGS:
+            # a compiler without OpenMP (Apple's clang) still gives single-threaded kernels
+            serial = _compile(cc, [f for f in FLAGS if f != "-fopenmp"], tmp)
+            done = done if serial.returncode != 0 else serial
         if done.returncode != 0:
             raise NativeUnavailable(f"{cc} failed to build {SOURCE.name}:\n{done.stderr[-2000:]}")
         os.replace(tmp, target)  # atomic: a concurrent build never sees half a file
