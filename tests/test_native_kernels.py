@@ -164,3 +164,21 @@ def test_compiler_without_openmp_still_builds(tmp_path, monkeypatch) -> None:
     path = native.build()
     lib = ctypes.CDLL(str(path))
     assert lib.decode_attention and lib.kv_write_quantized
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 33])
+def test_rms_norm_matches_torch(dtype: torch.dtype, rows: int) -> None:
+    """Strided rows (a slice of a wider tensor). bf16/fp16: the same single rounding as torch's
+    fused op, so equal; fp32: within summation order (1e-6 relative)."""
+    g = torch.Generator().manual_seed(rows)
+    wide = (torch.randn(rows, 700, generator=g) * 3).to(dtype)
+    x, w = wide[:, 50:626], torch.randn(576, generator=g).to(dtype)
+    got = cpu.rms_norm(x, w, 1e-5, lib=native.library())
+    want = torch.nn.functional.rms_norm(x, (576,), w, 1e-5)
+    assert got.dtype == dtype and got.shape == want.shape
+    if dtype == torch.float32:
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(got, want), int((got != want).sum())
+    assert torch.equal(cpu.rms_norm(x.unsqueeze(0), w, 1e-5, lib=native.library())[0], want)

@@ -97,7 +97,7 @@ def _cpu() -> Backend:
         prepare_int4=cpu.prepare_int4,
         int4_linear=cpu.int4_linear,
         paged_attention=functools.partial(cpu.paged_attention, lib=lib),
-        rms_norm=cpu.rms_norm,
+        rms_norm=functools.partial(cpu.rms_norm, lib=lib),
         kv_write=functools.partial(cpu.kv_write, lib=lib),
         dtypes=(torch.float32, torch.bfloat16, torch.float16),
         detail=f"torch {torch.__version__} on the CPU ({torch.get_num_threads()} threads), "
