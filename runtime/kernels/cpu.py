@@ -25,6 +25,9 @@ from runtime.kernels import native, reference
 from runtime.model.context import DecodeBatch, StepContext
 
 INT4_KERNEL_MAX_ROWS = {torch.bfloat16: 47}  # above this, dequantize + dense GEMM wins
+# SmolLM2's bf16 lm_head (49152 x 576), C GEMV against torch's matmul, ms: 1 row 1.7 / 5.0,
+# 2 rows 2.7 / 5.1, 4 rows 3.5 / 6.1, 8 rows 8.6 / 5.7
+LOGITS_C_MAX_ROWS = 4
 _TORCH_ZERO_OFFSET = 8  # torch's int4 kernels compute (q - 8) * scale + zero
 
 
@@ -274,5 +277,26 @@ def rms_norm(
         rows,
         dim,
         eps,
+    )
+    return out
+
+
+def logits(x: torch.Tensor, weight: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """float32 [M, V] = x @ weight.T. bf16 decode-sized batches through the C GEMV (it streams
+    the weight once and keeps fp32 sums, where torch's matmul rounds the logits to bf16);
+    everything else through torch's matmul."""
+    rows, k = x.shape
+    if (
+        lib is None
+        or rows > LOGITS_C_MAX_ROWS
+        or x.dtype != torch.bfloat16
+        or weight.dtype != torch.bfloat16
+        or x.stride(1) != 1
+        or not weight.is_contiguous()
+    ):
+        return (x @ weight.T).float()
+    out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
+    lib.linear_bf16(
+        x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), rows, weight.shape[0], k
     )
     return out

@@ -392,3 +392,51 @@ void rms_norm(const void *x, int64_t x_stride, const void *weight, void *out, in
         store_row(v, dtype, dim, (uint8_t *)out + r * dim * elem);
     }
 }
+
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+static inline v16 load16_bf16(const uint16_t *p) {
+    u16x16 h;
+    memcpy(&h, p, sizeof h);
+    u32x16 bits = __builtin_convertvector(h, u32x16) << 16;
+    v16 f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+enum { LINEAR_ROWS = 4 }; /* activation rows sharing each loaded weight chunk */
+
+/* out[r] (r < m <= LINEAR_ROWS) = xf[r] . w_row, the weight row read once for all rows. */
+static inline void dot_rows(const float *xf, int64_t m, const uint16_t *w_row, int64_t k,
+                            float *out, int64_t out_stride) {
+    v16 acc[LINEAR_ROWS] = {{0}};
+    float tail[LINEAR_ROWS] = {0};
+    int64_t i = 0;
+    for (; i + 16 <= k; i += 16) {
+        v16 wv = load16_bf16(w_row + i);
+        for (int64_t r = 0; r < m; r++) acc[r] += wv * load16(xf + r * k + i);
+    }
+    for (; i < k; i++)
+        for (int64_t r = 0; r < m; r++) tail[r] += bf16_to_f32(w_row[i]) * xf[r * k + i];
+    for (int64_t r = 0; r < m; r++) out[r * out_stride] = hsum(acc[r]) + tail[r];
+}
+
+/*
+ * out [m, n] fp32 = x [m, k] (bf16, row stride x_stride) @ w [n, k]^T (bf16, contiguous),
+ * accumulated in fp32. For the logits of decode-sized batches: a GEMV streams the weight once,
+ * where the BLAS path at one to a few rows reaches half the memory bandwidth.
+ */
+void linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, float *out, int64_t m,
+                 int64_t n, int64_t k) {
+    float *xf = malloc(sizeof(float) * (size_t)(m * k));
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t i = 0; i < k; i++) xf[r * k + i] = bf16_to_f32(x[r * x_stride + i]);
+#pragma omp parallel for schedule(static)
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t r0 = 0; r0 < m; r0 += LINEAR_ROWS) {
+            int64_t rows = m - r0 < LINEAR_ROWS ? m - r0 : LINEAR_ROWS;
+            dot_rows(xf + r0 * k, rows, w + j * k, k, out + r0 * n + j, n);
+        }
+    free(xf);
+}

@@ -37,6 +37,8 @@ class Backend:
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     # kv_write(cache, layer, k, v, slot_mapping)
     kv_write: Callable[..., None]
+    # logits(x [M, K], lm_head [V, K]) -> float32 [M, V]
+    logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     dtypes: tuple[torch.dtype, ...]  # activation dtypes it supports
     detail: str = ""  # what it runs on, for logs, /health and `runtime check`
 
@@ -99,6 +101,7 @@ def _cpu() -> Backend:
         paged_attention=functools.partial(cpu.paged_attention, lib=lib),
         rms_norm=functools.partial(cpu.rms_norm, lib=lib),
         kv_write=functools.partial(cpu.kv_write, lib=lib),
+        logits=functools.partial(cpu.logits, lib=lib),
         dtypes=(torch.float32, torch.bfloat16, torch.float16),
         detail=f"torch {torch.__version__} on the CPU ({torch.get_num_threads()} threads), "
         f"{kernels}",

@@ -131,4 +131,4 @@ class LlamaModel:
             x = layer(x, rope)
         x = x[ctx.logits_indices]
         x = self.ops.rms_norm(x, self.norm, self.arch.rms_norm_eps)
-        return (x @ self.lm_head.T).float()
+        return self.ops.logits(x, self.lm_head)

@@ -141,6 +141,7 @@ def triton_backend(device: torch.device, kernels: dict[str, dict[str, dict[str, 
         paged_attention=_attention,
         rms_norm=cpu.rms_norm,  # torch's fused rms_norm runs on the GPU as well
         kv_write=kv_write,
+        logits=cpu.logits,  # torch's matmul (cuBLAS on the GPU)
         dtypes=(torch.float16, torch.bfloat16),
         detail=f"{arch}: {len(pinned)} pinned GEMM configs" if pinned else f"{arch}: heuristics",
     )
