@@ -19,19 +19,22 @@ def _packed(n: int, k: int, gs: int, seed: int) -> tuple[torch.Tensor, torch.Ten
     return layout.pack_qweight(qw.q, gs), layout.pack_qparams(qw.scale, qw.zero, gs, k), n
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path", ["torch", "c"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 3, 17, 64])  # both sides of the int4-kernel crossover
 @pytest.mark.parametrize(
     ("ns", "k", "gs"), [((70,), 100, 32), ((96, 32, 32), 160, 64), ((200,), 576, 128)]
 )
-def test_int4_linear_matches_reference_dequantize(dtype, rows, ns, k, gs) -> None:
-    """Fused parts, N not a multiple of 16, K not a multiple of the group. Tolerance: exact
-    math in fp32 (1e-5 relative); bf16 activations and scales round at 2^-8 (2e-2)."""
+def test_int4_linear_matches_reference_dequantize(path, dtype, rows, ns, k, gs) -> None:
+    """Fused parts, N not a multiple of 16, K not a multiple of the group; `c` adds the C GEMV
+    (fp32/fp16 up to 4 rows). Tolerance: exact math in fp32 (1e-5 relative); bf16 and fp16
+    activations and scales round at 2^-8 and 2^-11 (2e-2)."""
     parts = [_packed(n, k, gs, seed=i) for i, n in enumerate(ns)]
     w = cpu.prepare_int4(parts, k, gs, dtype)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(9))
     ref = x @ torch.cat([layout.dequantize(q, p, n, k, gs) for q, p, n in parts]).T
-    got = cpu.int4_linear(x.to(dtype), w).float()
+    lib = native.library() if path == "c" else None
+    got = cpu.int4_linear(x.to(dtype), w, lib=lib).float()
     assert got.shape == ref.shape
     rel = float((got - ref).norm() / ref.norm())
     assert rel < (1e-5 if dtype == torch.float32 else 2e-2), rel

@@ -184,15 +184,17 @@ def test_rms_norm_matches_torch(dtype: torch.dtype, rows: int) -> None:
     assert torch.equal(cpu.rms_norm(x.unsqueeze(0), w, 1e-5, lib=native.library())[0], want)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])  # 9: above the C path's rows, torch's matmul
-def test_logits_match_fp32_reference(rows: int) -> None:
-    """bf16 hidden states and lm_head, K not a multiple of 16. Tolerance: the C GEMV keeps
+def test_logits_match_fp32_reference(dtype: torch.dtype, rows: int) -> None:
+    """Hidden states and lm_head in `dtype`, K not a multiple of 16. Tolerance: the C GEMV keeps
     fp32 sums (1e-5 of the largest logit); torch's bf16 matmul rounds its output (1e-2)."""
     g = torch.Generator().manual_seed(rows)
-    w = torch.randn(1000, 200, generator=g).bfloat16()
-    x = torch.randn(rows, 230, generator=g).bfloat16()[:, 10:210]  # strided rows
+    w = torch.randn(1000, 200, generator=g).to(dtype)
+    x = torch.randn(rows, 230, generator=g).to(dtype)[:, 10:210]  # strided rows
     got = cpu.logits(x, w, lib=native.library())
     want = x.float() @ w.float().T
     assert got.dtype == torch.float32 and got.shape == (rows, 1000)
     err = float((got - want).abs().max() / want.abs().max())
-    assert err < (1e-5 if rows <= cpu.LOGITS_C_MAX_ROWS else 1e-2), err
+    exact = dtype == torch.float32 or rows <= cpu.LOGITS_C_MAX_ROWS[dtype]
+    assert err < (1e-5 if exact else 1e-2), err

@@ -97,6 +97,7 @@ def profile_decode(engine: Engine, batch: int) -> dict[str, float]:
         paged_attention=timed("attention", ops.paged_attention),
         kv_write=timed("kv write", ops.kv_write),
         rms_norm=timed("rms norms", ops.rms_norm),
+        logits=timed("lm_head", ops.logits),
     )
     linears = [
         lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
@@ -119,7 +120,7 @@ def profile_decode(engine: Engine, batch: int) -> dict[str, float]:
         engine.runner.run = run_model
     out = {k: 1000 * v / steps for k, v in spent.items() if k != "model forward"}
     forward = 1000 * spent["model forward"] / steps
-    out["rest of the forward (lm_head, rotary, activations, python)"] = forward - sum(out.values())
+    out["rest of the forward (rotary, activations, residuals, python)"] = forward - sum(out.values())
     out["outside the forward (scheduler, sampler, detokenizer)"] = 1000 * wall / steps - forward
     out["step"] = 1000 * wall / steps
     return out

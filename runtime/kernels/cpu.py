@@ -25,9 +25,13 @@ from runtime.kernels import native, reference
 from runtime.model.context import DecodeBatch, StepContext
 
 INT4_KERNEL_MAX_ROWS = {torch.bfloat16: 47}  # above this, dequantize + dense GEMM wins
-# SmolLM2's bf16 lm_head (49152 x 576), C GEMV against torch's matmul, ms: 1 row 1.7 / 5.0,
-# 2 rows 2.7 / 5.1, 4 rows 3.5 / 6.1, 8 rows 8.6 / 5.7
-LOGITS_C_MAX_ROWS = 4
+# SmolLM2's lm_head (49152 x 576), C GEMV against torch's matmul, ms: bf16 1 row 1.7 / 5.0,
+# 4 rows 3.5 / 6.1, 6 rows 7.4 / 6.6; fp32 1 row 3.5 / 11.3, 8 rows 11.7 / 19.2
+LOGITS_C_MAX_ROWS = {torch.bfloat16: 4, torch.float32: 8}
+# The C int4 GEMV, for activations torch's int4 kernel has no fast path for. 3072x576 at one
+# row: 0.45 ms against 7.9 ms to dequantize and multiply in fp32; in bf16 torch's kernel is
+# 3x faster than it (0.06 ms), so bf16 keeps torch's. It holds up to 4 rows' sums in registers.
+INT4_C_MAX_ROWS = {torch.float32: 4, torch.float16: 4}
 _TORCH_ZERO_OFFSET = 8  # torch's int4 kernels compute (q - 8) * scale + zero
 
 
@@ -36,6 +40,7 @@ class CpuInt4Weight:
     packed: torch.Tensor  # torch's CPU int4 pack of q [N, Kp]
     scales_zeros: torch.Tensor  # [Kp / gs, N, 2] in torch's (scale, zero) convention
     codes: torch.Tensor  # uint8 [N padded to 16, Kp], for the dense path
+    nibbles: torch.Tensor | None  # uint8 [N padded, Kp / 2] in the C GEMV's chunk layout
     scale: torch.Tensor  # [N padded to 16, Kp / gs]
     offset: torch.Tensor  # [N padded to 16, Kp / gs], the artifact's -z*s
     n: int
@@ -74,7 +79,18 @@ def prepare_int4(
     torch_zero = b + _TORCH_ZERO_OFFSET * s
     scales_zeros = torch.stack([s.T, torch_zero.T], dim=-1).to(dtype).contiguous()
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-    return CpuInt4Weight(packed, scales_zeros, q, s.to(dtype), b.to(dtype), n, k, group_size)
+    return CpuInt4Weight(
+        packed, scales_zeros, q, _nibbles(q, group_size), s.to(dtype), b.to(dtype), n, k, group_size
+    )
+
+
+def _nibbles(q: torch.Tensor, group_size: int) -> torch.Tensor | None:
+    """Codes [N, Kp] two a byte for the C GEMV: in each chunk of 32, byte i holds element i
+    (low nibble) and i + 16 (high), so one load widens into two runs of 16 lanes."""
+    if group_size % 32 or q.shape[1] % group_size:
+        return None
+    chunks = q.view(q.shape[0], -1, 2, 16)
+    return (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(q.shape[0], -1).contiguous()
 
 
 def dequantize_dense(w: CpuInt4Weight) -> torch.Tensor:
@@ -83,14 +99,37 @@ def dequantize_dense(w: CpuInt4Weight) -> torch.Tensor:
     return (q * w.scale[: w.n].unsqueeze(-1) + w.offset[: w.n].unsqueeze(-1)).view(w.n, -1)
 
 
-def int4_linear(x: torch.Tensor, w: CpuInt4Weight) -> torch.Tensor:
+def int4_linear(x: torch.Tensor, w: CpuInt4Weight, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """x [M, K] -> [M, N]; K is zero-padded to the packed width (padded codes meet zeros)."""
     if x.shape[-1] != w.kp:
         x = torch.nn.functional.pad(x, (0, w.kp - x.shape[-1]))
+    if lib is not None and x.shape[0] <= INT4_C_MAX_ROWS.get(x.dtype, 0) and w.nibbles is not None:
+        return _c_int4_linear(lib, x, w)
     if x.shape[0] > INT4_KERNEL_MAX_ROWS.get(x.dtype, 0):
         return x @ dequantize_dense(w).T
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.packed, w.group_size, w.scales_zeros)
     return y if y.shape[1] == w.n else y[:, : w.n]
+
+
+def _c_int4_linear(lib: ctypes.CDLL, x: torch.Tensor, w: CpuInt4Weight) -> torch.Tensor:
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], w.n, dtype=x.dtype)
+    lib.int4_linear(
+        x.data_ptr(),
+        x.stride(0),
+        native.DTYPE_CODES[x.dtype],
+        w.nibbles.data_ptr(),
+        w.scale.data_ptr(),
+        w.offset.data_ptr(),
+        native.DTYPE_CODES[w.scale.dtype],
+        out.data_ptr(),
+        x.shape[0],
+        w.n,
+        w.kp,
+        w.group_size,
+    )
+    return out
 
 
 def paged_attention(
@@ -282,21 +321,28 @@ def rms_norm(
 
 
 def logits(x: torch.Tensor, weight: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """float32 [M, V] = x @ weight.T. bf16 decode-sized batches through the C GEMV (it streams
-    the weight once and keeps fp32 sums, where torch's matmul rounds the logits to bf16);
+    """float32 [M, V] = x @ weight.T. Decode-sized batches through the C GEMV (it streams the
+    weight once and keeps fp32 sums, where torch's bf16 matmul rounds the logits to bf16);
     everything else through torch's matmul."""
     rows, k = x.shape
     if (
         lib is None
-        or rows > LOGITS_C_MAX_ROWS
-        or x.dtype != torch.bfloat16
-        or weight.dtype != torch.bfloat16
+        or rows > LOGITS_C_MAX_ROWS.get(weight.dtype, 0)
+        or x.dtype not in native.DTYPE_CODES
         or x.stride(1) != 1
         or not weight.is_contiguous()
     ):
         return (x @ weight.T).float()
     out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
-    lib.linear_bf16(
-        x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), rows, weight.shape[0], k
+    lib.dense_linear(
+        x.data_ptr(),
+        x.stride(0),
+        native.DTYPE_CODES[x.dtype],
+        weight.data_ptr(),
+        native.DTYPE_CODES[weight.dtype],
+        out.data_ptr(),
+        rows,
+        weight.shape[0],
+        k,
     )
     return out

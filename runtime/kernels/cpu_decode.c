@@ -405,38 +405,110 @@ static inline v16 load16_bf16(const uint16_t *p) {
     return f;
 }
 
+static inline float load_scalar(const void *p, int dtype, int64_t i) {
+    if (dtype == F32) return ((const float *)p)[i];
+    uint16_t h = ((const uint16_t *)p)[i];
+    return dtype == BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+}
+
 enum { LINEAR_ROWS = 4 }; /* activation rows sharing each loaded weight chunk */
 
+static inline v16 load16_weight(const void *w, int w_dtype, int64_t i) {
+    return w_dtype == F32 ? load16((const float *)w + i) : load16_bf16((const uint16_t *)w + i);
+}
+
 /* out[r] (r < m <= LINEAR_ROWS) = xf[r] . w_row, the weight row read once for all rows. */
-static inline void dot_rows(const float *xf, int64_t m, const uint16_t *w_row, int64_t k,
-                            float *out, int64_t out_stride) {
+static inline void dot_rows(const float *xf, int64_t m, const void *w_row, int w_dtype,
+                            int64_t k, float *out, int64_t out_stride) {
     v16 acc[LINEAR_ROWS] = {{0}};
     float tail[LINEAR_ROWS] = {0};
     int64_t i = 0;
     for (; i + 16 <= k; i += 16) {
-        v16 wv = load16_bf16(w_row + i);
+        v16 wv = load16_weight(w_row, w_dtype, i);
         for (int64_t r = 0; r < m; r++) acc[r] += wv * load16(xf + r * k + i);
     }
-    for (; i < k; i++)
-        for (int64_t r = 0; r < m; r++) tail[r] += bf16_to_f32(w_row[i]) * xf[r * k + i];
+    for (; i < k; i++) {
+        float wi = load_scalar(w_row, w_dtype, i);
+        for (int64_t r = 0; r < m; r++) tail[r] += wi * xf[r * k + i];
+    }
     for (int64_t r = 0; r < m; r++) out[r * out_stride] = hsum(acc[r]) + tail[r];
 }
 
 /*
- * out [m, n] fp32 = x [m, k] (bf16, row stride x_stride) @ w [n, k]^T (bf16, contiguous),
- * accumulated in fp32. For the logits of decode-sized batches: a GEMV streams the weight once,
- * where the BLAS path at one to a few rows reaches half the memory bandwidth.
+ * out [m, n] fp32 = x [m, k] (x_dtype, row stride x_stride) @ w [n, k]^T (fp32 or bf16,
+ * contiguous), accumulated in fp32. For the logits of decode-sized batches: a GEMV streams
+ * the weight once, where the BLAS path at one to a few rows reaches a third of the bandwidth.
  */
-void linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, float *out, int64_t m,
-                 int64_t n, int64_t k) {
+void dense_linear(const void *x, int64_t x_stride, int x_dtype, const void *w, int w_dtype,
+                  float *out, int64_t m, int64_t n, int64_t k) {
+    int64_t x_elem = x_dtype == F32 ? 4 : 2, w_elem = w_dtype == F32 ? 4 : 2;
     float *xf = malloc(sizeof(float) * (size_t)(m * k));
     for (int64_t r = 0; r < m; r++)
-        for (int64_t i = 0; i < k; i++) xf[r * k + i] = bf16_to_f32(x[r * x_stride + i]);
+        load_row((const uint8_t *)x + r * x_stride * x_elem, x_dtype, k, xf + r * k);
 #pragma omp parallel for schedule(static)
     for (int64_t j = 0; j < n; j++)
         for (int64_t r0 = 0; r0 < m; r0 += LINEAR_ROWS) {
             int64_t rows = m - r0 < LINEAR_ROWS ? m - r0 : LINEAR_ROWS;
-            dot_rows(xf + r0 * k, rows, w + j * k, k, out + r0 * n + j, n);
+            dot_rows(xf + r0 * k, rows, (const uint8_t *)w + j * k * w_elem, w_dtype, k,
+                     out + r0 * n + j, n);
         }
+    free(xf);
+}
+
+/* The 32 codes of one chunk: byte i holds element i (low nibble) and i + 16 (high). A plain
+ * loop, which the vectorizer widens well (GCC 12 lowers __builtin_convertvector from bytes one
+ * element at a time). */
+static inline void load_nibbles(const uint8_t *restrict p, v16 *lo, v16 *hi) {
+    float l[16], h[16];
+    for (int i = 0; i < 16; i++) {
+        l[i] = (float)(p[i] & 15);
+        h[i] = (float)(p[i] >> 4);
+    }
+    memcpy(lo, l, sizeof l);
+    memcpy(hi, h, sizeof h);
+}
+
+/*
+ * out [m, n] (x's dtype, contiguous) = x [m, k] (row stride x_stride) @ W^T for int4 W with
+ * W[j, i] = code * scale[j, i / gs] + offset[j, i / gs]; m <= LINEAR_ROWS.
+ * codes: [n, k / 2] bytes in chunks of 32 elements (see load_nibbles); scale and offset:
+ * [n, k / gs] in s_dtype; k a multiple of gs, gs a multiple of 32.
+ * Per row and group, x . W = scale (x . code) + offset sum(x): the codes are only widened.
+ * Decode-sized batches read every weight once, which is all a decode step needs to do.
+ */
+void int4_linear(const void *x, int64_t x_stride, int x_dtype, const uint8_t *codes,
+                 const void *scale, const void *offset, int s_dtype, void *out, int64_t m,
+                 int64_t n, int64_t k, int64_t gs) {
+    int64_t groups = k / gs, x_elem = x_dtype == F32 ? 4 : 2;
+    float *xf = malloc(sizeof(float) * (size_t)(m * (k + groups)));
+    float *xsum = xf + m * k; /* [m, groups] */
+    for (int64_t r = 0; r < m; r++) {
+        load_row((const uint8_t *)x + r * x_stride * x_elem, x_dtype, k, xf + r * k);
+        for (int64_t g = 0; g < groups; g++) xsum[r * groups + g] = sum(xf + r * k + g * gs, gs);
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *row = codes + j * (k / 2);
+        v16 acc[LINEAR_ROWS] = {{0}};
+        float bias[LINEAR_ROWS] = {0}, result[LINEAR_ROWS];
+        for (int64_t g = 0; g < groups; g++) {
+            float s = load_scalar(scale, s_dtype, j * groups + g);
+            float b = load_scalar(offset, s_dtype, j * groups + g);
+            v16 part[LINEAR_ROWS] = {{0}};
+            for (int64_t c = g * gs; c < (g + 1) * gs; c += 32) {
+                v16 lo, hi;
+                load_nibbles(row + c / 2, &lo, &hi);
+                for (int64_t r = 0; r < m; r++)
+                    part[r] += lo * load16(xf + r * k + c) + hi * load16(xf + r * k + c + 16);
+            }
+            for (int64_t r = 0; r < m; r++) {
+                acc[r] += s * part[r];
+                bias[r] += b * xsum[r * groups + g];
+            }
+        }
+        for (int64_t r = 0; r < m; r++) result[r] = hsum(acc[r]) + bias[r];
+        for (int64_t r = 0; r < m; r++)
+            store_row(result + r, x_dtype, 1, (uint8_t *)out + (r * n + j) * x_elem);
+    }
     free(xf);
 }

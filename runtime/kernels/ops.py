@@ -97,7 +97,7 @@ def _cpu() -> Backend:
         name="cpu",
         device=torch.device("cpu"),
         prepare_int4=cpu.prepare_int4,
-        int4_linear=cpu.int4_linear,
+        int4_linear=functools.partial(cpu.int4_linear, lib=lib),
         paged_attention=functools.partial(cpu.paged_attention, lib=lib),
         rms_norm=functools.partial(cpu.rms_norm, lib=lib),
         kv_write=functools.partial(cpu.kv_write, lib=lib),
