@@ -27,7 +27,7 @@ def _packed(n: int, k: int, gs: int, seed: int) -> tuple[torch.Tensor, torch.Ten
 )
 def test_int4_linear_matches_reference_dequantize(path, dtype, rows, ns, k, gs) -> None:
     """Fused parts, N not a multiple of 16, K not a multiple of the group; `c` adds the C GEMV
-    (fp32/fp16 up to 4 rows). Tolerance: exact math in fp32 (1e-5 relative); bf16 and fp16
+    (fp32/fp16, every row count here). Tolerance: exact math in fp32 (1e-5 relative); bf16 and fp16
     activations and scales round at 2^-8 and 2^-11 (2e-2)."""
     parts = [_packed(n, k, gs, seed=i) for i, n in enumerate(ns)]
     w = cpu.prepare_int4(parts, k, gs, dtype)

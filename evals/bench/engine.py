@@ -120,7 +120,8 @@ def profile_decode(engine: Engine, batch: int) -> dict[str, float]:
         engine.runner.run = run_model
     out = {k: 1000 * v / steps for k, v in spent.items() if k != "model forward"}
     forward = 1000 * spent["model forward"] / steps
-    out["rest of the forward (rotary, activations, residuals, python)"] = forward - sum(out.values())
+    rest = forward - sum(out.values())
+    out["rest of the forward (rotary, activations, residuals, python)"] = rest
     out["outside the forward (scheduler, sampler, detokenizer)"] = 1000 * wall / steps - forward
     out["step"] = 1000 * wall / steps
     return out

@@ -28,10 +28,11 @@ INT4_KERNEL_MAX_ROWS = {torch.bfloat16: 47}  # above this, dequantize + dense GE
 # SmolLM2's lm_head (49152 x 576), C GEMV against torch's matmul, ms: bf16 1 row 1.7 / 5.0,
 # 4 rows 3.5 / 6.1, 6 rows 7.4 / 6.6; fp32 1 row 3.5 / 11.3, 8 rows 11.7 / 19.2
 LOGITS_C_MAX_ROWS = {torch.bfloat16: 4, torch.float32: 8}
-# The C int4 GEMV, for activations torch's int4 kernel has no fast path for. 3072x576 at one
-# row: 0.45 ms against 7.9 ms to dequantize and multiply in fp32; in bf16 torch's kernel is
-# 3x faster than it (0.06 ms), so bf16 keeps torch's. It holds up to 4 rows' sums in registers.
-INT4_C_MAX_ROWS = {torch.float32: 4, torch.float16: 4}
+# The C int4 GEMV, for activations torch's int4 kernel has no fast path for. 3072x576, C
+# against dequantize + dense GEMM, ms: fp32 4 rows 0.26 / 8.2, 32 rows 2.4 / 8.6, 128 rows
+# 6.7 / 9.1; fp16 4 rows 0.18 / 1.2, 128 rows 8.7 / 17.9. In bf16 torch's int4 kernel is 2-4x
+# faster than it at every row count (1 row 0.06 / 0.19, 32 rows 0.76 / 2.0), so bf16 keeps it.
+INT4_C_MAX_ROWS = {torch.float32: 128, torch.float16: 128}
 _TORCH_ZERO_OFFSET = 8  # torch's int4 kernels compute (q - 8) * scale + zero
 
 

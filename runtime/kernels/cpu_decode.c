@@ -468,13 +468,39 @@ static inline void load_nibbles(const uint8_t *restrict p, v16 *lo, v16 *hi) {
     memcpy(hi, h, sizeof h);
 }
 
+/* Rows r < m <= LINEAR_ROWS of x times one int4 weight row, its codes widened once for all
+ * of them; params: the row's first (scale, offset) index. Results in fp32 to `out[r]`. */
+static inline void int4_row(const float *xf, const float *xsum, int64_t m, const uint8_t *codes,
+                            const void *scale, const void *offset, int s_dtype, int64_t params,
+                            int64_t groups, int64_t gs, int64_t k, float *out) {
+    v16 acc[LINEAR_ROWS] = {{0}};
+    float bias[LINEAR_ROWS] = {0};
+    for (int64_t g = 0; g < groups; g++) {
+        float s = load_scalar(scale, s_dtype, params + g);
+        float b = load_scalar(offset, s_dtype, params + g);
+        v16 part[LINEAR_ROWS] = {{0}};
+        for (int64_t c = g * gs; c < (g + 1) * gs; c += 32) {
+            v16 lo, hi;
+            load_nibbles(codes + c / 2, &lo, &hi);
+            for (int64_t r = 0; r < m; r++)
+                part[r] += lo * load16(xf + r * k + c) + hi * load16(xf + r * k + c + 16);
+        }
+        for (int64_t r = 0; r < m; r++) {
+            acc[r] += s * part[r];
+            bias[r] += b * xsum[r * groups + g];
+        }
+    }
+    for (int64_t r = 0; r < m; r++) out[r] = hsum(acc[r]) + bias[r];
+}
+
 /*
  * out [m, n] (x's dtype, contiguous) = x [m, k] (row stride x_stride) @ W^T for int4 W with
- * W[j, i] = code * scale[j, i / gs] + offset[j, i / gs]; m <= LINEAR_ROWS.
+ * W[j, i] = code * scale[j, i / gs] + offset[j, i / gs].
  * codes: [n, k / 2] bytes in chunks of 32 elements (see load_nibbles); scale and offset:
  * [n, k / gs] in s_dtype; k a multiple of gs, gs a multiple of 32.
  * Per row and group, x . W = scale (x . code) + offset sum(x): the codes are only widened.
- * Decode-sized batches read every weight once, which is all a decode step needs to do.
+ * Rows go LINEAR_ROWS at a time over each weight row while it is in L1, so the weights are
+ * read from memory once whatever m is.
  */
 void int4_linear(const void *x, int64_t x_stride, int x_dtype, const uint8_t *codes,
                  const void *scale, const void *offset, int s_dtype, void *out, int64_t m,
@@ -488,27 +514,14 @@ void int4_linear(const void *x, int64_t x_stride, int x_dtype, const uint8_t *co
     }
 #pragma omp parallel for schedule(static)
     for (int64_t j = 0; j < n; j++) {
-        const uint8_t *row = codes + j * (k / 2);
-        v16 acc[LINEAR_ROWS] = {{0}};
-        float bias[LINEAR_ROWS] = {0}, result[LINEAR_ROWS];
-        for (int64_t g = 0; g < groups; g++) {
-            float s = load_scalar(scale, s_dtype, j * groups + g);
-            float b = load_scalar(offset, s_dtype, j * groups + g);
-            v16 part[LINEAR_ROWS] = {{0}};
-            for (int64_t c = g * gs; c < (g + 1) * gs; c += 32) {
-                v16 lo, hi;
-                load_nibbles(row + c / 2, &lo, &hi);
-                for (int64_t r = 0; r < m; r++)
-                    part[r] += lo * load16(xf + r * k + c) + hi * load16(xf + r * k + c + 16);
-            }
-            for (int64_t r = 0; r < m; r++) {
-                acc[r] += s * part[r];
-                bias[r] += b * xsum[r * groups + g];
-            }
+        for (int64_t r0 = 0; r0 < m; r0 += LINEAR_ROWS) {
+            int64_t rows = m - r0 < LINEAR_ROWS ? m - r0 : LINEAR_ROWS;
+            float result[LINEAR_ROWS];
+            int4_row(xf + r0 * k, xsum + r0 * groups, rows, codes + j * (k / 2), scale, offset,
+                     s_dtype, j * groups, groups, gs, k, result);
+            for (int64_t r = 0; r < rows; r++)
+                store_row(result + r, x_dtype, 1, (uint8_t *)out + ((r0 + r) * n + j) * x_elem);
         }
-        for (int64_t r = 0; r < m; r++) result[r] = hsum(acc[r]) + bias[r];
-        for (int64_t r = 0; r < m; r++)
-            store_row(result + r, x_dtype, 1, (uint8_t *)out + (r * n + j) * x_elem);
     }
     free(xf);
 }
