@@ -144,13 +144,17 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--kv-quant", default="int8")
+    p.add_argument("--dtype", default="auto", help="runtime activations (auto: bf16 on a CPU)")
     a = p.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, torch threads {torch.get_num_threads()}")
 
     engine = Engine(
-        a.artifact, EngineConfig(kv_quant=a.kv_quant, session_len=1024, max_batch_size=max(batches))
+        a.artifact,
+        EngineConfig(
+            kv_quant=a.kv_quant, session_len=1024, max_batch_size=max(batches), dtype=a.dtype
+        ),
     )
     bench_runtime(engine, 2, 4)  # warm-up: first calls build kernels' primitives
     rt = {b: bench_runtime(engine, b, a.new_tokens) for b in batches}
@@ -167,7 +171,8 @@ def main() -> None:
     hf.update({("bf16", b): bench_hf(hf16, b, a.new_tokens, vocab) for b in batches})
 
     print(
-        f"\n{a.new_tokens} new tokens after {PROMPT_LEN}-token prompts, greedy, kv {a.kv_quant}\n"
+        f"\n{a.new_tokens} new tokens after {PROMPT_LEN}-token prompts, greedy, kv {a.kv_quant}, "
+        f"runtime activations {engine.dtype}\n"
     )
     print(
         "| batch | runtime prefill tok/s | runtime decode tok/s | hf fp32 tok/s | hf bf16 tok/s "
