@@ -314,3 +314,29 @@ def test_llama3_rope_scaling_matches_transformers(tokenizer_dir: Path, tmp_path:
     want = torch.log_softmax(ref.float(), -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
     got = torch.tensor([lp.logprob for lp in seq.prompt_logprobs])
     assert torch.allclose(got, want, atol=1e-4), float((got - want).abs().max())
+
+
+@pytest.mark.parametrize("kv_quant", ["none", "int8", "int4"])
+def test_c_kernels_and_torch_path_generate_alike(
+    kv_quant: str, artifacts: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU backend with its C decode kernels and without (LITESERVE_NATIVE=0): the same
+    greedy tokens for a batch of prompts, and logprobs within 1e-4 (fp32; the two differ only
+    in summation order)."""
+    from runtime.kernels import native
+
+    prompts = [_ids(9 + 5 * i, seed=40 + i) for i in range(5)]
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True, logprobs=1)
+    runs = []
+    for switch in ("1", "0"):
+        monkeypatch.setenv("LITESERVE_NATIVE", switch)
+        native.library.cache_clear()
+        engine = Engine(artifacts["llama"], _config(kv_quant=kv_quant))
+        assert ("C decode kernels" in engine.ops.detail) == (switch == "1")
+        runs.append(engine.generate(prompts, params))
+    native.library.cache_clear()
+    for c_seq, torch_seq in zip(*runs, strict=True):
+        assert c_seq.token_ids == torch_seq.token_ids
+        got = torch.tensor([lp.logprob for lp in c_seq.logprobs])
+        want = torch.tensor([lp.logprob for lp in torch_seq.logprobs])
+        assert len(got) == 12 and torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
