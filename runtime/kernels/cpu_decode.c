@@ -1,12 +1,14 @@
 /*
- * CPU decode kernels: paged attention for single-token queries and the quantized KV write.
+ * CPU decode kernels: paged attention for single-token queries, the quantized KV write,
+ * RMSNorm, and GEMVs for decode-sized batches (the logits over a dense lm_head; int4 linears
+ * for fp32/fp16 activations, which torch's int4 kernel has no fast path for).
  *
  * Why C: on a CPU a decode step of a small model is dominated by per-op overhead, not by
- * arithmetic. The torch formulation of these two steps costs some 30 tensor ops per layer
- * (gathers, widening copies, masks, the rounding rules of the KV quantizer); here each is one
- * call that reads the paged pool in place. runtime/kernels/native.py compiles this file once
- * per machine with the system C compiler and loads it with ctypes (no torch headers, so the
- * build takes a second and does not depend on torch's ABI).
+ * arithmetic. The torch formulation of attention and the KV write alone costs some 30 tensor
+ * ops per layer (gathers, widening copies, masks, the rounding rules of the KV quantizer);
+ * here each is one call that reads the paged pool in place. runtime/kernels/native.py
+ * compiles this file once per machine with the system C compiler and loads it with ctypes (no
+ * torch headers, so the build takes a second and does not depend on torch's ABI).
  *
  * Layouts are those of runtime/engine/kv_cache.py: codes [blocks, block_size, kv_heads, Dc],
  * fp16 scale and zero [blocks, block_size, kv_heads], x = code * scale + zero.
