@@ -230,7 +230,8 @@ def kv_write(
         cache.write(layer, k, v, slots)
         return
     expected = (slots.shape[0], spec.num_kv_heads, spec.head_dim)
-    if tuple(k.shape) != expected or tuple(v.shape) != expected or slots.dtype != torch.int64:
+    shapes = (tuple(k.shape), tuple(v.shape))
+    if shapes != (expected, expected) or v.dtype != k.dtype or slots.dtype != torch.int64:
         cache.write(layer, k, v, slots)  # its checks name the problem
         return
     k, v, slots = _heads_contiguous(k), _heads_contiguous(v), slots.contiguous()
