@@ -495,6 +495,27 @@ static inline void int4_row(const float *xf, const float *xsum, int64_t m, const
     for (int64_t r = 0; r < m; r++) out[r] = hsum(acc[r]) + bias[r];
 }
 
+/* int4_row for one activation row: its sums stay in registers (the general version's
+ * per-row arrays, indexed by a runtime count, live in memory): 3072x576 in fp32, 0.07 ms
+ * against 0.20. */
+static inline float int4_row1(const float *xf, const float *xsum, const uint8_t *codes,
+                              const void *scale, const void *offset, int s_dtype, int64_t params,
+                              int64_t groups, int64_t gs) {
+    v16 acc = {0};
+    float bias = 0.f;
+    for (int64_t g = 0; g < groups; g++) {
+        v16 part = {0};
+        for (int64_t c = g * gs; c < (g + 1) * gs; c += 32) {
+            v16 lo, hi;
+            load_nibbles(codes + c / 2, &lo, &hi);
+            part += lo * load16(xf + c) + hi * load16(xf + c + 16);
+        }
+        acc += load_scalar(scale, s_dtype, params + g) * part;
+        bias += load_scalar(offset, s_dtype, params + g) * xsum[g];
+    }
+    return hsum(acc) + bias;
+}
+
 /*
  * out [m, n] (x's dtype, contiguous) = x [m, k] (row stride x_stride) @ W^T for int4 W with
  * W[j, i] = code * scale[j, i / gs] + offset[j, i / gs].
@@ -519,8 +540,12 @@ void int4_linear(const void *x, int64_t x_stride, int x_dtype, const uint8_t *co
         for (int64_t r0 = 0; r0 < m; r0 += LINEAR_ROWS) {
             int64_t rows = m - r0 < LINEAR_ROWS ? m - r0 : LINEAR_ROWS;
             float result[LINEAR_ROWS];
-            int4_row(xf + r0 * k, xsum + r0 * groups, rows, codes + j * (k / 2), scale, offset,
-                     s_dtype, j * groups, groups, gs, k, result);
+            if (rows == 1)
+                result[0] = int4_row1(xf + r0 * k, xsum + r0 * groups, codes + j * (k / 2), scale,
+                                      offset, s_dtype, j * groups, groups, gs);
+            else
+                int4_row(xf + r0 * k, xsum + r0 * groups, rows, codes + j * (k / 2), scale,
+                         offset, s_dtype, j * groups, groups, gs, k, result);
             for (int64_t r = 0; r < rows; r++)
                 store_row(result + r, x_dtype, 1, (uint8_t *)out + ((r0 + r) * n + j) * x_elem);
         }
