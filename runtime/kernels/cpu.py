@@ -25,9 +25,9 @@ from runtime.kernels import native, reference
 from runtime.model.context import DecodeBatch, StepContext
 
 INT4_KERNEL_MAX_ROWS = {torch.bfloat16: 47}  # above this, dequantize + dense GEMM wins
-# SmolLM2's lm_head (49152 x 576), C GEMV against torch's matmul, ms: bf16 1 row 1.7 / 5.0,
-# 4 rows 3.5 / 6.1, 6 rows 7.4 / 6.6; fp32 1 row 3.5 / 11.3, 8 rows 11.7 / 19.2
-LOGITS_C_MAX_ROWS = {torch.bfloat16: 4, torch.float32: 8}
+# SmolLM2's lm_head (49152 x 576), C GEMV against torch's matmul, ms: bf16 1 row 1.6 / 4.3,
+# 4 rows 2.9 / 4.7, 6 rows 3.7 / 4.5, 8 rows 6.1 / 4.9; fp32 1 row 3.6 / 11.2, 8 rows 6.9 / 19.8
+LOGITS_C_MAX_ROWS = {torch.bfloat16: 6, torch.float32: 8}
 # The C int4 GEMV, for activations torch's int4 kernel has no fast path for. 3072x576, C
 # against dequantize + dense GEMM, ms: fp32 4 rows 0.26 / 8.2, 32 rows 2.4 / 8.6, 128 rows
 # 6.7 / 9.1; fp16 4 rows 0.18 / 1.2, 128 rows 8.7 / 17.9. In bf16 torch's int4 kernel is 2-4x
