@@ -198,3 +198,13 @@ def test_logits_match_fp32_reference(dtype: torch.dtype, rows: int) -> None:
     err = float((got - want).abs().max() / want.abs().max())
     exact = dtype == torch.float32 or rows <= cpu.LOGITS_C_MAX_ROWS[dtype]
     assert err < (1e-5 if exact else 1e-2), err
+
+
+def test_unwritable_cache_is_named(tmp_path, monkeypatch) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("LITESERVE_CACHE", str(blocker))
+    with pytest.raises(
+        native.NativeUnavailable, match="cannot write the kernel cache.*LITESERVE_CACHE"
+    ):
+        native.build()

@@ -84,8 +84,14 @@ def build() -> Path:
     target = cache_dir() / f"cpu_decode-{key}.so"
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    except OSError as e:
+        raise NativeUnavailable(
+            f"cannot write the kernel cache {target.parent} ({e.strerror}); "
+            "set LITESERVE_CACHE to a writable directory"
+        ) from e
     os.close(fd)
     try:
         done = _compile(cc, FLAGS, tmp)
