@@ -30,10 +30,11 @@ def test_int4_linear_matches_reference_dequantize(path, dtype, rows, ns, k, gs) 
     (fp32/fp16, every row count here). Tolerance: exact math in fp32 (1e-5 relative); bf16 and fp16
     activations and scales round at 2^-8 and 2^-11 (2e-2)."""
     parts = [_packed(n, k, gs, seed=i) for i, n in enumerate(ns)]
-    w = cpu.prepare_int4(parts, k, gs, dtype)
+    lib = native.library() if path == "c" else None
+    w = cpu.prepare_int4(parts, k, gs, dtype, lib=lib)
+    assert (w.nibbles is not None) == (lib is not None and dtype != torch.bfloat16)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(9))
     ref = x @ torch.cat([layout.dequantize(q, p, n, k, gs) for q, p, n in parts]).T
-    lib = native.library() if path == "c" else None
     got = cpu.int4_linear(x.to(dtype), w, lib=lib).float()
     assert got.shape == ref.shape
     rel = float((got - ref).norm() / ref.norm())

@@ -58,11 +58,14 @@ def prepare_int4(
     k: int,
     group_size: int,
     dtype: torch.dtype,
+    lib: ctypes.CDLL | None = None,
 ) -> CpuInt4Weight:
     """Repack once at load: the artifact stays untouched, the CPU gets its own format.
 
     `parts` are (qweight, qparams, n) of linears sharing an input (q/k/v, gate/up): they are
     fused along N into one matmul. N is padded to 16 for torch's kernel; outputs are sliced.
+    The C GEMV's copy of the codes is made only where it will run (`lib` loaded and an
+    activation dtype it serves): half a byte per weight otherwise wasted.
     """
     codes, scales, offsets = [], [], []
     for qweight, qparams, n in parts:
@@ -80,8 +83,9 @@ def prepare_int4(
     torch_zero = b + _TORCH_ZERO_OFFSET * s
     scales_zeros = torch.stack([s.T, torch_zero.T], dim=-1).to(dtype).contiguous()
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    nibbles = _nibbles(q, group_size) if lib is not None and dtype in INT4_C_MAX_ROWS else None
     return CpuInt4Weight(
-        packed, scales_zeros, q, _nibbles(q, group_size), s.to(dtype), b.to(dtype), n, k, group_size
+        packed, scales_zeros, q, nibbles, s.to(dtype), b.to(dtype), n, k, group_size
     )
 
 

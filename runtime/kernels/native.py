@@ -124,10 +124,11 @@ def library() -> ctypes.CDLL:
     return lib
 
 
-def available() -> tuple[bool, str]:
-    """(usable, a line for logs): which decode kernels the CPU backend runs and why."""
+def load() -> tuple[ctypes.CDLL | None, str]:
+    """(the kernels or None, a line for logs): which decode kernels the CPU backend runs and
+    why."""
     try:
-        path = library()._name
+        lib = library()
     except NativeUnavailable as e:
-        return False, f"torch decode attention ({e})"
-    return True, f"C decode kernels ({Path(path).name})"
+        return None, f"torch decode attention ({e})"
+    return lib, f"C decode kernels ({Path(lib._name).name})"

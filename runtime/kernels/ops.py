@@ -89,14 +89,13 @@ def select_backend(requested: str, pinned: dict[str, dict[str, dict[str, int]]])
 def _cpu() -> Backend:
     from runtime.kernels import cpu, native
 
-    usable, kernels = native.available()
-    if not usable:
+    lib, kernels = native.load()
+    if lib is None:
         log.warning("CPU backend without its C decode kernels: %s", kernels)
-    lib = native.library() if usable else None
     return Backend(
         name="cpu",
         device=torch.device("cpu"),
-        prepare_int4=cpu.prepare_int4,
+        prepare_int4=functools.partial(cpu.prepare_int4, lib=lib),
         int4_linear=functools.partial(cpu.int4_linear, lib=lib),
         paged_attention=functools.partial(cpu.paged_attention, lib=lib),
         rms_norm=functools.partial(cpu.rms_norm, lib=lib),
