@@ -26,6 +26,8 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     backend: str = "auto"
     dtype: str = "auto"  # activation dtype; auto = the fastest measured for the backend
+    device: str = "auto"  # auto, cpu, cuda or cuda:N; auto = the backend's (the current GPU)
+    enforce_eager: bool = False  # no CUDA graphs: every decode step runs eagerly
     verify_checksums: bool = True
 
     def validate(self) -> None:
@@ -38,6 +40,8 @@ class EngineConfig:
             raise bad("backend", self.backend, ", ".join(BACKENDS))
         if self.dtype not in DTYPES:
             raise bad("dtype", self.dtype, ", ".join(DTYPES))
+        if not _device_ok(self.device):
+            raise bad("device", self.device, "auto, cpu, cuda or cuda:N")
         if self.session_len is not None and self.session_len < 2:
             raise bad("session_len", self.session_len, "an integer >= 2")
         if self.cache_block_seq_len < 1 or self.cache_block_seq_len % 16:
@@ -58,3 +62,10 @@ class EngineConfig:
             session_len=self.session_len or launch.session_len,
             kv_quant=self.kv_quant or launch.kv_quant,
         )
+
+
+def _device_ok(device: str) -> bool:
+    if device in ("auto", "cpu", "cuda"):
+        return True
+    kind, _, index = device.partition(":")
+    return kind == "cuda" and index.isdigit()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.artifact.reader import Artifact
-from runtime.engine.kv_cache import KV_QUANT, KVSpec
+from runtime.kv.format import KV_QUANT, KVSpec
 
 
 @dataclass(frozen=True)

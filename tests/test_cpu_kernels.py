@@ -7,10 +7,9 @@ import torch
 
 from lite.quantizer import QuantSpec, quantize
 from runtime.artifact import layout
-from runtime.engine.kv_cache import KVCache, KVSpec
-from runtime.engine.model_runner import decode_batch
 from runtime.kernels import cpu, native, reference
-from runtime.model.context import StepContext
+from runtime.kv.cache import KVCache
+from runtime.kv.format import KVSpec
 
 
 def _packed(n: int, k: int, gs: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -67,24 +66,14 @@ def test_batched_decode_attention_matches_reference(
         blocks = -(-n // 16)
         tables.append(perm[used : used + blocks])
         used += blocks
-        slots = cache.slots_for(tables[-1], n)
+        slots = cache.layer(0).slots_for(tables[-1], n)
         kv = torch.randn(2, n, 2, 16, generator=g)
-        cache.write(0, kv[0], kv[1], slots)
+        cache.layer(0).write(kv[0], kv[1], slots)
     q = torch.randn(sum(qlens), 6, 16, generator=g)
-    last_rows = torch.tensor(qlens).cumsum(0) - 1
-    decode = decode_batch(tables, lens, qlens, last_rows.tolist(), 16, window)
+    decode = cpu.decode_batch(tables, lens, qlens, 16)
     assert decode.rows.tolist() == [0, 1, 14, 15]
-    ctx = StepContext(
-        positions=torch.zeros(0),
-        slot_mapping=torch.zeros(0),
-        block_tables=tables,
-        context_lens=lens,
-        query_lens=qlens,
-        logits_indices=torch.zeros(0),
-        cache=cache,
-        decode=decode,
-    )
+    attn = cpu.CpuAttention(tables, lens, qlens, decode)
     lib = native.library() if path == "c" else None
-    got = cpu.paged_attention(q, ctx, 0, 0.25, window, lib=lib)
-    want = reference.paged_attention(q, cache, 0, tables, lens, qlens, 0.25, window)
+    got = cpu.paged_attention(q, cache.layer(0), attn, 0.25, window, lib=lib)
+    want = reference.paged_attention(q, cache.layer(0), tables, lens, qlens, 0.25, window)
     assert torch.allclose(got, want, atol=1e-5), float((got - want).abs().max())

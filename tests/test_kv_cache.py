@@ -13,7 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.engine.kv_cache import KV_QUANT, KVCache, KVSpec, dequantize_kv, quantize_kv
+from runtime.kv.cache import KVCache
+from runtime.kv.format import KV_QUANT, KVSpec, dequantize_kv, quantize_kv
 
 QMAX = {"int8": 255, "int4": 15}
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -70,11 +71,11 @@ def test_write_gather_round_trip(kv_quant, dtype):
     k[3, 1, :] = 0.37
     v[4, 0, :] = 2.0
     k[5, 0, :] = 0.0
-    slots = cache.slots_for(table, t)
+    slots = cache.layer(0).slots_for(table, t)
     for layer in range(spec.num_layers):
-        cache.write(layer, k + layer, v - layer, slots)
+        cache.layer(layer).write(k + layer, v - layer, slots)
     for layer in range(spec.num_layers):
-        gk, gv = cache.gather(layer, table, t)
+        gk, gv = cache.layer(layer).gather(table, t)
         assert gk.shape == gv.shape == (t, spec.num_kv_heads, spec.head_dim)
         assert gk.dtype == gv.dtype == dtype
         wk, wv = k + layer, v - layer
@@ -98,8 +99,8 @@ def test_quantization_is_not_trivially_lossless(kv_quant):
     spec = make_spec(kv_quant, head_dim=64)
     cache = KVCache(spec, num_blocks=4)
     k, v = random_kv(16, spec, gen)
-    cache.write(0, k, v, torch.arange(16))
-    gk, _ = cache.gather(0, torch.arange(4), 16)
+    cache.layer(0).write(k, v, torch.arange(16))
+    gk, _ = cache.layer(0).gather(torch.arange(4), 16)
     step = (k.amax(-1) - k.amin(-1)) / QMAX[kv_quant]
     rel = ((gk - k).abs().amax(-1) / step).max().item()
     assert 0.3 < rel <= 0.51
@@ -109,23 +110,23 @@ def test_int8_codes_layout():
     spec = make_spec("int8", head_dim=16, heads=1, layers=1, block_size=4)
     cache = KVCache(spec, num_blocks=2)
     x = (torch.arange(16, dtype=torch.float32) * 17 - 100.0).reshape(1, 1, 16)  # min -100, step 1
-    cache.write(0, x, x, torch.tensor([6]))
-    assert torch.equal(cache.k_cache[0][1, 2, 0], torch.arange(16, dtype=torch.uint8) * 17)
-    assert cache.k_scale[0][1, 2, 0].item() == 1.0
-    assert cache.k_zero[0][1, 2, 0].item() == -100.0
-    assert cache.k_scale[0].dtype == cache.k_zero[0].dtype == torch.float16
+    cache.layer(0).write(x, x, torch.tensor([6]))
+    assert torch.equal(cache.layer(0).k[1, 2, 0], torch.arange(16, dtype=torch.uint8) * 17)
+    assert cache.layer(0).k_scale[1, 2, 0].item() == 1.0
+    assert cache.layer(0).k_zero[1, 2, 0].item() == -100.0
+    assert cache.layer(0).k_scale.dtype == cache.layer(0).k_zero.dtype == torch.float16
 
 
 def test_int4_packing_low_nibble_is_even_index():
     spec = make_spec("int4", head_dim=16, heads=1, layers=1, block_size=4)
     cache = KVCache(spec, num_blocks=2)
     x = torch.arange(16, dtype=torch.float32).reshape(1, 1, 16)  # codes 0..15, scale 1, zero 0
-    cache.write(0, x, x.flip(-1), torch.tensor([1]))
-    codes = cache.k_cache[0][0, 1, 0]
+    cache.layer(0).write(x, x.flip(-1), torch.tensor([1]))
+    codes = cache.layer(0).k[0, 1, 0]
     assert codes.shape == (8,) and codes.dtype == torch.uint8
     even, odd = torch.arange(0, 16, 2), torch.arange(1, 16, 2)
     assert torch.equal(codes, (even | (odd << 4)).to(torch.uint8))
-    gk, gv = cache.gather(0, torch.tensor([0]), 2)
+    gk, gv = cache.layer(0).gather(torch.tensor([0]), 2)
     assert torch.equal(gk[1], x[0]) and torch.equal(gv[1], x[0].flip(-1))
 
 
@@ -149,26 +150,14 @@ def test_quantize_bound_property(kv_quant, center, spread, seed):
 
 
 def snapshot(cache):
-    return [
-        t.clone()
-        for t in cache.k_cache
-        + cache.v_cache
-        + cache.k_scale
-        + cache.k_zero
-        + cache.v_scale
-        + cache.v_zero
-    ]
+    return [t.clone() for kv in cache.layers for t in kv.tensors()]
 
 
 def flat_tensors(cache, layer):
-    tensors = [cache.k_cache[layer], cache.v_cache[layer]]
+    kv = cache.layer(layer)
+    tensors = [kv.k, kv.v]
     if cache.quantized:
-        tensors += [
-            cache.k_scale[layer],
-            cache.k_zero[layer],
-            cache.v_scale[layer],
-            cache.v_zero[layer],
-        ]
+        tensors += [kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero]
     return [t.reshape(cache.num_slots, -1) for t in tensors]
 
 
@@ -179,13 +168,13 @@ def test_padding_slots_leave_pool_untouched(kv_quant):
     cache = KVCache(spec, num_blocks=4)
     # fill every slot of layer 0 first, so a stray write would be visible
     k0, v0 = random_kv(cache.num_slots, spec, gen)
-    cache.write(0, k0, v0, torch.arange(cache.num_slots))
+    cache.layer(0).write(k0, v0, torch.arange(cache.num_slots))
     before = [t.clone() for t in flat_tensors(cache, 0)]
     other_layer = [t.clone() for t in flat_tensors(cache, 1)]
 
     k, v = random_kv(6, spec, gen)
     slot_mapping = torch.tensor([5, -1, 9, -1, -1, 2])
-    cache.write(0, k, v, slot_mapping)
+    cache.layer(0).write(k, v, slot_mapping)
     after = flat_tensors(cache, 0)
     written = torch.zeros(cache.num_slots, dtype=torch.bool)
     written[torch.tensor([5, 9, 2])] = True
@@ -194,7 +183,7 @@ def test_padding_slots_leave_pool_untouched(kv_quant):
     for b, a in zip(other_layer, flat_tensors(cache, 1), strict=True):
         assert torch.equal(a, b)
     # the real rows landed where they were sent
-    gk, gv = cache.gather(0, torch.arange(4), cache.num_slots)
+    gk, gv = cache.layer(0).gather(torch.arange(4), cache.num_slots)
     keep = slot_mapping >= 0
     if kv_quant == "none":
         assert torch.equal(gk[slot_mapping[keep]], k[keep])
@@ -210,7 +199,7 @@ def test_write_all_padding_is_a_no_op(kv_quant):
     cache = KVCache(spec, num_blocks=2)
     before = snapshot(cache)
     k = torch.randn(3, spec.num_kv_heads, spec.head_dim)
-    cache.write(1, k, k, torch.full((3,), -1))
+    cache.layer(1).write(k, k, torch.full((3,), -1))
     assert all(torch.equal(a, b) for a, b in zip(snapshot(cache), before, strict=True))
 
 
@@ -227,7 +216,7 @@ def test_shuffled_noncontiguous_blocks(kv_quant):
         tables.append(perm[start : start + nb])
         start += nb
     data = [random_kv(n, spec, gen) for n in lengths]
-    # slots computed here, independently of KVCache.slots_for
+    # slots computed here, independently of LayerKV.slots_for
     slots = [
         torch.tensor([int(t[p // 4]) * 4 + p % 4 for p in range(n)])
         for t, n in zip(tables, lengths, strict=True)
@@ -236,9 +225,9 @@ def test_shuffled_noncontiguous_blocks(kv_quant):
     v = torch.cat([d[1] for d in data])
     s = torch.cat(slots)
     order = torch.randperm(len(s), generator=gen)  # tokens arrive in any order
-    cache.write(1, k[order], v[order], s[order])
+    cache.layer(1).write(k[order], v[order], s[order])
     for (wk, wv), table, n in zip(data, tables, lengths, strict=True):
-        gk, gv = cache.gather(1, table, n)
+        gk, gv = cache.layer(1).gather(table, n)
         if kv_quant == "none":
             assert torch.equal(gk, wk) and torch.equal(gv, wv)
         else:
@@ -246,15 +235,15 @@ def test_shuffled_noncontiguous_blocks(kv_quant):
             assert_within_quant_tolerance(gv, wv, kv_quant, spec.dtype)
     # blocks nobody owns are still zero, and layer 0 was never touched
     unused = perm[start:]
-    assert (cache.k_cache[1][unused] == 0).all() and (cache.v_cache[1][unused] == 0).all()
+    assert (cache.layer(1).k[unused] == 0).all() and (cache.layer(1).v[unused] == 0).all()
     assert all((t == 0).all() for t in flat_tensors(cache, 0))
 
 
 def test_gather_rejects_short_block_table():
     cache = KVCache(make_spec(block_size=4), num_blocks=4)
     with pytest.raises(ValueError, match="block table"):
-        cache.gather(0, torch.tensor([0, 1]), 9)
-    k, v = cache.gather(0, torch.tensor([0, 1]), 0)
+        cache.layer(0).gather(torch.tensor([0, 1]), 9)
+    k, v = cache.layer(0).gather(torch.tensor([0, 1]), 0)
     assert k.shape == (0, 2, 16)
 
 
@@ -262,9 +251,9 @@ def test_write_rejects_bad_shapes():
     cache = KVCache(make_spec(), num_blocks=2)
     k = torch.randn(3, 2, 16)
     with pytest.raises(ValueError, match="write expects"):
-        cache.write(0, k, k[:, :1], torch.arange(3))
+        cache.layer(0).write(k, k[:, :1], torch.arange(3))
     with pytest.raises(ValueError, match="write expects"):
-        cache.write(0, k, k, torch.arange(2))
+        cache.layer(0).write(k, k, torch.arange(2))
 
 
 # ---------------------------------------------------------------- allocation and bytes
@@ -274,16 +263,17 @@ def test_write_rejects_bad_shapes():
 def test_allocation_shapes(kv_quant):
     spec = make_spec(kv_quant, torch.float16, layers=3, heads=2, head_dim=8, block_size=4)
     cache = KVCache(spec, num_blocks=5)
-    assert len(cache.k_cache) == len(cache.v_cache) == 3
+    assert len(cache.layers) == 3
     d = {"none": 8, "int8": 8, "int4": 4}[kv_quant]
-    assert cache.k_cache[0].shape == (5, 4, 2, d)
-    assert cache.k_cache[0].dtype == (torch.float16 if kv_quant == "none" else torch.uint8)
+    assert cache.layer(0).k.shape == (5, 4, 2, d)
+    assert cache.layer(0).k.dtype == (torch.float16 if kv_quant == "none" else torch.uint8)
     if kv_quant == "none":
-        assert cache.k_scale == cache.k_zero == cache.v_scale == cache.v_zero == []
+        kv = cache.layer(2)
+        assert kv.k_scale is kv.k_zero is kv.v_scale is kv.v_zero is None
     else:
-        for params in (cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero):
-            assert len(params) == 3
-            assert params[2].shape == (5, 4, 2) and params[2].dtype == torch.float16
+        kv = cache.layer(2)
+        for params in (kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero):
+            assert params.shape == (5, 4, 2) and params.dtype == torch.float16
     assert cache.nbytes() == 5 * spec.bytes_per_block()
     assert all((t == 0).all() for t in snapshot(cache))
 

@@ -8,11 +8,10 @@ import ctypes
 import pytest
 import torch
 
-from runtime.engine.kv_cache import KVCache, KVSpec
-from runtime.engine.model_runner import decode_batch
 from runtime.kernels import cpu, native, reference
 from runtime.kernels.ops import select_backend
-from runtime.model.context import StepContext
+from runtime.kv.cache import KVCache
+from runtime.kv.format import KVSpec
 
 HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 64, 16
 
@@ -31,7 +30,7 @@ def _filled_cache(
         tables.append(perm[used : used + blocks])
         used += blocks
         kv = torch.randn(2, n, KV_HEADS, DIM, generator=g) * 2
-        cache.write(0, kv[0], kv[1], cache.slots_for(tables[-1], n))
+        cache.layer(0).write(kv[0], kv[1], cache.layer(0).slots_for(tables[-1], n))
     return cache, tables
 
 
@@ -55,20 +54,11 @@ def test_decode_attention_matches_reference(kv_quant, kv_dtype, q_dtype, lens) -
     n = len(lens)
     qk = torch.randn(n, HEADS + KV_HEADS, DIM, generator=g).to(q_dtype)
     q = qk[:, :HEADS]
-    decode = decode_batch(tables, lens, [1] * n, list(range(n)), BLOCK, None)
-    ctx = StepContext(
-        positions=torch.zeros(0),
-        slot_mapping=torch.zeros(0),
-        block_tables=tables,
-        context_lens=lens,
-        query_lens=[1] * n,
-        logits_indices=torch.zeros(0),
-        cache=cache,
-        decode=decode,
-    )
-    got = cpu.paged_attention(q, ctx, 0, DIM**-0.5, None, lib=native.library()).float()
+    attn = cpu.CpuAttention(tables, lens, [1] * n, cpu.decode_batch(tables, lens, [1] * n, BLOCK))
+    got = cpu.paged_attention(q, cache.layer(0), attn, DIM**-0.5, None, lib=native.library())
+    got = got.float()
     want = reference.paged_attention(
-        q.float(), cache, 0, tables, lens, [1] * n, DIM**-0.5, None
+        q.float(), cache.layer(0), tables, lens, [1] * n, DIM**-0.5, None
     ).float()
     assert got.dtype == want.dtype and got.shape == want.shape
     if q_dtype == torch.float32:
@@ -107,12 +97,12 @@ def test_kv_write_is_bit_identical_to_quantize_kv(kv_quant: str, x_dtype: torch.
     slots[5] = slots[17] = -1
     spec = KVSpec(2, KV_HEADS, DIM, BLOCK, kv_quant, torch.float32)
     torch_side, c_side = KVCache(spec, num_blocks=4), KVCache(spec, num_blocks=4)
-    torch_side.write(1, k, v, slots)
-    cpu.kv_write(c_side, 1, k, v, slots, lib=native.library())
-    for name in ("k_cache", "v_cache", "k_scale", "k_zero", "v_scale", "v_zero"):
-        a, b = getattr(torch_side, name)[1], getattr(c_side, name)[1]
+    torch_side.layer(1).write(k, v, slots)
+    cpu.kv_write(c_side.layer(1), k, v, slots, lib=native.library())
+    for name in ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero"):
+        a, b = getattr(torch_side.layer(1), name), getattr(c_side.layer(1), name)
         assert torch.equal(a, b), f"{name}: {int((a != b).sum())} elements differ"
-    assert bool(c_side.k_scale[1].flatten()[: BLOCK * 4].ne(0).any())  # it wrote
+    assert bool(c_side.layer(1).k_scale.flatten()[: BLOCK * 4].ne(0).any())  # it wrote
 
 
 def test_library_is_built_once_and_cached(tmp_path, monkeypatch) -> None:
@@ -146,7 +136,7 @@ def test_backend_says_which_decode_kernels_it_runs(monkeypatch) -> None:
     try:
         backend = select_backend("cpu", {})
         assert "torch decode attention (disabled by LITESERVE_NATIVE=0)" in backend.detail
-        assert backend.paged_attention.keywords["lib"] is None
+        assert backend.lib is None
     finally:
         native.library.cache_clear()
 

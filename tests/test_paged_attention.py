@@ -12,8 +12,9 @@ import math
 import pytest
 import torch
 
-from runtime.engine.kv_cache import KV_QUANT, KVCache, KVSpec
 from runtime.kernels.reference import paged_attention, rms_norm
+from runtime.kv.cache import KVCache
+from runtime.kv.format import KV_QUANT, KVSpec
 
 HEAD_DIM = 32
 
@@ -71,7 +72,7 @@ def build(kv_quant, block_size, context_lens, num_kv_heads=2, dtype=torch.float3
     v_all = torch.cat([v_all, torch.randn(pad, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)])
     s_all = torch.cat([s_all, torch.full((pad,), -1)])
     order = torch.randperm(len(s_all), generator=gen)
-    cache.write(1, k_all[order], v_all[order], s_all[order])
+    cache.layer(1).write(k_all[order], v_all[order], s_all[order])
     return cache, tables, kvs
 
 
@@ -92,14 +93,14 @@ def check(cache, tables, kvs, context_lens, query_lens, num_heads, window, rtol,
     spec = cache.spec
     scale = 1 / math.sqrt(HEAD_DIM)
     q = torch.randn(sum(query_lens), num_heads, HEAD_DIM, generator=gen).to(spec.dtype)
-    out = paged_attention(q, cache, 1, tables, context_lens, query_lens, scale, window)
+    out = paged_attention(q, cache.layer(1), tables, context_lens, query_lens, scale, window)
     assert out.shape == q.shape and out.dtype == q.dtype
     start = 0
     for i, (n, ql) in enumerate(zip(context_lens, query_lens, strict=True)):
         if spec.kv_quant == "none":
             k, v = kvs[i]
         else:
-            k, v = cache.gather(1, tables[i], n)
+            k, v = cache.layer(1).gather(tables[i], n)
         want = dense_attention(q[start : start + ql], k, v, scale, window)
         torch.testing.assert_close(
             out[start : start + ql].double(), want, rtol=rtol, atol=atol, msg=f"sequence {i}"
@@ -139,7 +140,9 @@ def test_window_of_one_attends_only_to_itself():
     context_lens, query_lens = [10, 3], [4, 3]
     cache, tables, kvs = build("none", 16, context_lens, seed=6)
     q = torch.randn(7, 6, HEAD_DIM)
-    out = paged_attention(q, cache, 1, tables, context_lens, query_lens, 0.1, sliding_window=1)
+    out = paged_attention(
+        q, cache.layer(1), tables, context_lens, query_lens, 0.1, sliding_window=1
+    )
     v0 = kvs[0][1][-4:].repeat_interleave(3, dim=1)
     v1 = kvs[1][1].repeat_interleave(3, dim=1)
     torch.testing.assert_close(out, torch.cat([v0, v1]))
@@ -151,10 +154,10 @@ def test_quantized_attention_is_close_to_unquantized():
     ref_cache, tables, kvs = build("none", 16, context_lens, seed=7)
     q = torch.randn(34, 6, HEAD_DIM)
     scale = 1 / math.sqrt(HEAD_DIM)
-    ref = paged_attention(q, ref_cache, 1, tables, context_lens, query_lens, scale)
+    ref = paged_attention(q, ref_cache.layer(1), tables, context_lens, query_lens, scale)
     for kv_quant, bound in (("int8", 0.02), ("int4", 0.3)):
         cache, _, _ = build(kv_quant, 16, context_lens, seed=7)
-        out = paged_attention(q, cache, 1, tables, context_lens, query_lens, scale)
+        out = paged_attention(q, cache.layer(1), tables, context_lens, query_lens, scale)
         assert (out - ref).abs().max().item() < bound, kv_quant
 
 
@@ -162,7 +165,7 @@ def test_zero_query_len_sequences_are_skipped():
     context_lens = [12, 5]
     cache, tables, kvs = build("none", 16, context_lens, seed=8)
     q = torch.randn(2, 6, HEAD_DIM)
-    out = paged_attention(q, cache, 1, tables, context_lens, [0, 2], 0.2)
+    out = paged_attention(q, cache.layer(1), tables, context_lens, [0, 2], 0.2)
     want = dense_attention(q, *kvs[1], 0.2)
     torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-5)
 
@@ -171,13 +174,13 @@ def test_rejects_inconsistent_batches():
     cache, tables, _ = build("none", 16, [4, 4], seed=9)
     q = torch.randn(2, 6, HEAD_DIM)
     with pytest.raises(ValueError, match="one of each"):
-        paged_attention(q, cache, 1, tables, [4], [1, 1], 1.0)
+        paged_attention(q, cache.layer(1), tables, [4], [1, 1], 1.0)
     with pytest.raises(ValueError, match="sum"):
-        paged_attention(q, cache, 1, tables, [4, 4], [1, 2], 1.0)
+        paged_attention(q, cache.layer(1), tables, [4, 4], [1, 2], 1.0)
     with pytest.raises(ValueError, match="query_len"):
-        paged_attention(torch.randn(6, 6, HEAD_DIM), cache, 1, tables, [4, 1], [1, 5], 1.0)
+        paged_attention(torch.randn(6, 6, HEAD_DIM), cache.layer(1), tables, [4, 1], [1, 5], 1.0)
     with pytest.raises(ValueError, match="multiple"):
-        paged_attention(torch.randn(2, 5, HEAD_DIM), cache, 1, tables, [4, 4], [1, 1], 1.0)
+        paged_attention(torch.randn(2, 5, HEAD_DIM), cache.layer(1), tables, [4, 4], [1, 1], 1.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -24,13 +24,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.engine.kv_cache import KVCache, KVSpec
 from runtime.kernels.reference import paged_attention
 from runtime.kernels.triton.attention import (
     decode_partition_size,
     paged_decode_attention,
     paged_prefill_attention,
 )
+from runtime.kv.cache import KVCache
+from runtime.kv.format import KVSpec
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 TOL = {F32: (1e-5, 1e-5), F16: (2e-3, 2e-3), BF16: (3e-2, 3e-2)}
@@ -57,13 +58,13 @@ def build(kv_quant, dtype, block_size, context_lens, num_kv_heads, head_dim, see
     slot_mapping = slot_mapping[torch.randperm(len(slot_mapping), generator=gen)]
     k = 2 * torch.randn(len(slot_mapping), num_kv_heads, head_dim, generator=gen) + 0.3
     v = torch.randn(len(slot_mapping), num_kv_heads, head_dim, generator=gen) - 0.2
-    cache.write(1, k.to(dtype), v.to(dtype), slot_mapping)  # layer 0 stays zeros
+    cache.layer(1).write(k.to(dtype), v.to(dtype), slot_mapping)  # layer 0 stays zeros
     return cache, tables, gen
 
 
 def reference(q, cache, tables, context_lens, query_lens, scale, window):
     rows = list(tables.long())
-    return paged_attention(q, cache, 1, rows, context_lens, query_lens, scale, window)
+    return paged_attention(q, cache.layer(1), rows, context_lens, query_lens, scale, window)
 
 
 def assert_close(out, ref):
@@ -104,7 +105,7 @@ def test_decode_matches_reference(case, partitioned, windowed):
     # (every table has SPARE_BLOCKS unused columns) and, with a window, before it
     partition = bs if partitioned else None
     out = paged_decode_attention(
-        q, cache, 1, tables, torch.tensor(ctx, dtype=torch.int32), scale, window, partition
+        q, cache.layer(1), tables, torch.tensor(ctx, dtype=torch.int32), scale, window, partition
     )
     assert_close(out, reference(q, cache, tables, ctx, [1] * len(ctx), scale, window))
 
@@ -121,7 +122,7 @@ def test_decode_strided_q_int64_metadata_and_odd_partitions(window):
     q = qkv[:, :6]
     assert not q.is_contiguous()
     lens = torch.tensor(ctx)
-    out = paged_decode_attention(q, cache, 1, tables.long(), lens, 0.3, window, 48)
+    out = paged_decode_attention(q, cache.layer(1), tables.long(), lens, 0.3, window, 48)
     assert_close(out, reference(q, cache, tables, ctx, [1, 1], 0.3, window))
 
 
@@ -153,7 +154,7 @@ def test_prefill_matches_reference(case, windowed):
     cu = torch.tensor([0, *qlens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     scale = dim**-0.5
     out = paged_prefill_attention(
-        q, cache, 1, tables, cu, torch.tensor(ctx, dtype=torch.int32), scale, window
+        q, cache.layer(1), tables, cu, torch.tensor(ctx, dtype=torch.int32), scale, window
     )
     assert_close(out, reference(q, cache, tables, ctx, qlens, scale, window))
 
@@ -165,8 +166,8 @@ def test_prefill_decode_rows_agree_with_decode_kernel():
     q = torch.randn(len(ctx), 4, 16, generator=gen)
     lens = torch.tensor(ctx, dtype=torch.int32)
     cu = torch.arange(len(ctx) + 1, dtype=torch.int32)
-    prefill = paged_prefill_attention(q, cache, 1, tables, cu, lens, 0.25, 10)
-    decode = paged_decode_attention(q, cache, 1, tables, lens, 0.25, 10, partition_size=16)
+    prefill = paged_prefill_attention(q, cache.layer(1), tables, cu, lens, 0.25, 10)
+    decode = paged_decode_attention(q, cache.layer(1), tables, lens, 0.25, 10, partition_size=16)
     torch.testing.assert_close(prefill, decode, atol=1e-5, rtol=1e-5)
 
 
@@ -187,7 +188,7 @@ def small():
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        ({"layer": 2}, "layer 2 out of range"),
+        ({"layer": 2}, "layer 2 out of range"),  # KVCache.layer refuses it
         ({"q": lambda q: q.float()}, "must match"),
         ({"q": lambda q: q[..., :8]}, "head_dim=16"),
         ({"q": lambda q: q[:, :3]}, "multiple of 2 KV heads"),
@@ -208,7 +209,7 @@ def test_decode_rejects_bad_inputs(small, change, match):
         args[key] = value(args[key]) if callable(value) else value
     with pytest.raises(ValueError, match=match):
         paged_decode_attention(
-            args["q"], cache, args["layer"], args["tables"], args["lens"], 0.25,
+            args["q"], cache.layer(args["layer"]), args["tables"], args["lens"], 0.25,
             args["window"], args["partition"],
         )  # fmt: skip
 
@@ -227,10 +228,12 @@ def test_prefill_rejects_bad_inputs(small, cu, match):
     cache, tables, q, lens = small
     q = torch.cat([q, q, q])  # 6 query tokens
     with pytest.raises(ValueError, match=match):
-        paged_prefill_attention(q, cache, 1, tables, torch.tensor(cu), lens, 0.25)
+        paged_prefill_attention(q, cache.layer(1), tables, torch.tensor(cu), lens, 0.25)
 
 
 def test_prefill_rejects_float_cu_query_lens(small):
     cache, tables, q, lens = small
     with pytest.raises(ValueError, match="int32 or int64"):
-        paged_prefill_attention(q, cache, 1, tables, torch.tensor([0.0, 1.0, 2.0]), lens, 0.25)
+        paged_prefill_attention(
+            q, cache.layer(1), tables, torch.tensor([0.0, 1.0, 2.0]), lens, 0.25
+        )

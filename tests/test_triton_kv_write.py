@@ -12,11 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.engine.kv_cache import KVCache, KVSpec
 from runtime.kernels.triton.kv_write import kv_write
+from runtime.kv.cache import KVCache
+from runtime.kv.format import KVSpec
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
-POOL = ("k_cache", "v_cache", "k_scale", "k_zero", "v_scale", "v_zero")
+POOL = ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero")
 
 
 def special_rows(head_dim: int, qmax: int, gen: torch.Generator) -> torch.Tensor:
@@ -50,7 +51,11 @@ def make_inputs(num_tokens: int, kv_heads: int, head_dim: int, qmax: int, seed: 
 
 def assert_same_pool(a: KVCache, b: KVCache) -> None:
     for name in POOL:
-        for layer, (x, y) in enumerate(zip(getattr(a, name), getattr(b, name), strict=True)):
+        for layer, (ka, kb) in enumerate(zip(a.layers, b.layers, strict=True)):
+            x, y = getattr(ka, name), getattr(kb, name)
+            if x is None:
+                assert y is None
+                continue
             bits = torch.int16 if x.element_size() == 2 else x.dtype
             bits = torch.int32 if x.dtype == F32 else bits
             assert torch.equal(x.view(bits), y.view(bits)), f"{name}[{layer}] differs"
@@ -88,8 +93,8 @@ def test_kv_write_matches_cache_write(case, slot_dtype):
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     slots[6 + torch.randperm(num_tokens - 12, generator=gen)[:4]] = -1  # padding, not special
     ours, theirs = KVCache(spec, num_blocks), KVCache(spec, num_blocks)
-    kv_write(ours, 1, k, v, slots.to(slot_dtype))
-    theirs.write(1, k, v, slots)
+    kv_write(ours.layer(1), k, v, slots.to(slot_dtype))
+    theirs.layer(1).write(k, v, slots)
     assert_same_pool(ours, theirs)
 
 
@@ -103,8 +108,8 @@ def test_kv_write_strided_inputs_and_overwrite():
         k, v = qkv[:, 4:6], qkv[:, 6:]
         assert not k.is_contiguous()
         slots = torch.randperm(32, generator=gen)[:6]
-        kv_write(ours, 0, k, v, slots)
-        theirs.write(0, k, v, slots)
+        kv_write(ours.layer(0), k, v, slots)
+        theirs.layer(0).write(k, v, slots)
     assert_same_pool(ours, theirs)
 
 
@@ -112,8 +117,8 @@ def test_kv_write_no_tokens_is_a_no_op():
     spec = KVSpec(1, 2, 16, 16, "int8", F16)
     cache = KVCache(spec, 1)
     empty = torch.empty(0, 2, 16, dtype=F16)
-    kv_write(cache, 0, empty, empty, torch.empty(0, dtype=torch.long))
-    assert not cache.k_cache[0].any() and not cache.k_scale[0].any()
+    kv_write(cache.layer(0), empty, empty, torch.empty(0, dtype=torch.long))
+    assert not cache.layer(0).k.any() and not cache.layer(0).k_scale.any()
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +129,6 @@ def cache():
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        ({"layer": 2}, "layer 2 out of range"),
         ({"k": torch.ones(3, 2, 8)}, "expects k, v \\[3, 2, 16\\]"),
         ({"v": torch.ones(4, 2, 16)}, "expects k, v \\[3, 2, 16\\]"),
         ({"k": torch.ones(3, 2, 16, dtype=torch.float64)}, "k must be float16"),
@@ -135,11 +139,10 @@ def cache():
 )
 def test_kv_write_rejects_bad_inputs(cache, change, match):
     args = {
-        "layer": 0,
         "k": torch.ones(3, 2, 16),
         "v": torch.ones(3, 2, 16),
         "slots": torch.tensor([0, 1, 2]),
     }
     args.update(change)
     with pytest.raises(ValueError, match=match):
-        kv_write(cache, args["layer"], args["k"], args["v"], args["slots"])
+        kv_write(cache.layer(0), args["k"], args["v"], args["slots"])

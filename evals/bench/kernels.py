@@ -23,9 +23,10 @@ from functools import partial
 import torch
 
 from runtime.artifact.layout import pack_qparams, pack_qweight
-from runtime.engine.kv_cache import KVCache, KVSpec
 from runtime.kernels.triton.attention import paged_decode_attention
 from runtime.kernels.triton.gemm import config_space, heuristic_config, w4a16_gemm
+from runtime.kv.cache import KVCache
+from runtime.kv.format import KVSpec
 
 SHAPES = {"qkvo 4096x4096": (4096, 4096), "gate/up 14336x4096": (14336, 4096)}
 SHAPES["down 4096x14336"] = (4096, 14336)
@@ -105,16 +106,17 @@ def attention_rows(device: torch.device, contexts: tuple[int, ...], batch: int, 
             spec = KVSpec(1, hkv, d, block, kv, torch.float16)
             blocks = batch * -(-ctx // block)
             cache = KVCache(spec, blocks, device)
-            for t in cache.k_cache + cache.v_cache:
+            kv = cache.layer(0)
+            for t in (kv.k, kv.v):
                 t.copy_(
                     torch.randint_like(t, 0, 100) if t.dtype == torch.uint8 else torch.randn_like(t)
                 )
-            for t in cache.k_scale + cache.v_scale:
+            for t in (kv.k_scale, kv.v_scale) if kv.quantized else ():
                 t.fill_(0.01)
             tables = torch.randperm(blocks, device=device, dtype=torch.int32).view(batch, -1)
             lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
             q = torch.randn(batch, h, d, device=device, dtype=torch.float16)
-            run = partial(paged_decode_attention, q, cache, 0, tables, lens, d**-0.5)
+            run = partial(paged_decode_attention, q, kv, tables, lens, d**-0.5)
             t = bench(run, device)
             kv_bytes = batch * ctx * spec.bytes_per_token()
             print(f"| {kv} | {ctx} | {t:.4f} | {kv_bytes / t / 1e6:.0f} |")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -18,16 +19,39 @@ from tokenizers import Tokenizer
 from runtime.artifact.reader import Artifact
 from runtime.config import EngineConfig
 from runtime.engine.block_manager import BlockManager
+from runtime.engine.cuda_graph import DecodeGraphs
 from runtime.engine.detokenizer import IncrementalDetokenizer
-from runtime.engine.kv_cache import KVCache, KVSpec
 from runtime.engine.model_runner import ModelRunner
 from runtime.engine.sampler import Sampler, SamplingParams, check_stop, prompt_logprobs
 from runtime.engine.scheduler import Scheduler
 from runtime.engine.sequence import Sequence
 from runtime.kernels.ops import Backend, select_backend
+from runtime.kv.cache import KVCache
+from runtime.kv.format import KVSpec
 from runtime.model.llama import LlamaModel
 
 log = logging.getLogger("liteserve")
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """The KV pool as the server and CLI see it: read through Engine.pool_stats(), so block
+    state keeps one owner (scheduler + block manager)."""
+
+    num_blocks: int
+    block_size: int
+    free_blocks: int
+    usage: float  # fraction of blocks in use
+    prefix_queries: int  # full prompt blocks that could have come from the prefix cache
+    prefix_hits: int  # ... and did
+    running: int  # sequences in the running batch
+    waiting: int  # sequences waiting for admission
+    preemptions: int
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -53,7 +77,9 @@ class Engine:
         self.arch = manifest.architecture
         requested = self.config.backend
         self.ops = select_backend(
-            manifest.launch.backend if requested == "auto" else requested, manifest.launch.kernels
+            manifest.launch.backend if requested == "auto" else requested,
+            manifest.launch.kernels,
+            self.config.device,
         )
         self.backend = self.ops.name
         self.dtype = auto_dtype(self.ops) if config.dtype == "auto" else _DTYPES[config.dtype]
@@ -83,7 +109,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.blocks, self.config.max_batch_size, self.config.max_prefill_token_num
         )
-        self.runner = ModelRunner(self.model, self.cache, self.blocks, self.backend)
+        self.runner = ModelRunner(self.model, self.cache, self.blocks, self.ops, self._graphs())
         self.sampler = Sampler()
         self._ids = itertools.count()
         self.sequences: dict[int, Sequence] = {}
@@ -100,6 +126,22 @@ class Engine:
             num_blocks * self.kv_spec.block_size,
         )
 
+    def _graphs(self) -> DecodeGraphs | None:
+        """Decode steps from static buffers, captured as CUDA graphs on a GPU, unless the
+        backend cannot or the user asked for eager steps (--enforce-eager)."""
+        if not self.ops.graphs or self.config.enforce_eager:
+            return None
+        graphs = DecodeGraphs(
+            self.model,
+            self.cache,
+            self.ops,
+            self.config.max_batch_size,
+            -(-self.session_len // self.kv_spec.block_size),
+            capture=self.ops.device.type == "cuda",
+        )
+        graphs.capture()
+        return graphs
+
     def _blocks_from_memory(self) -> int:
         """cache_max_entry_count of the memory free now, but never more than a full batch of
         full sessions could use, nor less than one session."""
@@ -113,6 +155,25 @@ class Engine:
         per_session = -(-self.config.session_len // self.kv_spec.block_size)
         useful = per_session * self.config.max_batch_size
         return max(min(KVCache.num_blocks_for(self.kv_spec, int(free)), useful), per_session)
+
+    def pool_stats(self) -> PoolStats:
+        b, sched = self.blocks, self.scheduler
+        return PoolStats(
+            num_blocks=b.num_blocks,
+            block_size=self.kv_spec.block_size,
+            free_blocks=b.num_free_blocks,
+            usage=b.usage,
+            prefix_queries=b.prefix_queries,
+            prefix_hits=b.prefix_hits,
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            preemptions=sched.num_preemptions,
+        )
+
+    def running_ids(self) -> list[int]:
+        """The sequences in the running batch: the ones a step that raised was running, which
+        the server fails while the rest keep their place."""
+        return [s.seq_id for s in self.scheduler.running]
 
     @property
     def session_len(self) -> int:
@@ -160,11 +221,16 @@ class Engine:
             prompt_ids=list(prompt_ids),
             params=params,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids),
-            generator=None if params.seed is None else torch.Generator().manual_seed(params.seed),
+            generator=None if params.seed is None else self._generator(params.seed),
         )
         self.sequences[seq_id] = seq
         self.scheduler.add(seq)
         return seq
+
+    def _generator(self, seed: int) -> torch.Generator:
+        """A seeded request's own RNG, on the device the sampler runs on: its draws depend on
+        nothing else in the batch."""
+        return torch.Generator(device=self.ops.device).manual_seed(seed)
 
     def abort(self, seq_id: int) -> None:
         """Stop a request now; its blocks are free when this returns."""
@@ -252,7 +318,7 @@ class Engine:
             seqs.append(seq)
         while any(not s.finished for s in seqs):
             self.step()
-        return [torch.cat(s.prompt_logits) for s in seqs]
+        return [torch.cat(s.prompt_logits).cpu() for s in seqs]
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
         """Run prompts to completion together (continuous batching)."""

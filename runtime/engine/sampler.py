@@ -110,10 +110,12 @@ def _apply_repetition_penalty(
         return logits
     V = logits.shape[1]
     device = logits.device
+    ids = [seen[i].to(dtype=torch.long).reshape(-1) for i in rows]
+    which = torch.cat([torch.full_like(x, j) for j, x in enumerate(ids)])
+    ids = torch.cat(ids)
+    keep = (ids >= 0) & (ids < V)
     mask = torch.zeros(len(rows), V, dtype=torch.bool, device=device)
-    for j, i in enumerate(rows):
-        ids = seen[i].to(device=device, dtype=torch.long).reshape(-1)
-        mask[j, ids[(ids >= 0) & (ids < V)]] = True
+    mask[which[keep].to(device), ids[keep].to(device)] = True  # one scatter for the batch
     pen = torch.tensor([params[i].repetition_penalty for i in rows], device=device).unsqueeze(1)
     idx = torch.tensor(rows, device=device)
     sub = logits[idx]

@@ -15,14 +15,18 @@ development machine with SmolLM2's shapes (evals/bench/RESULTS.md):
 from __future__ import annotations
 
 import ctypes
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from runtime.artifact.layout import unpack_qparams, unpack_qweight
-from runtime.engine.kv_cache import QMAX, KVCache
 from runtime.kernels import native, reference
-from runtime.model.context import DecodeBatch, StepContext
+from runtime.kernels.ops import Backend, StepInputs, StepTensors
+from runtime.kv.format import QMAX
+from runtime.kv.layer import LayerKV
+
+log = logging.getLogger(__name__)
 
 INT4_KERNEL_MAX_ROWS = {torch.bfloat16: 47}  # above this, dequantize + dense GEMM wins
 # SmolLM2's lm_head (49152 x 576), C GEMV against torch's matmul, ms: bf16 1 row 1.6 / 4.3,
@@ -137,10 +141,59 @@ def _c_int4_linear(lib: ctypes.CDLL, x: torch.Tensor, w: CpuInt4Weight) -> torch
     return out
 
 
+@dataclass
+class DecodeBatch:
+    """The step's single-token sequences, laid out for one batched attention per layer."""
+
+    rows: torch.Tensor  # int64 [B]: their rows in the step
+    blocks: torch.Tensor  # int64 [B, NB]: block tables, padded with block 0
+    valid: torch.Tensor  # bool [B, NB * block_size]: real (and in-window) positions
+    lens: torch.Tensor  # int64 [B]: tokens in each sequence's KV after this step
+
+
+@dataclass
+class CpuAttention:
+    """The CPU backend's attention metadata: per-sequence tables and lengths for the prefill
+    reference, and the decoding sequences batched for one call per layer."""
+
+    block_tables: list[torch.Tensor]  # int64 per sequence
+    context_lens: list[int]
+    query_lens: list[int]
+    decode: DecodeBatch | None
+
+
+def decode_batch(
+    tables: list[torch.Tensor],
+    ctx_lens: list[int],
+    num_tokens: list[int],
+    block_size: int,
+) -> DecodeBatch | None:
+    """Padded block tables of every decoding sequence, built once per step for all layers:
+    attention gathers whole blocks (contiguous runs of block_size tokens), not single slots.
+    Sliding windows are masked per layer (``_window_valid``)."""
+    picked = [i for i, n in enumerate(num_tokens) if n == 1]
+    if not picked:
+        return None
+    rows = torch.tensor(num_tokens).cumsum(0)[picked] - 1
+    lens = torch.tensor([ctx_lens[i] for i in picked])
+    needed = -(-int(lens.max()) // block_size)
+    blocks = torch.nn.utils.rnn.pad_sequence([tables[i] for i in picked], batch_first=True)
+    pos = torch.arange(needed * block_size)
+    valid = pos[None, :] < lens[:, None]
+    return DecodeBatch(rows, blocks[:, :needed].contiguous(), valid, lens)
+
+
+def _window_valid(d: DecodeBatch, window: int | None) -> torch.Tensor:
+    if window is None:
+        return d.valid
+    pos = torch.arange(d.valid.shape[1])
+    return d.valid & (pos[None, :] > (d.lens[:, None] - 1 - window))
+
+
 def paged_attention(
     q: torch.Tensor,
-    ctx: StepContext,
-    layer: int,
+    kv: LayerKV,
+    attn: CpuAttention,
     scale: float,
     sliding_window: int | None,
     lib: ctypes.CDLL | None = None,
@@ -149,23 +202,17 @@ def paged_attention(
     few batched torch ops); prefill chunks through the reference, one sequence at a time (they
     are compute-bound)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    d = ctx.decode
+    d = attn.decode
     if d is not None and lib is not None:
-        _native_decode(lib, q, out, ctx.cache, layer, d, scale, sliding_window)
+        _native_decode(lib, q, out, kv, d, scale, sliding_window)
     elif d is not None:
-        out[d.rows] = _batched_decode(q[d.rows], ctx.cache, layer, d, scale)
+        valid = _window_valid(d, sliding_window)
+        out[d.rows] = _batched_decode(q[d.rows], kv, d, valid, scale)
     start = 0
-    for table, length, n in zip(ctx.block_tables, ctx.context_lens, ctx.query_lens, strict=True):
+    for table, length, n in zip(attn.block_tables, attn.context_lens, attn.query_lens, strict=True):
         if n != 1:  # every single-token sequence is in the decode batch
             out[start : start + n] = reference.paged_attention(
-                q[start : start + n],
-                ctx.cache,
-                layer,
-                [table],
-                [length],
-                [n],
-                scale,
-                sliding_window,
+                q[start : start + n], kv, [table], [length], [n], scale, sliding_window
             )
         start += n
     return out
@@ -182,30 +229,24 @@ def _native_decode(
     lib: ctypes.CDLL,
     q: torch.Tensor,
     out: torch.Tensor,
-    cache: KVCache,
-    layer: int,
+    kv: LayerKV,
     d: DecodeBatch,
     scale: float,
     window: int | None,
 ) -> None:
     q = _heads_contiguous(q)
-    spec = cache.spec
-    kind = native.KV_KIND.get(spec.kv_quant, native.DTYPE_CODES[spec.dtype])
-    params = (
-        [t[layer].data_ptr() for t in (cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero)]
-        if cache.quantized
-        else [None] * 4
-    )
+    spec = kv.spec
+    params = (kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero)
     lib.decode_attention(
         q.data_ptr(),
         q.stride(0),
         native.DTYPE_CODES[q.dtype],
         out.data_ptr(),
         d.rows.data_ptr(),
-        cache.k_cache[layer].data_ptr(),
-        cache.v_cache[layer].data_ptr(),
-        *params,
-        kind,
+        kv.k.data_ptr(),
+        kv.v.data_ptr(),
+        *(None if t is None else t.data_ptr() for t in params),
+        spec.storage_kind,
         d.blocks.data_ptr(),
         d.blocks.stride(0),
         d.lens.data_ptr(),
@@ -220,23 +261,22 @@ def _native_decode(
 
 
 def kv_write(
-    cache: KVCache,
-    layer: int,
+    kv: LayerKV,
     k: torch.Tensor,
     v: torch.Tensor,
     slots: torch.Tensor,
     lib: ctypes.CDLL | None = None,
 ) -> None:
     """Quantized pools through the C quantizer (bit-identical to quantize_kv) when loaded;
-    everything else through KVCache.write."""
-    spec = cache.spec
-    if lib is None or not cache.quantized or k.dtype not in native.DTYPE_CODES:
-        cache.write(layer, k, v, slots)
+    everything else through LayerKV.write."""
+    spec = kv.spec
+    if lib is None or not kv.quantized or k.dtype not in native.DTYPE_CODES:
+        kv.write(k, v, slots)
         return
     expected = (slots.shape[0], spec.num_kv_heads, spec.head_dim)
     shapes = (tuple(k.shape), tuple(v.shape))
     if shapes != (expected, expected) or v.dtype != k.dtype or slots.dtype != torch.int64:
-        cache.write(layer, k, v, slots)  # its checks name the problem
+        kv.write(k, v, slots)  # its checks name the problem
         return
     k, v, slots = _heads_contiguous(k), _heads_contiguous(v), slots.contiguous()
     lib.kv_write_quantized(
@@ -247,17 +287,7 @@ def kv_write(
         native.DTYPE_CODES[k.dtype],
         slots.data_ptr(),
         slots.shape[0],
-        *(
-            t[layer].data_ptr()
-            for t in (
-                cache.k_cache,
-                cache.k_scale,
-                cache.k_zero,
-                cache.v_cache,
-                cache.v_scale,
-                cache.v_zero,
-            )
-        ),
+        *(t.data_ptr() for t in (kv.k, kv.k_scale, kv.k_zero, kv.v, kv.v_scale, kv.v_zero)),
         spec.num_kv_heads,
         spec.head_dim,
         QMAX[spec.kv_quant],
@@ -265,24 +295,24 @@ def kv_write(
 
 
 def _batched_decode(
-    q: torch.Tensor, cache: KVCache, layer: int, d: DecodeBatch, scale: float
+    q: torch.Tensor, kv: LayerKV, d: DecodeBatch, valid: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """q [B, H, D] over each sequence's padded context: [B, H, D] in q's dtype.
 
     Quantized K/V are never dequantized: with x = c * s + z per token and head,
     q . k = s (q . c) + z sum(q), and sum_t p_t v_t = (p s) @ c + sum_t p_t z_t, so the codes
     are only widened to fp32 and the scales and zeros act on the [B, H, L] scores."""
-    k, v = cache.read_blocks(layer, d.blocks)  # [B, L, Hkv, D] (+ [B, L, Hkv] scale, zero)
+    k, v = kv.read_blocks(d.blocks)  # [B, L, Hkv, D] (+ [B, L, Hkv] scale, zero)
     b, h, dim = q.shape
     hkv = k[0].shape[2]
     qg = q.float().view(b, hkv, h // hkv, dim)
     scores = qg @ _widen(k[0].permute(0, 2, 3, 1))  # [B, Hkv, group, L]
-    if cache.quantized:
+    if kv.quantized:
         ks, kz = (t.float().transpose(1, 2)[:, :, None, :] for t in k[1:])  # [B, Hkv, 1, L]
         scores = scores * ks + qg.sum(-1, keepdim=True) * kz
-    scores = (scores * scale).masked_fill_(~d.valid[:, None, None, :], float("-inf"))
+    scores = (scores * scale).masked_fill_(~valid[:, None, None, :], float("-inf"))
     p = torch.softmax(scores, dim=-1)
-    if not cache.quantized:
+    if not kv.quantized:
         o = p @ _widen(v[0].transpose(1, 2))  # [B, Hkv, group, D]
     else:
         vs, vz = (t.float().transpose(1, 2)[:, :, None, :] for t in v[1:])
@@ -352,3 +382,54 @@ def logits(x: torch.Tensor, weight: torch.Tensor, lib: ctypes.CDLL | None = None
         k,
     )
     return out
+
+
+class CpuBackend(Backend):
+    """torch on the CPU, with the C decode kernels of cpu_decode.c where they could be built."""
+
+    name = "cpu"
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+        self.lib, kernels = native.load()
+        if self.lib is None:
+            log.warning("CPU backend without its C decode kernels: %s", kernels)
+        self.detail = (
+            f"torch {torch.__version__} on the CPU ({torch.get_num_threads()} threads), {kernels}"
+        )
+
+    def prepare_int4(self, parts, k, group_size, dtype) -> CpuInt4Weight:
+        return prepare_int4(parts, k, group_size, dtype, lib=self.lib)
+
+    def int4_linear(self, x: torch.Tensor, w: CpuInt4Weight) -> torch.Tensor:
+        return int4_linear(x, w, lib=self.lib)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps, lib=self.lib)
+
+    def logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return logits(x, weight, lib=self.lib)
+
+    def kv_write(self, kv: LayerKV, k, v, slot_mapping) -> None:
+        kv_write(kv, k, v, slot_mapping, lib=self.lib)
+
+    def attention(self, q, kv: LayerKV, attn: CpuAttention, scale, sliding_window):
+        return paged_attention(q, kv, attn, scale, sliding_window, lib=self.lib)
+
+    def prepare_step(self, step: StepInputs) -> StepTensors:
+        """Host tensors (no copy to make); the decoding rows batched once for every layer."""
+        tables = [torch.tensor(t, dtype=torch.int64) for t in step.block_tables]
+        attn = CpuAttention(
+            tables,
+            step.context_lens,
+            step.query_lens,
+            decode_batch(tables, step.context_lens, step.query_lens, step.block_size),
+        )
+        return StepTensors(
+            input_ids=torch.tensor(step.input_ids, dtype=torch.int64),
+            positions=torch.tensor(step.positions, dtype=torch.int64),
+            slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.int64),
+            logits_indices=torch.tensor(step.logits_indices, dtype=torch.int64),
+            attn=attn,
+        )

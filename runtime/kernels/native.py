@@ -26,11 +26,12 @@ from pathlib import Path
 
 import torch
 
+from runtime.kv.format import STORAGE_KINDS
+
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
 # the kernels' dtype codes (cpu_decode.c's enum)
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-KV_KIND = {"int8": 3, "int4": 4}
+DTYPE_CODES = {d: code for d, code in STORAGE_KINDS.items() if isinstance(d, torch.dtype)}
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {

@@ -8,14 +8,16 @@ CPU otherwise. A backend that cannot run is refused with the reason, never silen
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-from collections.abc import Callable
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from runtime.device import resolve_device
+from runtime.kv.layer import LayerKV
 
 BACKENDS = ("auto", "cpu", "triton", "cuda")
 log = logging.getLogger(__name__)
@@ -26,21 +28,86 @@ class BackendError(ValueError):
 
 
 @dataclass(frozen=True)
-class Backend:
+class StepInputs:
+    """One step as the model runner hands it to a backend, on the host: the new tokens of every
+    sequence concatenated, and each sequence's block table and lengths."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    block_tables: list[list[int]]
+    context_lens: list[int]  # per sequence: tokens in its KV after this step
+    query_lens: list[int]  # per sequence: new tokens in this step
+    logits_indices: list[int]  # rows of the step whose logits are wanted
+    block_size: int
+
+    @property
+    def all_decode(self) -> bool:
+        return all(n == 1 for n in self.query_lens)
+
+
+@dataclass
+class StepTensors:
+    """A step's inputs on the backend's device, as the model's forward reads them: the token
+    rows, their positions and KV slots, the rows to compute logits for, and the attention
+    metadata in the backend's own form (``attn``, built by its ``prepare_step``)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    logits_indices: torch.Tensor
+    attn: Any
+
+
+class Backend(ABC):
+    """The ops a model runs and the step metadata they read. Each backend builds its own
+    metadata from :class:`StepInputs` in ``prepare_step``; the model runner never asks which
+    backend it has."""
+
     name: str
     device: torch.device
-    # prepare_int4(parts, k, group_size, dtype) -> weight; parts are (qweight, qparams, n)
-    prepare_int4: Callable[..., Any]
-    int4_linear: Callable[[torch.Tensor, Any], torch.Tensor]
-    # paged_attention(q, ctx, layer, scale, sliding_window) -> [T, H, D]
-    paged_attention: Callable[..., torch.Tensor]
-    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
-    # kv_write(cache, layer, k, v, slot_mapping)
-    kv_write: Callable[..., None]
-    # logits(x [M, K], lm_head [V, K]) -> float32 [M, V]
-    logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     dtypes: tuple[torch.dtype, ...]  # activation dtypes it supports
-    detail: str = ""  # what it runs on, for logs, /health and `runtime check`
+    detail: str  # what it runs on, for logs, /health and `runtime check`
+    graphs: bool = False  # decode steps can run from static buffers (CUDA graphs on a GPU)
+
+    @abstractmethod
+    def prepare_int4(
+        self,
+        parts: list[tuple[torch.Tensor, torch.Tensor, int]],
+        k: int,
+        group_size: int,
+        dtype: torch.dtype,
+    ) -> Any:
+        """The backend's form of linears sharing an input; parts are (qweight, qparams, n)."""
+
+    @abstractmethod
+    def int4_linear(self, x: torch.Tensor, w: Any) -> torch.Tensor: ...
+
+    @abstractmethod
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    @abstractmethod
+    def logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """float32 [M, V] = x [M, K] @ weight [V, K].T"""
+
+    @abstractmethod
+    def kv_write(
+        self, kv: LayerKV, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None: ...
+
+    @abstractmethod
+    def attention(
+        self, q: torch.Tensor, kv: LayerKV, attn: Any, scale: float, sliding_window: int | None
+    ) -> torch.Tensor:
+        """[T, H, D] attention of the step's queries over their paged context."""
+
+    @abstractmethod
+    def prepare_step(self, step: StepInputs) -> StepTensors: ...
+
+    def decode_attn(self, block_tables: torch.Tensor, context_lens: torch.Tensor) -> Any:
+        """Attention metadata of an all-decode step over static buffers (what a CUDA graph
+        replays); only backends with ``graphs`` have it."""
+        raise NotImplementedError(f"backend {self.name} does not run decode steps from graphs")
 
 
 def interpreting() -> bool:
@@ -63,11 +130,18 @@ def _has_triton() -> bool:
     return True
 
 
-def select_backend(requested: str, pinned: dict[str, dict[str, dict[str, int]]]) -> Backend:
-    """`pinned` is the artifact's launch.kernels (tuned configs per GPU architecture)."""
+def select_backend(
+    requested: str, pinned: dict[str, dict[str, dict[str, int]]], device: str = "auto"
+) -> Backend:
+    """`pinned` is the artifact's launch.kernels (tuned configs per GPU architecture); `device`
+    is auto (the current GPU for the GPU backends), cpu, cuda or cuda:N."""
     name = resolve_name(requested)
     if name == "cpu":
-        return _cpu()
+        if device not in ("auto", "cpu"):
+            raise BackendError(f"backend 'cpu' runs on the CPU, not {device!r}")
+        from runtime.kernels.cpu import CpuBackend
+
+        return CpuBackend()
     if name == "cuda":
         raise BackendError(
             "backend 'cuda' (the csrc extension) is not built in this release; use --backend "
@@ -80,28 +154,21 @@ def select_backend(requested: str, pinned: dict[str, dict[str, dict[str, int]]])
             "backend 'triton' needs a CUDA GPU (TRITON_INTERPRET=1 interprets its kernels on "
             "the CPU, for tests only); use --backend cpu here"
         )
-    from runtime.kernels.triton.backend import triton_backend
+    from runtime.kernels.triton.backend import TritonBackend
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return triton_backend(device, pinned)
+    return TritonBackend(_gpu_device(device), pinned)
 
 
-def _cpu() -> Backend:
-    from runtime.kernels import cpu, native
-
-    lib, kernels = native.load()
-    if lib is None:
-        log.warning("CPU backend without its C decode kernels: %s", kernels)
-    return Backend(
-        name="cpu",
-        device=torch.device("cpu"),
-        prepare_int4=functools.partial(cpu.prepare_int4, lib=lib),
-        int4_linear=functools.partial(cpu.int4_linear, lib=lib),
-        paged_attention=functools.partial(cpu.paged_attention, lib=lib),
-        rms_norm=functools.partial(cpu.rms_norm, lib=lib),
-        kv_write=functools.partial(cpu.kv_write, lib=lib),
-        logits=functools.partial(cpu.logits, lib=lib),
-        dtypes=(torch.float32, torch.bfloat16, torch.float16),
-        detail=f"torch {torch.__version__} on the CPU ({torch.get_num_threads()} threads), "
-        f"{kernels}",
-    )
+def _gpu_device(requested: str) -> torch.device:
+    """cuda:N for the GPU backends (the current GPU for auto); the CPU only when interpreting."""
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cpu" and not interpreting():
+        raise BackendError("backend 'triton' runs on a GPU: choose --device cuda[:N]")
+    try:
+        device = resolve_device(requested)
+    except ValueError as e:
+        raise BackendError(str(e)) from e
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # kernels launch on the current device's stream
+    return device

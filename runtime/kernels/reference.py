@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from runtime.engine.kv_cache import KVCache
+from runtime.kv.layer import LayerKV
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -37,24 +37,23 @@ def attention_mask(
 
 def paged_attention(
     q: torch.Tensor,
-    cache: KVCache,
-    layer: int,
+    kv: LayerKV,
     block_tables: list[torch.Tensor],
     context_lens: list[int],
     query_lens: list[int],
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its paged K/V.
+    """Causal attention of each sequence's new tokens over its paged K/V (one layer's).
 
     ``q`` is ``[sum(query_lens), num_heads, head_dim]``: the new tokens of all sequences,
     concatenated in order. Sequence i's queries are its last ``query_lens[i]`` of
-    ``context_lens[i]`` tokens, whose K/V are all in ``cache`` already. Covers prefill
+    ``context_lens[i]`` tokens, whose K/V are all in ``kv`` already. Covers prefill
     (query_len == context_len), chunked prefill over a cached prefix, and decode
     (query_len 1). Grouped-query: query head h reads KV head ``h // (num_heads //
     num_kv_heads)``. Returns ``[sum(query_lens), num_heads, head_dim]`` in ``q.dtype``.
     """
-    spec = cache.spec
+    spec = kv.spec
     if not (len(block_tables) == len(context_lens) == len(query_lens)):
         raise ValueError(
             f"{len(block_tables)} block tables, {len(context_lens)} context lens, "
@@ -79,7 +78,7 @@ def paged_attention(
             raise ValueError(f"query_len {qlen} must be in [0, context_len {ctx}]")
         if qlen == 0:
             continue
-        k, v = cache.gather(layer, table, ctx)  # [ctx, Hkv, D]
+        k, v = kv.gather(table, ctx)  # [ctx, Hkv, D]
         qi = q[start : start + qlen].float().transpose(0, 1)  # [H, qlen, D]
         k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, ctx, D]
         v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)

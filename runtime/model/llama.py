@@ -92,8 +92,9 @@ class Layer:
             qk = torch.cat((q, self.ops.rms_norm(qk[:, h:], self.k_norm, self.eps)), dim=1)
         qk = apply_rotary(qk, *rope)
         q, k = qk[:, :h], qk[:, h:]
-        self.ops.kv_write(ctx.cache, self.index, k, v, ctx.slot_mapping)
-        o = self.ops.paged_attention(q, ctx, self.index, self.scale, self.sliding_window)
+        kv = ctx.cache.layer(self.index)
+        self.ops.kv_write(kv, k, v, ctx.step.slot_mapping)
+        o = self.ops.attention(q, kv, ctx.step.attn, self.scale, self.sliding_window)
         return self.o(o.reshape(t, -1))
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -122,13 +123,13 @@ class LlamaModel:
         )
 
     @torch.inference_mode()
-    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[T] token ids -> float32 logits for the context's logits_indices rows."""
-        ctx = get_context()
-        x = self.embed[input_ids]
-        rope = self.rotary.tables(ctx.positions)
+    def __call__(self) -> torch.Tensor:
+        """Float32 logits of the step's logits_indices rows (the context holds the step)."""
+        step = get_context().step
+        x = self.embed[step.input_ids]
+        rope = self.rotary.tables(step.positions)
         for layer in self.layers:
             x = layer(x, rope)
-        x = x[ctx.logits_indices]
+        x = x[step.logits_indices]
         x = self.ops.rms_norm(x, self.norm, self.arch.rms_norm_eps)
         return self.ops.logits(x, self.lm_head)

@@ -46,10 +46,10 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from runtime.engine.kv_cache import KVCache
+from runtime.device import check_devices
+from runtime.kv.layer import LayerKV
 
 _LOG2E = math.log2(math.e)
-_QUANT_ID = {"none": 0, "int8": 1, "int4": 2}
 DEFAULT_PARTITION = 512  # tokens per decode partition (rounded up to whole blocks)
 _MERGE_BLOCK_P = 32
 
@@ -499,16 +499,13 @@ _INTERPRETED = isinstance(_prefill_kernel, InterpretedFunction)
 
 def _check_common(
     q: torch.Tensor,
-    cache: KVCache,
-    layer: int,
+    kv: LayerKV,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     num_seqs: int,
     sliding_window: int | None,
 ) -> None:
-    s = cache.spec
-    if not 0 <= layer < s.num_layers:
-        raise ValueError(f"layer {layer} out of range for {s.num_layers} layers")
+    s = kv.spec
     if q.dim() != 3 or q.shape[2] != s.head_dim or q.shape[1] % s.num_kv_heads:
         raise ValueError(
             f"q {list(q.shape)} must be [tokens, heads, head_dim={s.head_dim}] with heads a "
@@ -525,9 +522,7 @@ def _check_common(
     for name, t in (("block_tables", block_tables), ("context_lens", context_lens)):
         if t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
-    for name, t in (("q", q), ("block_tables", block_tables), ("context_lens", context_lens)):
-        if t.device != cache.device:
-            raise ValueError(f"{name} is on {t.device}, the cache on {cache.device}")
+    check_devices(kv.device, q=q, block_tables=block_tables, context_lens=context_lens)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if context_lens.device.type == "cpu":  # free here; on a GPU it would cost a sync per layer
@@ -537,29 +532,24 @@ def _check_common(
                 f"context_lens {context_lens.tolist()} must be in [1, {capacity}] "
                 f"(block table width {block_tables.shape[1]} x block size {s.block_size})"
             )
-        if bool(((block_tables < 0) | (block_tables >= cache.num_blocks)).any()):
-            raise ValueError(f"block_tables hold ids outside [0, {cache.num_blocks})")
+        if bool(((block_tables < 0) | (block_tables >= kv.num_blocks)).any()):
+            raise ValueError(f"block_tables hold ids outside [0, {kv.num_blocks})")
 
 
-def _pool(cache: KVCache, layer: int) -> tuple[list[torch.Tensor], list[int]]:
-    """The layer's (k, v, k_scale, k_zero, v_scale, v_zero) and the code and parameter
-    strides; an unquantized pool passes its K in place of the never-read scales and zeros."""
-    k, v = cache.k_cache[layer], cache.v_cache[layer]
-    if cache.quantized:
-        params = [cache.k_scale[layer], cache.k_zero[layer], cache.v_scale[layer]]
-        params.append(cache.v_zero[layer])
-    else:
-        params = [k] * 4
-    return [k, v, *params], [*k.stride()[:3], *params[0].stride()[:3]]
+def _pool(kv: LayerKV) -> tuple[tuple[torch.Tensor, ...], list[int]]:
+    """The layer's six tensors and the code and parameter strides (an unquantized pool passes
+    its K in place of the never-read scales and zeros)."""
+    pool = kv.tensors()
+    return pool, [*pool[0].stride()[:3], *pool[2].stride()[:3]]
 
 
-def _kernel_options(cache: KVCache, num_heads: int) -> dict:
-    s = cache.spec
+def _kernel_options(kv: LayerKV, num_heads: int) -> dict:
+    s = kv.spec
     return {
         "GROUP": num_heads // s.num_kv_heads,
         "HEAD_DIM": s.head_dim,
         "BLOCK_SIZE": s.block_size,
-        "QUANT": _QUANT_ID[s.kv_quant],
+        "QUANT": s.quant_id,
         "PRECISION": "ieee" if s.dtype == torch.float32 else "tf32",
         "INTERPRETED": _INTERPRETED,
         "BLOCK_D": max(16, triton.next_power_of_2(s.head_dim)),
@@ -586,8 +576,7 @@ def decode_partition_size(block_size: int, max_context: int) -> int:
 
 def paged_decode_attention(
     q: torch.Tensor,
-    cache: KVCache,
-    layer: int,
+    kv: LayerKV,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
@@ -603,8 +592,8 @@ def paged_decode_attention(
     checked only when they are on the CPU (on a GPU the check would sync); the kernel never
     reads past the block table either way. Returns ``[B, H, D]`` in ``q.dtype``."""
     batch = q.shape[0] if q.dim() == 3 else -1
-    _check_common(q, cache, layer, block_tables, context_lens, batch, sliding_window)
-    bs = cache.spec.block_size
+    _check_common(q, kv, block_tables, context_lens, batch, sliding_window)
+    bs = kv.spec.block_size
     capacity = block_tables.shape[1] * bs
     if partition_size is None:
         partition_size = decode_partition_size(bs, capacity)
@@ -619,7 +608,7 @@ def paged_decode_attention(
         return out
     num_heads = q.shape[1]
     num_partitions = -(-capacity // partition_size)
-    opts = _kernel_options(cache, num_heads)
+    opts = _kernel_options(kv, num_heads)
     single = num_partitions == 1
     if single:
         partials = [out] * 3  # never written: the kernel normalizes into out itself
@@ -631,8 +620,8 @@ def paged_decode_attention(
             torch.empty((*shape, opts["BLOCK_D"]), dtype=torch.float32, device=q.device),
         ]
     tile = 64 if _large_tiles(opts, q.dtype) else 32
-    pool, pool_strides = _pool(cache, layer)
-    _decode_partition_kernel[(batch, cache.spec.num_kv_heads, num_partitions)](
+    pool, pool_strides = _pool(kv)
+    _decode_partition_kernel[(batch, kv.spec.num_kv_heads, num_partitions)](
         q, *pool, block_tables, context_lens, out, *partials,
         scale * _LOG2E, sliding_window or 0, block_tables.shape[1],
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
@@ -658,13 +647,12 @@ def paged_decode_attention(
     return out
 
 
-def _check_cu_query_lens(cu_query_lens: torch.Tensor, cache: KVCache) -> None:
+def _check_cu_query_lens(cu_query_lens: torch.Tensor, kv: LayerKV) -> None:
     if cu_query_lens.dim() != 1 or cu_query_lens.shape[0] < 1:
         raise ValueError(f"cu_query_lens must be [S + 1], got {list(cu_query_lens.shape)}")
     if cu_query_lens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"cu_query_lens must be int32 or int64, got {cu_query_lens.dtype}")
-    if cu_query_lens.device != cache.device:
-        raise ValueError(f"cu_query_lens is on {cu_query_lens.device}, the cache on {cache.device}")
+    check_devices(kv.device, cu_query_lens=cu_query_lens)
 
 
 def _check_query_lens(
@@ -687,8 +675,7 @@ def _check_query_lens(
 
 def paged_prefill_attention(
     q: torch.Tensor,
-    cache: KVCache,
-    layer: int,
+    kv: LayerKV,
     block_tables: torch.Tensor,
     cu_query_lens: torch.Tensor,
     context_lens: torch.Tensor,
@@ -703,9 +690,9 @@ def paged_prefill_attention(
     tokens) are all in the pool already. Covers full prefill, chunked prefill over a cached
     prefix and decode rows (query_len 1). Metadata values are checked only on the CPU, as in
     :func:`paged_decode_attention`. Returns ``[T, H, D]`` in ``q.dtype``."""
-    _check_cu_query_lens(cu_query_lens, cache)
+    _check_cu_query_lens(cu_query_lens, kv)
     num_seqs = cu_query_lens.shape[0] - 1
-    _check_common(q, cache, layer, block_tables, context_lens, num_seqs, sliding_window)
+    _check_common(q, kv, block_tables, context_lens, num_seqs, sliding_window)
     _check_query_lens(cu_query_lens, q.shape[0], context_lens)
     q, block_tables = _contiguous_last(q), _contiguous_last(block_tables)
     cu_query_lens, context_lens = cu_query_lens.contiguous(), context_lens.contiguous()
@@ -713,12 +700,12 @@ def paged_prefill_attention(
     if q.shape[0] == 0:
         return out
     num_heads = q.shape[1]
-    opts = _kernel_options(cache, num_heads)
+    opts = _kernel_options(kv, num_heads)
     large = _large_tiles(opts, q.dtype)
     block_g = triton.next_power_of_2(opts["GROUP"])
     block_q = max(1, (128 if large else 64) // block_g)
-    pool, pool_strides = _pool(cache, layer)
-    _prefill_kernel[(q.shape[0] // block_q + num_seqs, cache.spec.num_kv_heads)](
+    pool, pool_strides = _pool(kv)
+    _prefill_kernel[(q.shape[0] // block_q + num_seqs, kv.spec.num_kv_heads)](
         q, *pool, block_tables, cu_query_lens, context_lens, out,
         scale * _LOG2E, sliding_window or 0, block_tables.shape[1], num_seqs,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),

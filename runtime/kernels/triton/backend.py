@@ -12,13 +12,13 @@ an architecture the artifact was not tuned for, the GEMM's heuristic picks them,
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 
 import torch
 
-from runtime.kernels import cpu
-from runtime.kernels.ops import Backend
+from runtime.kernels.ops import Backend, StepInputs, StepTensors
 from runtime.kernels.triton.attention import paged_decode_attention, paged_prefill_attention
 from runtime.kernels.triton.gemm import (
     M_BUCKETS,
@@ -28,7 +28,7 @@ from runtime.kernels.triton.gemm import (
     w4a16_gemm,
 )
 from runtime.kernels.triton.kv_write import kv_write
-from runtime.model.context import StepContext
+from runtime.kv.layer import LayerKV
 
 log = logging.getLogger("runtime.kernels")
 N_TILE = 64
@@ -94,54 +94,127 @@ def prepare_weight(
     return TritonInt4Weight(qweight, qparams, n, k, group_size, columns, configs)
 
 
-def _linear(x: torch.Tensor, w: TritonInt4Weight) -> torch.Tensor:
-    x = x.contiguous()
-    y = w4a16_gemm(x, w.qweight, w.qparams, w.n, w.k, w.group_size, w.config(x.shape[0]))
-    return y if w.columns is None else y.index_select(1, w.columns)
+@dataclass
+class KernelTensors:
+    """The Triton kernels' attention metadata: views of one device buffer (see StepBuffer)."""
+
+    block_tables: torch.Tensor  # int32 [S, max_blocks], padded with block 0
+    context_lens: torch.Tensor  # int32 [S]
+    cu_query_lens: torch.Tensor  # int32 [S + 1]
+    all_decode: bool  # every sequence has one new token: the flash-decoding kernel
 
 
-def _attention(
-    q: torch.Tensor, ctx: StepContext, layer: int, scale: float, sliding_window: int | None
-) -> torch.Tensor:
-    """All-decode steps take the flash-decoding kernel; anything with a prefill chunk takes the
-    variable-length kernel, which handles decode rows mixed in."""
-    t = ctx.tensors
-    if t.all_decode:
-        return paged_decode_attention(
-            q, ctx.cache, layer, t.block_tables, t.context_lens, scale, sliding_window
+class StepBuffer:
+    """A step's metadata in one int32 device buffer, filled by one host-to-device copy.
+
+    Seven small copies and their allocations per step were host time the GPU waited on. The
+    host side is pinned so the copy runs asynchronously; it is reused step after step, which is
+    safe because every step ends with the sampled ids read back (a sync) before the next one
+    fills it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._host = torch.empty(0, dtype=torch.int32)
+        self._dev = torch.empty(0, dtype=torch.int32, device=device)
+
+    def _reserve(self, n: int) -> None:
+        if self._host.numel() >= n:
+            return
+        size = max(n, 2 * self._host.numel(), 4096)
+        pin = self.device.type == "cuda"
+        self._host = torch.empty(size, dtype=torch.int32, pin_memory=pin)
+        self._dev = torch.empty(size, dtype=torch.int32, device=self.device)
+
+    def fill(self, parts: list[list[int]]) -> list[torch.Tensor]:
+        """Device views of ``parts`` (lists of ints), in order, after one copy."""
+        total = sum(len(x) for x in parts)
+        self._reserve(total)
+        self._host[:total] = torch.tensor([v for x in parts for v in x], dtype=torch.int32)
+        dev = self._dev[:total]
+        dev.copy_(self._host[:total], non_blocking=True)
+        return list(dev.split([len(x) for x in parts]))
+
+
+class TritonBackend(Backend):
+    """The Triton kernels on a GPU (under TRITON_INTERPRET=1 also on the CPU, for tests)."""
+
+    name = "triton"
+    dtypes = (torch.float16, torch.bfloat16)
+
+    def __init__(self, device: torch.device, kernels: dict[str, dict[str, dict[str, int]]]) -> None:
+        self.device = device
+        self.graphs = True  # captured on a GPU; under the interpreter the same buffers, eager
+        arch = gpu_arch(device)
+        self.pinned = kernels.get(arch, {})
+        if device.type == "cuda":
+            _log_pinned(arch, self.pinned, kernels)
+        self.detail = (
+            f"{arch}: {len(self.pinned)} pinned GEMM configs"
+            if self.pinned
+            else f"{arch}: heuristics"
         )
-    return paged_prefill_attention(
-        q, ctx.cache, layer, t.block_tables, t.cu_query_lens, t.context_lens, scale, sliding_window
-    )
+        self._buffer = StepBuffer(device)
 
+    def prepare_int4(self, parts, k, group_size, dtype) -> TritonInt4Weight:  # noqa: ARG002
+        return prepare_weight(parts, k, group_size, self.device, self.pinned)  # x sets dtype
 
-def triton_backend(device: torch.device, kernels: dict[str, dict[str, dict[str, int]]]) -> Backend:
-    arch = gpu_arch(device)
-    pinned = kernels.get(arch, {})
-    if device.type == "cuda":
-        if pinned:
-            log.info("triton kernels: %d pinned GEMM configs for %s", len(pinned), arch)
-        else:
-            tuned = ", ".join(sorted(kernels)) or "none"
-            log.warning(
-                "the artifact has no tuned kernel configs for %s (tuned for: %s); using "
-                "heuristics. `lite tune ARTIFACT` on this GPU pins them.",
-                arch,
-                tuned,
+    def int4_linear(self, x: torch.Tensor, w: TritonInt4Weight) -> torch.Tensor:
+        x = x.contiguous()
+        y = w4a16_gemm(x, w.qweight, w.qparams, w.n, w.k, w.group_size, w.config(x.shape[0]))
+        return y if w.columns is None else y.index_select(1, w.columns)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)  # fused on GPUs
+
+    def logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return (x @ weight.T).float()  # cuBLAS
+
+    def kv_write(self, kv: LayerKV, k, v, slot_mapping) -> None:
+        kv_write(kv, k, v, slot_mapping)
+
+    def attention(self, q, kv: LayerKV, attn: KernelTensors, scale, sliding_window):
+        """All-decode steps take the flash-decoding kernel; anything with a prefill chunk takes
+        the variable-length kernel, which handles decode rows mixed in."""
+        if attn.all_decode:
+            return paged_decode_attention(
+                q, kv, attn.block_tables, attn.context_lens, scale, sliding_window
             )
+        return paged_prefill_attention(
+            q, kv, attn.block_tables, attn.cu_query_lens, attn.context_lens, scale, sliding_window
+        )
 
-    def prepare(parts, k, group_size, dtype):  # noqa: ARG001 (the GEMM takes x's dtype)
-        return prepare_weight(parts, k, group_size, device, pinned)
+    def prepare_step(self, step: StepInputs) -> StepTensors:
+        width = max(len(t) for t in step.block_tables)
+        tables = [t + [0] * (width - len(t)) for t in step.block_tables]
+        cu = [0, *itertools.accumulate(step.query_lens)]
+        ids, pos, slots, rows, lens, cu_t, flat = self._buffer.fill(
+            [
+                step.input_ids,
+                step.positions,
+                step.slot_mapping,
+                step.logits_indices,
+                step.context_lens,
+                cu,
+                [b for t in tables for b in t],
+            ]
+        )
+        attn = KernelTensors(flat.view(len(tables), width), lens, cu_t, step.all_decode)
+        return StepTensors(ids, pos, slots, rows, attn)
 
-    return Backend(
-        name="triton",
-        device=device,
-        prepare_int4=prepare,
-        int4_linear=_linear,
-        paged_attention=_attention,
-        rms_norm=cpu.rms_norm,  # torch's fused rms_norm runs on the GPU as well
-        kv_write=kv_write,
-        logits=cpu.logits,  # torch's matmul (cuBLAS on the GPU)
-        dtypes=(torch.float16, torch.bfloat16),
-        detail=f"{arch}: {len(pinned)} pinned GEMM configs" if pinned else f"{arch}: heuristics",
+    def decode_attn(self, block_tables: torch.Tensor, context_lens: torch.Tensor) -> KernelTensors:
+        """Metadata of an all-decode step over static buffers (what a CUDA graph replays)."""
+        cu = torch.arange(block_tables.shape[0] + 1, dtype=torch.int32, device=self.device)
+        return KernelTensors(block_tables, context_lens, cu, True)
+
+
+def _log_pinned(arch: str, pinned: dict, kernels: dict) -> None:
+    if pinned:
+        log.info("triton kernels: %d pinned GEMM configs for %s", len(pinned), arch)
+        return
+    tuned = ", ".join(sorted(kernels)) or "none"
+    log.warning(
+        "the artifact has no tuned kernel configs for %s (tuned for: %s); using heuristics. "
+        "`lite tune ARTIFACT` on this GPU pins them.",
+        arch,
+        tuned,
     )

@@ -31,15 +31,16 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.engine.kv_cache import _FP16_MAX, _FP16_TINY, QMAX, KVCache
+from runtime.device import check_devices
+from runtime.kv.format import FP16_MAX, FP16_TINY, QMAX
+from runtime.kv.layer import LayerKV
 
 # the reference's constants, as the compile-time values a kernel may read
-_MAX = tl.constexpr(_FP16_MAX)
-_TINY = tl.constexpr(_FP16_TINY)
+_MAX = tl.constexpr(FP16_MAX)
+_TINY = tl.constexpr(FP16_TINY)
 _MINUS_TINY_BITS = tl.constexpr(-32767)  # int16 view of 0x8001, the fp16 just below zero
 _QMAX_INT8 = tl.constexpr(QMAX["int8"])
 _QMAX_INT4 = tl.constexpr(QMAX["int4"])
-_QUANT_ID = {"none": 0, "int8": 1, "int4": 2}
 
 
 @triton.jit
@@ -160,12 +161,8 @@ def _kv_write_kernel(
         )  # fmt: skip
 
 
-def _check(
-    cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
-) -> None:
-    s = cache.spec
-    if not 0 <= layer < s.num_layers:
-        raise ValueError(f"layer {layer} out of range for {s.num_layers} layers")
+def _check(kv: LayerKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    s = kv.spec
     if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
         raise ValueError(
             f"slot_mapping must be int32 or int64 [T]; got {slots.dtype} {list(slots.shape)}"
@@ -179,43 +176,34 @@ def _check(
     for name, t in (("k", k), ("v", v)):
         if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
-    for name, t in (("k", k), ("v", v), ("slot_mapping", slots)):
-        if t.device != cache.device:
-            raise ValueError(f"{name} is on {t.device}, the cache on {cache.device}")
+    check_devices(kv.device, k=k, v=v, slot_mapping=slots)
     # an out-of-range slot would write outside the pool; checked where it costs no GPU sync
-    if slots.device.type == "cpu" and slots.numel() and int(slots.max()) >= cache.num_slots:
-        raise ValueError(f"slot {int(slots.max())} out of range for {cache.num_slots} slots")
+    if slots.device.type == "cpu" and slots.numel() and int(slots.max()) >= kv.num_slots:
+        raise ValueError(f"slot {int(slots.max())} out of range for {kv.num_slots} slots")
 
 
-def kv_write(
-    cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
+def kv_write(kv: LayerKV, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store ``k``, ``v`` ``[T, Hkv, D]`` at ``slot_mapping [T]`` (int32 or int64; slots < 0
-    are padding and skipped), quantized like :meth:`KVCache.write`, bit for bit. Slots past
+    are padding and skipped), quantized like :meth:`LayerKV.write`, bit for bit. Slots past
     the pool are rejected when ``slot_mapping`` is on the CPU (on a GPU the check would sync
     every layer; the engine's block manager only hands out valid slots)."""
-    _check(cache, layer, k, v, slot_mapping)
-    s = cache.spec
+    _check(kv, k, v, slot_mapping)
+    s = kv.spec
     if slot_mapping.shape[0] == 0:
         return
-    if not cache.quantized:
+    if not kv.quantized:
         k, v = k.to(s.dtype), v.to(s.dtype)
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
-    codes = cache.k_cache[layer]
-    if cache.quantized:
-        params = (cache.k_scale[layer], cache.k_zero[layer], cache.v_scale[layer])
-        params += (cache.v_zero[layer],)
-    else:
-        params = (codes,) * 4  # never dereferenced
+    pool = kv.tensors()
     pack = 2 if s.kv_quant == "int4" else 1
     _kv_write_kernel[(slot_mapping.shape[0], s.num_kv_heads)](
-        k, v, slot_mapping, codes, cache.v_cache[layer], *params,
+        k, v, slot_mapping, *pool,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        *codes.stride()[:3], *params[0].stride()[:3],
+        *pool[0].stride()[:3], *pool[2].stride()[:3],
         BLOCK_SIZE=s.block_size,
         HEAD_DIM=s.head_dim,
-        QUANT=_QUANT_ID[s.kv_quant],
+        QUANT=s.quant_id,
         BLOCK_P=triton.next_power_of_2(s.head_dim) // pack,
         num_warps=1,  # one head vector per program: a warp covers it, reductions stay in-warp
     )  # fmt: skip

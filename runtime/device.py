@@ -1,0 +1,46 @@
+"""One device identity for the backend, the KV pool, the model and every kernel check.
+
+``torch.device("cuda")`` and ``torch.device("cuda:0")`` name the same GPU but compare unequal,
+which is how the first GPU release failed every step (``k is on cuda:0, the cache on cuda``).
+Devices are resolved to an explicit index once, and compared through :func:`same_device`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def resolve_device(requested: str | torch.device) -> torch.device:
+    """An explicit device: ``cuda`` becomes ``cuda:N`` for the current GPU. Refuses a GPU index
+    that does not exist, naming the ones that do."""
+    device = torch.device(requested)
+    if device.type != "cuda":
+        return torch.device(device.type)
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {str(requested)!r} needs a CUDA GPU and none is visible here")
+    index = torch.cuda.current_device() if device.index is None else device.index
+    count = torch.cuda.device_count()
+    if not 0 <= index < count:
+        raise ValueError(
+            f"device {str(requested)!r}: this machine has {count} GPU(s), cuda:0..cuda:{count - 1}"
+        )
+    return torch.device("cuda", index)
+
+
+def _index(device: torch.device) -> int:
+    if device.index is not None:
+        return device.index
+    return torch.cuda.current_device() if device.type == "cuda" else 0
+
+
+def same_device(a: torch.device | str, b: torch.device | str) -> bool:
+    """Whether two devices are the same one, an unindexed ``cuda`` meaning the current GPU."""
+    a, b = torch.device(a), torch.device(b)
+    return a.type == b.type and _index(a) == _index(b)
+
+
+def check_devices(expected: torch.device, **tensors: torch.Tensor) -> None:
+    """Raise ValueError naming the first tensor that is not on ``expected``."""
+    for name, t in tensors.items():
+        if not same_device(t.device, expected):
+            raise ValueError(f"{name} is on {t.device}, the KV cache on {expected}")
