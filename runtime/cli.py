@@ -63,6 +63,19 @@ def _engine_options(f):
                 help="Activations (default auto: the backend's fastest).",
             ),
             click.option(
+                "--device",
+                default="auto",
+                show_default=True,
+                metavar="auto|cpu|cuda|cuda:N",
+                help="Where the engine runs; auto = the backend's (the current GPU for triton).",
+            ),
+            click.option(
+                "--enforce-eager",
+                is_flag=True,
+                help="No CUDA graphs: every decode step runs eagerly (for debugging and "
+                "profiling, or to save the graphs' memory; no effect on a CPU).",
+            ),
+            click.option(
                 "--chat-template",
                 type=click.Path(exists=True, dir_okay=False, path_type=Path),
                 help="Override the artifact's chat template.",
@@ -260,17 +273,18 @@ def serve_cmd(
         max_concurrent_requests,
         max_body_bytes,
     )
-    engine = pipe.engine
+    engine, pool = pipe.engine, pipe.engine.pool_stats()
     logging.getLogger("liteserve").warning(
-        "serving %s as %r on http://%s:%d: backend %s, kv %s, %d blocks, %d tokens fit",
+        "serving %s as %r on http://%s:%d: backend %s on %s, kv %s, %d blocks, %d tokens fit",
         artifact,
         app.state.liteserve.settings.model_name,
         server_name,
         server_port,
         engine.backend,
+        engine.ops.device,
         engine.config.kv_quant,
-        engine.blocks.num_blocks,
-        engine.blocks.num_blocks * engine.kv_spec.block_size,
+        pool.num_blocks,
+        pool.capacity_tokens,
     )
     # uvicorn re-raises the signal it stopped on once it has drained and shut down: a SIGTERM
     # that stopped the server gracefully must end the process with status 0, not by the signal.
@@ -299,6 +313,7 @@ def check_cmd(artifact: Path, max_new_tokens: int, **kw) -> None:
         f"backend   {engine.backend} ({engine.ops.detail}), "
         f"{str(engine.dtype).removeprefix('torch.')} activations, kv {engine.config.kv_quant}"
     )
+    click.echo(f"device    {engine.ops.device}")
     if pipe.chat_template is None:
         raise click.ClickException("no chat template in the artifact (give --chat-template)")
     messages = [{"role": "user", "content": "What is the capital of France?"}]

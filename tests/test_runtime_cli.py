@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+import runtime
 from runtime.cli import main, parse_bytes
 from runtime.config import EngineConfig
 from runtime.engine.engine import Engine
@@ -58,6 +59,32 @@ def test_chat_keeps_history_until_eof(art: Path) -> None:
     )
     assert r.exit_code == 0, r.output
     assert r.output.count("you> ") == 4 and r.output.count("model> ") == 2
+
+
+def test_device_and_enforce_eager_reach_every_engine_command(
+    art: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    configs: list[EngineConfig] = []
+
+    def pipeline(artifact: Path, config: EngineConfig, template: Path | None) -> None:
+        configs.append(config)
+        raise ValueError("loaded no engine")
+
+    monkeypatch.setattr(runtime, "pipeline", pipeline)
+    commands = [["generate", str(art), "--prompt", "x"], ["chat", str(art)]]
+    commands += [["check", str(art)], ["serve", str(art)]]
+    for command in commands:
+        for flags in ([], ["--device", "cuda:1", "--enforce-eager"]):
+            r = CliRunner().invoke(main, [*command, *flags])
+            assert r.exit_code == 1 and "loaded no engine" in r.output, r.output
+    chosen = [(c.device, c.enforce_eager) for c in configs]
+    assert chosen == [("auto", False), ("cuda:1", True)] * len(commands)
+
+
+def test_a_bad_device_is_refused_with_the_choices(art: Path) -> None:
+    r = CliRunner().invoke(main, ["generate", str(art), "--prompt", "x", "--device", "gpu"])
+    assert r.exit_code == 1, r.output
+    assert "device='gpu' is invalid: expected auto, cpu, cuda or cuda:N" in r.output
 
 
 def test_plan_orders_kv_policies(art: Path) -> None:

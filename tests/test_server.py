@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,14 +139,12 @@ def wait_idle(s: Served, timeout: float = 10.0) -> None:
     eng = s.engine
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if (
-            eng.blocks.num_free_blocks == eng.blocks.num_blocks
-            and not eng.has_work()
-            and s.state.in_flight == 0
-        ):
+        pool = eng.pool_stats()
+        if pool.free_blocks == pool.num_blocks and not eng.has_work() and s.state.in_flight == 0:
             break
         time.sleep(0.02)
-    assert eng.blocks.num_free_blocks == eng.blocks.num_blocks, "KV blocks still held"
+    pool = eng.pool_stats()
+    assert pool.free_blocks == pool.num_blocks, "KV blocks still held"
     assert not eng.has_work() and s.state.in_flight == 0
     eng.blocks.check()
 
@@ -787,6 +786,79 @@ def test_engine_failure_is_a_500_and_an_error_event(
     assert any("engine step failed" in r.getMessage() for r in caplog.records)
 
 
+GPU_ERROR = "ValueError: k is on cuda:0, the cache on cuda"  # what every step raised on a GPU
+
+
+def _break_steps(eng: Engine) -> Callable[[], None]:
+    """Make every engine step raise as the GPU's did, once its batch is scheduled; returns the
+    function that undoes it."""
+    real = eng.step
+
+    def step() -> list:
+        real()
+        raise ValueError(GPU_ERROR.removeprefix("ValueError: "))
+
+    eng.step = step
+    return lambda: vars(eng).pop("step")
+
+
+def _health_error(url: str) -> dict:
+    h = httpx2.get(url + "/health")
+    assert h.status_code == 503, h.text
+    return h.json()["error"]
+
+
+def test_health_is_503_with_the_reason_while_steps_fail_and_200_after_one_succeeds(
+    artifact: Path,
+) -> None:
+    s = serve(artifact)
+    try:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "ignore_eos": True}
+        assert httpx2.get(s.url + "/health").status_code == 200
+        restore = _break_steps(s.engine)
+        for _ in range(2):
+            r = httpx2.post(s.url + "/v1/completions", json=body, timeout=30)
+            assert r.status_code == 500 and GPU_ERROR in r.json()["error"]["message"]
+        err = _health_error(s.url)
+        assert err["type"] == "service_unavailable" and err["code"] == 503
+        assert err["message"].endswith(GPU_ERROR), err["message"]
+        assert "(2 since the last success" in err["message"]
+        restore()
+        ok = httpx2.post(s.url + "/v1/completions", json=body, timeout=30)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+        h = httpx2.get(s.url + "/health")
+        assert h.status_code == 200 and h.json()["status"] == "ok"
+        wait_idle(s)
+    finally:
+        s.stop()
+
+
+def test_health_probes_an_idle_failing_engine_until_a_step_succeeds(artifact: Path) -> None:
+    """Out of rotation for failing, a server gets no requests: /health's own probe step must
+    find it failing still, then recovered, without any client request."""
+    s = serve(artifact)
+    try:
+        s.state.engine.probe_interval = 0.05
+        restore = _break_steps(s.engine)
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3}
+        assert httpx2.post(s.url + "/v1/completions", json=body, timeout=30).status_code == 500
+        before = metrics(s.url)
+        deadline = time.monotonic() + 10
+        while "(1 since" in _health_error(s.url)["message"]:  # a probe step failed too
+            assert time.monotonic() < deadline, "no probe step ran"
+            time.sleep(0.05)
+        restore()
+        while httpx2.get(s.url + "/health").status_code != 200:
+            assert time.monotonic() < deadline, "the probe did not bring /health back to 200"
+            time.sleep(0.05)
+        wait_idle(s)
+        after = metrics(s.url)  # probes are no client's requests
+        assert grew(after, before, "liteserve:prompt_tokens_total") == 0
+        assert not any(grew(after, before, k) for k in after if "request_success" in k)
+    finally:
+        s.stop()
+
+
 # ---- lifecycle ----
 
 
@@ -887,7 +959,10 @@ def test_check_passes_when_the_reply_ends_on_an_end_token(artifact: Path, tmp_pa
     manifest = json.loads((art / "manifest.json").read_text())
     manifest["generation"]["stop_token_ids"] = [first]
     (art / "manifest.json").write_text(json.dumps(manifest))
-    r = CliRunner().invoke(runtime_main, ["check", str(art), *CHECK])
+    r = CliRunner().invoke(
+        runtime_main, ["check", str(art), *CHECK, "--device", "cpu", "--enforce-eager"]
+    )
     assert r.exit_code == 0, r.output
     assert "backend   cpu (torch " in r.output and "(1 tokens, finish stop)" in r.output
+    assert "\ndevice    cpu\n" in r.output
     assert r.output.rstrip().endswith("ok")

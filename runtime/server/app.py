@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
+from datetime import datetime, timezone
 
 import anyio
 from fastapi import FastAPI, Request
@@ -25,7 +26,7 @@ from runtime import __version__
 from runtime.chat_template import ChatTemplate, ChatTemplateError
 from runtime.engine.sampler import SamplingParams, TokenLogprobs
 from runtime.server import protocol as p
-from runtime.server.async_engine import AsyncEngine, Update
+from runtime.server.async_engine import AsyncEngine, StepFailure, Update
 
 MAX_SEQUENCES = 1024  # prompts x n in one request: a bound on what one body can ask for
 
@@ -153,6 +154,10 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def health() -> Response:
         if not engine.alive or state.draining:
             return _error(503, "not serving", "service_unavailable")
+        failure = engine.failure
+        if failure is not None:
+            engine.probe()
+            return _error(503, _failing(failure), "service_unavailable")
         e = engine.engine
         return JSONResponse({"status": "ok", "backend": e.backend, "kernels": e.ops.detail})
 
@@ -247,6 +252,7 @@ class _State:
         self.tokenizer = engine.engine.tokenizer
         self.session_len = engine.engine.session_len
         self.vocab = engine.engine.arch.vocab_size
+        self.capacity_tokens = engine.engine.pool_stats().capacity_tokens
         self.created = int(time.time())
         self.in_flight = 0
         self.draining = False
@@ -307,7 +313,7 @@ class _State:
         fields = {k: v for k, v in p.sampling_fields(req).items() if v is not None}
         engine = self.engine.engine
         if "max_new_tokens" not in fields:  # OpenAI's default: what the session has left
-            room = min(self.session_len, engine.blocks.num_blocks * engine.kv_spec.block_size)
+            room = min(self.session_len, self.capacity_tokens)
             fields["max_new_tokens"] = max(room - prompt_len, 1)
         if "seed" in fields and n_index:
             fields["seed"] += n_index  # n choices with one seed must still differ
@@ -596,6 +602,16 @@ class _State:
             "chat_template": template.source if template else None,
             **tokens,
         }
+
+
+def _failing(failure: StepFailure) -> str:
+    """Why /health is 503: what the last step raised, when, and how many failed in a row."""
+    when = datetime.fromtimestamp(failure.at, timezone.utc).isoformat(timespec="seconds")
+    ago = max(time.time() - failure.at, 0.0)
+    return (
+        f"the engine's steps are failing ({failure.count} since the last success, the last "
+        f"{ago:.1f} s ago at {when}): {failure.message}"
+    )
 
 
 def _scored_only(req, u: Update) -> Update:

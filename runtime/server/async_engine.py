@@ -3,7 +3,9 @@
 The engine is synchronous and owns its state; only its thread touches it. Handlers send
 commands (add, abort) through a thread-safe queue and receive per-step updates on an asyncio
 queue per request. A step that raises fails only the requests it was running, and the loop
-goes on: one bad request never takes the server down.
+goes on: one bad request never takes the server down. The failure is kept until a step
+succeeds, so /health can say the engine is failing instead of answering ok while every request
+errors (as it did on a GPU whose every step raised).
 """
 
 from __future__ import annotations
@@ -39,6 +41,15 @@ class Update:
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class StepFailure:
+    """The engine's steps are failing: the last one raised and none has succeeded since."""
+
+    message: str  # the last failure, "ExceptionType: text"
+    at: float  # time.time() of the last failure
+    count: int  # steps failed since the last success
+
+
 @dataclass
 class _Stream:
     seq: Sequence
@@ -53,6 +64,8 @@ class _Stream:
 
 
 class AsyncEngine:
+    probe_interval = 5.0  # seconds between probe requests while the steps are failing
+
     def __init__(self, engine: Engine, metrics: Metrics) -> None:
         self.engine = engine
         self.metrics = metrics
@@ -61,6 +74,8 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="liteserve-engine", daemon=True)
         self.alive = False
+        self.failure: StepFailure | None = None  # written by the engine thread only
+        self._last_probe = float("-inf")
 
     def start(self) -> None:
         self.alive = True
@@ -92,6 +107,15 @@ class AsyncEngine:
             if seq_id in self._streams:
                 self._inbox.put(("abort", seq_id))
 
+    def probe(self) -> None:
+        """While the steps are failing, ask for a one-token request at most every
+        probe_interval seconds. A server that a load balancer took out of rotation for failing
+        gets no traffic, so without a probe no step would ever run to show it recovered."""
+        now = time.monotonic()
+        if self.failure is not None and now - self._last_probe >= self.probe_interval:
+            self._last_probe = now
+            self._inbox.put(("probe",))
+
     # ---- engine thread ----
 
     def _run(self) -> None:
@@ -103,8 +127,9 @@ class AsyncEngine:
                 ready = self.engine.step()
             except Exception as e:  # fail the running requests, keep serving the rest
                 log.exception("engine step failed")
-                self._fail_running(f"internal error: {type(e).__name__}: {e}")
+                self._record_failure(f"{type(e).__name__}: {e}")
                 continue
+            self.failure = None
             now = time.perf_counter()
             for seq in ready:
                 self._publish(seq, now)
@@ -139,10 +164,23 @@ class AsyncEngine:
             self._streams[seq.seq_id] = _Stream(seq, loop, out, time.perf_counter(), hold)
             self.metrics.prompt_tokens.inc(len(prompt_ids))
             added.set_result(seq)
+        elif cmd[0] == "probe":
+            self._add_probe()
         elif cmd[0] == "abort" and self._streams.pop(cmd[1], None) is not None:
             self.engine.abort(cmd[1])
             self.metrics.requests.labels("abort").inc()
             self.metrics.sync_engine(self.engine)
+
+    def _add_probe(self) -> None:
+        """One greedy token from a one-token prompt, with no stream: its step clears or renews
+        the failure. Only while the engine is idle: otherwise real steps answer already."""
+        if self.failure is None or self.engine.has_work():
+            return
+        params = self.engine.sampling_params(max_new_tokens=1, temperature=0, ignore_eos=True)
+        try:
+            self.engine.add_request([0], params)
+        except Exception:
+            log.exception("admitting the health probe failed")
 
     def _publish(self, seq: Sequence, now: float) -> None:
         st = self._streams.get(seq.seq_id)
@@ -177,9 +215,13 @@ class AsyncEngine:
             self.metrics.e2e.observe(now - st.arrival)
         st.loop.call_soon_threadsafe(st.out.put_nowait, update)
 
-    def _fail_running(self, message: str) -> None:
-        for seq_id in [s.seq_id for s in self.engine.scheduler.running]:
-            self._fail(seq_id, message)
+    def _record_failure(self, message: str) -> None:
+        """Fail the requests the step was running, and keep the failure for /health."""
+        count = 1 if self.failure is None else self.failure.count + 1
+        self.failure = StepFailure(message, time.time(), count)
+        for seq_id in self.engine.running_ids():
+            self._fail(seq_id, f"internal error: {message}")
+        self.metrics.sync_engine(self.engine)
 
     def _fail_all(self, message: str) -> None:
         for seq_id in list(self._streams):

@@ -3,7 +3,12 @@ tests can run several servers in one process)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from runtime.engine.engine import Engine
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -52,17 +57,17 @@ class Metrics:
         )
         self._seen = {"queries": 0, "hits": 0, "preemptions": 0}
 
-    def sync_engine(self, engine) -> None:
+    def sync_engine(self, engine: Engine) -> None:
         """Copy the engine's state after a step (called on the engine thread)."""
-        sched, blocks = engine.scheduler, engine.blocks
-        self.running.set(len(sched.running))
-        self.waiting.set(len(sched.waiting))
-        self.kv_usage.set(blocks.usage)
-        self.free_blocks.set(blocks.num_free_blocks)
+        pool = engine.pool_stats()
+        self.running.set(pool.running)
+        self.waiting.set(pool.waiting)
+        self.kv_usage.set(pool.usage)
+        self.free_blocks.set(pool.free_blocks)
         for key, counter, value in (
-            ("queries", self.prefix_queries, blocks.prefix_queries),
-            ("hits", self.prefix_hits, blocks.prefix_hits),
-            ("preemptions", self.preemptions, sched.num_preemptions),
+            ("queries", self.prefix_queries, pool.prefix_queries),
+            ("hits", self.prefix_hits, pool.prefix_hits),
+            ("preemptions", self.preemptions, pool.preemptions),
         ):
             counter.inc(value - self._seen[key])
             self._seen[key] = value
