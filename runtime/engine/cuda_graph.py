@@ -22,7 +22,7 @@ import torch
 
 from runtime.kernels.ops import Backend, StepInputs, StepTensors
 from runtime.kv.cache import KVCache
-from runtime.model.context import StepContext, set_context
+from runtime.model.context import step_context
 from runtime.model.llama import LlamaModel
 
 log = logging.getLogger("liteserve")
@@ -97,11 +97,8 @@ class DecodeGraphs:
         self._dev.copy_(host, non_blocking=True)
 
     def _forward(self, bs: int) -> torch.Tensor:
-        set_context(StepContext(self._steps[bs], self.cache))
-        try:
+        with step_context(self._steps[bs], self.cache):
             return self.model()
-        finally:
-            set_context(None)
 
     def capture(self) -> None:
         """Record every bucket's decode forward, largest first so the smaller graphs reuse its

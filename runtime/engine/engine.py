@@ -110,6 +110,7 @@ class Engine:
             self.blocks, self.config.max_batch_size, self.config.max_prefill_token_num
         )
         self.runner = ModelRunner(self.model, self.cache, self.blocks, self.ops, self._graphs())
+        self.runner.warm_up(self.config.max_prefill_token_num)
         self.sampler = Sampler()
         self._ids = itertools.count()
         self.sequences: dict[int, Sequence] = {}

@@ -14,7 +14,7 @@ from runtime.engine.cuda_graph import DecodeGraphs
 from runtime.engine.scheduler import Batch
 from runtime.kernels.ops import Backend, StepInputs
 from runtime.kv.cache import KVCache
-from runtime.model.context import StepContext, set_context
+from runtime.model.context import step_context
 from runtime.model.llama import LlamaModel
 
 
@@ -62,6 +62,20 @@ class ModelRunner:
         )
         return step, chunks
 
+    def warm_up(self, max_tokens: int) -> None:
+        """Run a prefill of each of the backend's warm-up sizes (up to ``max_tokens``) over the
+        pool's first blocks, so kernels compile before the first request. The blocks written
+        are free: whoever gets them writes their KV before reading it."""
+        bs = self.block_size
+        limit = min(max_tokens, self.cache.num_blocks * bs)
+        for n in (t for t in self.ops.warmup_tokens if t <= limit):
+            table = list(range(-(-n // bs)))
+            step = StepInputs(
+                [0] * n, list(range(n)), list(range(n)), [table], [n], [n], [n - 1], bs
+            )
+            with step_context(self.ops.prepare_step(step), self.cache):
+                self.model()
+
     def run(self, batch: Batch) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """Logits of each sequence's last new token ([B, V], float32, on the device), and for
         sequences that asked for prompt logprobs the logits of every new token of the chunk."""
@@ -69,10 +83,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.holds(step):
             logits = self.graphs.run(step)
         else:
-            set_context(StepContext(self.ops.prepare_step(step), self.cache))
-            try:
+            with step_context(self.ops.prepare_step(step), self.cache):
                 logits = self.model()
-            finally:
-                set_context(None)
         last = logits[: len(batch.seqs)]
         return last, [None if c is None else logits[c[0] : c[0] + c[1]] for c in chunks]

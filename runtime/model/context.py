@@ -3,6 +3,8 @@ instead of threading it through every module's forward signature."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from runtime.kernels.ops import StepTensors
@@ -24,6 +26,16 @@ _current: StepContext | None = None
 def set_context(ctx: StepContext | None) -> None:
     global _current
     _current = ctx
+
+
+@contextmanager
+def step_context(step: StepTensors, cache: KVCache) -> Iterator[None]:
+    """The step a model forward inside the block reads."""
+    set_context(StepContext(step, cache))
+    try:
+        yield
+    finally:
+        set_context(None)
 
 
 def get_context() -> StepContext:

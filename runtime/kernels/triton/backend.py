@@ -144,6 +144,7 @@ class TritonBackend(Backend):
     def __init__(self, device: torch.device, kernels: dict[str, dict[str, dict[str, int]]]) -> None:
         self.device = device
         self.graphs = True  # captured on a GPU; under the interpreter the same buffers, eager
+        self.warmup_tokens = M_BUCKETS if device.type == "cuda" else ()  # GEMM per row bucket
         arch = gpu_arch(device)
         self.pinned = kernels.get(arch, {})
         if device.type == "cuda":
