@@ -833,6 +833,31 @@ def test_health_is_503_with_the_reason_while_steps_fail_and_200_after_one_succee
         s.stop()
 
 
+def test_a_step_failing_before_it_runs_anything_fails_the_waiting_requests(
+    artifact: Path,
+) -> None:
+    """Scheduling raised, so no sequence was running: the request being admitted gets the
+    error (not an engine thread stuck retrying it) and the server serves the next one."""
+    s = serve(artifact)
+    try:
+        sched = s.engine.scheduler
+        real = sched.schedule
+
+        def schedule():
+            raise RuntimeError("scheduler broke")
+
+        sched.schedule = schedule
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "ignore_eos": True}
+        r = httpx2.post(s.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 500 and "scheduler broke" in r.json()["error"]["message"]
+        sched.schedule = real
+        ok = httpx2.post(s.url + "/v1/completions", json=body, timeout=30)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+        wait_idle(s)
+    finally:
+        s.stop()
+
+
 def test_health_probes_an_idle_failing_engine_until_a_step_succeeds(artifact: Path) -> None:
     """Out of rotation for failing, a server gets no requests: /health's own probe step must
     find it failing still, then recovered, without any client request."""

@@ -219,7 +219,10 @@ class AsyncEngine:
         """Fail the requests the step was running, and keep the failure for /health."""
         count = 1 if self.failure is None else self.failure.count + 1
         self.failure = StepFailure(message, time.time(), count)
-        for seq_id in self.engine.running_ids():
+        # A step that raised before it ran anything (in scheduling) would raise again on the
+        # same queue forever: then the requests it was admitting fail instead.
+        failed = self.engine.running_ids() or list(self.engine.sequences)
+        for seq_id in failed:
             self._fail(seq_id, f"internal error: {message}")
         self.metrics.sync_engine(self.engine)
 
