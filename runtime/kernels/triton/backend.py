@@ -32,6 +32,7 @@ from runtime.kv.layer import LayerKV
 
 log = logging.getLogger("runtime.kernels")
 N_TILE = 64
+_ALIGN = 4  # int32 elements in 16 bytes
 
 
 def gpu_arch(device: torch.device) -> str:
@@ -126,13 +127,20 @@ class StepBuffer:
         self._dev = torch.empty(size, dtype=torch.int32, device=self.device)
 
     def fill(self, parts: list[list[int]]) -> list[torch.Tensor]:
-        """Device views of ``parts`` (lists of ints), in order, after one copy."""
-        total = sum(len(x) for x in parts)
+        """Device views of ``parts`` (lists of ints), in order, after one copy. Each part
+        starts 16-byte aligned: Triton specializes kernels on pointer alignment, and a view
+        whose alignment changed from step to step would compile a kernel variant mid-serving."""
+        sizes = [len(x) for x in parts]
+        padded = [-(-n // _ALIGN) * _ALIGN for n in sizes]
+        total = sum(padded)
         self._reserve(total)
-        self._host[:total] = torch.tensor([v for x in parts for v in x], dtype=torch.int32)
+        flat = [
+            v for x, room in zip(parts, padded, strict=True) for v in (*x, *[0] * (room - len(x)))
+        ]
+        self._host[:total] = torch.tensor(flat, dtype=torch.int32)
         dev = self._dev[:total]
         dev.copy_(self._host[:total], non_blocking=True)
-        return list(dev.split([len(x) for x in parts]))
+        return [v[:n] for v, n in zip(dev.split(padded), sizes, strict=True)]
 
 
 class TritonBackend(Backend):

@@ -53,6 +53,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from runtime.artifact.layout import GROUP_SIZES, N_ALIGN, TILE, padded_shape
+from runtime.device import same_device
 
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # 512 means 512+
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
@@ -346,7 +347,7 @@ def _check_inputs(
             f"qparams must be float16 {list(qp_shape)} for N={n}, K={k}, "
             f"group_size={group_size}, got {qparams.dtype} {list(qparams.shape)}"
         )
-    if not (x.device == qweight.device == qparams.device):
+    if not (same_device(x.device, qweight.device) and same_device(x.device, qparams.device)):
         raise ValueError(
             f"x, qweight and qparams must share a device, got {x.device}, {qweight.device}, "
             f"{qparams.device}"
