@@ -35,3 +35,9 @@ test: $(STAMP) lint
 
 clean:
 	rm -rf $(VENV) out
+
+# On a machine with an NVIDIA GPU: the GPU tests and figures in one call, into
+# out/gpu-check/gpu-check.md (docs/gpu-check.md). Installs nothing; GPU_CHECK_ARGS=--smoke on a CPU.
+.PHONY: gpu-check
+gpu-check:
+	bash evals/bench/gpu_check.sh $(GPU_CHECK_ARGS)
