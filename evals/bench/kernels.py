@@ -101,9 +101,9 @@ def attention_rows(device: torch.device, contexts: tuple[int, ...], batch: int, 
     print("| kv | context | ms | KV GB/s |")
     print("|---|---:|---:|---:|")
     block = 64
-    for kv in ("none", "int8", "int4"):
+    for kv_quant in ("none", "int8", "int4"):
         for ctx in contexts:
-            spec = KVSpec(1, hkv, d, block, kv, torch.float16)
+            spec = KVSpec(1, hkv, d, block, kv_quant, torch.float16)
             blocks = batch * -(-ctx // block)
             cache = KVCache(spec, blocks, device)
             kv = cache.layer(0)
@@ -119,7 +119,7 @@ def attention_rows(device: torch.device, contexts: tuple[int, ...], batch: int, 
             run = partial(paged_decode_attention, q, kv, tables, lens, d**-0.5)
             t = bench(run, device)
             kv_bytes = batch * ctx * spec.bytes_per_token()
-            print(f"| {kv} | {ctx} | {t:.4f} | {kv_bytes / t / 1e6:.0f} |")
+            print(f"| {kv_quant} | {ctx} | {t:.4f} | {kv_bytes / t / 1e6:.0f} |")
 
 
 def main() -> None:
