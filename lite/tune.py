@@ -44,7 +44,7 @@ class Shape:
 
 def gemm_shapes(artifact: Artifact) -> list[Shape]:
     """Distinct GEMM shapes of the runtime's fused linears, first instance of each."""
-    from runtime.kernels.triton.backend import fused_n
+    from runtime.kernels.gpu import fused_n
 
     tensors = artifact.manifest.tensors
     seen: dict[tuple[int, int], Shape] = {}
@@ -117,7 +117,8 @@ def tune(
     progress: Callable[[str], None] = log.info,
 ) -> dict[str, dict[str, int]]:
     """Time every config per shape and bucket; write the winners; return them by key."""
-    from runtime.kernels.triton.backend import gemm_key, gpu_arch, prepare_weight
+    from runtime.kernels.gpu import gemm_key, gpu_arch
+    from runtime.kernels.triton.backend import prepare_weight
     from runtime.kernels.triton.gemm import M_BUCKETS, config_space
 
     device = check_device()
