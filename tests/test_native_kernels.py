@@ -117,14 +117,14 @@ def test_library_is_built_once_and_cached(tmp_path, monkeypatch) -> None:
 def test_missing_compiler_is_named(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("LITESERVE_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-cc")
-    with pytest.raises(native.NativeUnavailable, match="no C compiler.*no-such-cc"):
+    with pytest.raises(native.BuildUnavailable, match="no C compiler.*no-such-cc"):
         native.build()
 
 
 def test_broken_build_names_the_compiler_error(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("LITESERVE_CACHE", str(tmp_path))
     monkeypatch.setattr(native, "FLAGS", [*native.FLAGS, "-fno-such-flag"])
-    with pytest.raises(native.NativeUnavailable, match="(?s)failed to build.*no-such-flag"):
+    with pytest.raises(native.BuildUnavailable, match="(?s)failed to build.*no-such-flag"):
         native.build()
     assert not list((tmp_path / "native").iterdir())  # nothing half-written
 
@@ -195,6 +195,6 @@ def test_unwritable_cache_is_named(tmp_path, monkeypatch) -> None:
     blocker.write_text("")
     monkeypatch.setenv("LITESERVE_CACHE", str(blocker))
     with pytest.raises(
-        native.NativeUnavailable, match="cannot write the kernel cache.*LITESERVE_CACHE"
+        native.BuildUnavailable, match="cannot write the kernel cache.*LITESERVE_CACHE"
     ):
         native.build()

@@ -21,11 +21,11 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from runtime.kernels.build_cache import BuildUnavailable, cache_root, cached_build
 from runtime.kv.format import STORAGE_KINDS
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
@@ -43,13 +43,8 @@ _SIGNATURES = {
 }
 
 
-class NativeUnavailable(RuntimeError):
-    """The C kernels cannot be built or loaded here; the message says why."""
-
-
 def cache_dir() -> Path:
-    root = os.environ.get("LITESERVE_CACHE") or Path.home() / ".cache" / "liteserve"
-    return Path(root) / "native"
+    return cache_root() / "native"
 
 
 def _cpu_features() -> str:
@@ -63,7 +58,7 @@ def _cpu_features() -> str:
 def _compiler() -> str:
     cc = os.environ.get("CC", "cc")
     if shutil.which(cc) is None:
-        raise NativeUnavailable(
+        raise BuildUnavailable(
             f"no C compiler ({cc!r} is not on PATH): install gcc or clang, or set CC"
         )
     return cc
@@ -83,42 +78,29 @@ def build() -> Path:
         SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode() + _cpu_features().encode()
     ).hexdigest()[:16]
     target = cache_dir() / f"cpu_decode-{key}.so"
-    if target.exists():
-        return target
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    except OSError as e:
-        raise NativeUnavailable(
-            f"cannot write the kernel cache {target.parent} ({e.strerror}); "
-            "set LITESERVE_CACHE to a writable directory"
-        ) from e
-    os.close(fd)
-    try:
+
+    def compile_into(tmp: str) -> None:
         done = _compile(cc, FLAGS, tmp)
         if done.returncode != 0 and "-fopenmp" in FLAGS:
             # a compiler without OpenMP (Apple's clang) still gives single-threaded kernels
             serial = _compile(cc, [f for f in FLAGS if f != "-fopenmp"], tmp)
             done = done if serial.returncode != 0 else serial
         if done.returncode != 0:
-            raise NativeUnavailable(f"{cc} failed to build {SOURCE.name}:\n{done.stderr[-2000:]}")
-        os.replace(tmp, target)  # atomic: a concurrent build never sees half a file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+            raise BuildUnavailable(f"{cc} failed to build {SOURCE.name}:\n{done.stderr[-2000:]}")
+
+    return cached_build(target, compile_into)
 
 
 @functools.cache
 def library() -> ctypes.CDLL:
-    """The loaded kernels; raises NativeUnavailable with the reason when they cannot be had."""
+    """The loaded kernels; raises BuildUnavailable with the reason when they cannot be had."""
     if os.environ.get("LITESERVE_NATIVE") == "0":
-        raise NativeUnavailable("disabled by LITESERVE_NATIVE=0")
+        raise BuildUnavailable("disabled by LITESERVE_NATIVE=0")
     path = build()
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
-        raise NativeUnavailable(f"cannot load {path}: {e}") from e
+        raise BuildUnavailable(f"cannot load {path}: {e}") from e
     for name, args in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
@@ -130,6 +112,6 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     why."""
     try:
         lib = library()
-    except NativeUnavailable as e:
+    except BuildUnavailable as e:
         return None, f"torch decode attention ({e})"
     return lib, f"C decode kernels ({Path(lib._name).name})"
