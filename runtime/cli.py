@@ -123,6 +123,23 @@ def verify_cmd(artifact: Path) -> None:
     )
 
 
+@main.command("build-kernels")
+def build_kernels_cmd() -> None:
+    """Build the csrc CUDA library now (otherwise the cuda backend builds it on first use)."""
+    import time
+
+    from runtime.kernels.build_cache import BuildUnavailable
+    from runtime.kernels.cuda import library
+
+    start = time.perf_counter()
+    try:
+        path = library.build()
+    except BuildUnavailable as e:
+        raise click.ClickException(str(e)) from e
+    archs = ", ".join(f"sm_{a}" for a in library.ARCHS)
+    click.echo(f"{path} ({archs}; {time.perf_counter() - start:.1f} s)")
+
+
 @main.command("generate")
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--prompt", required=True)

@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-KV_QUANTS = ("none", "int8", "int4")
-BACKENDS = ("auto", "cpu", "triton", "cuda")
+from runtime.kernels.ops import BACKENDS
+from runtime.kv.format import KV_QUANT
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -34,8 +35,8 @@ class EngineConfig:
         def bad(name: str, value: Any, allowed: str) -> ValueError:
             return ValueError(f"{name}={value!r} is invalid: expected {allowed}")
 
-        if self.kv_quant is not None and self.kv_quant not in KV_QUANTS:
-            raise bad("kv_quant", self.kv_quant, " or ".join(KV_QUANTS))
+        if self.kv_quant is not None and self.kv_quant not in KV_QUANT:
+            raise bad("kv_quant", self.kv_quant, " or ".join(KV_QUANT))
         if self.backend not in BACKENDS:
             raise bad("backend", self.backend, ", ".join(BACKENDS))
         if self.dtype not in DTYPES:

@@ -1,9 +1,10 @@
 """One dispatch point per op: the engine picks a backend once and the model calls its ops.
 
-``cpu`` is torch (reference ops plus torch's int4 CPU matmul); ``triton`` is the GPU kernels in
-``runtime/kernels/triton/`` (on a CPU only under ``TRITON_INTERPRET=1``, which the tests use);
-``cuda`` (the csrc extension) is not built yet. ``auto`` takes triton on a CUDA device and the
-CPU otherwise. A backend that cannot run is refused with the reason, never silently swapped.
+``cpu`` is torch (reference ops plus torch's int4 CPU matmul) with the C kernels of
+``cpu_decode.c``; ``triton`` is the GPU kernels in ``runtime/kernels/triton/`` (on a CPU only
+under ``TRITON_INTERPRET=1``, which the tests use); ``cuda`` is the csrc library
+(``runtime/kernels/cuda/``). A backend asked for by name that cannot run is refused with the
+reason; ``auto`` takes the first that runs and says what it passed over.
 """
 
 from __future__ import annotations
@@ -117,14 +118,6 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def resolve_name(requested: str) -> str:
-    if requested not in BACKENDS:
-        raise BackendError(f"unknown backend {requested!r}: expected one of {', '.join(BACKENDS)}")
-    if requested == "auto":
-        return "triton" if torch.cuda.is_available() and _has_triton() else "cpu"
-    return requested
-
-
 def _has_triton() -> bool:
     try:
         import triton  # noqa: F401
@@ -137,21 +130,43 @@ def select_backend(
     requested: str, pinned: dict[str, dict[str, dict[str, int]]], device: str = "auto"
 ) -> Backend:
     """`pinned` is the artifact's launch.kernels (tuned configs per GPU architecture); `device`
-    is auto (the current GPU for the GPU backends), cpu, cuda or cuda:N."""
-    name = resolve_name(requested)
+    is auto (the current GPU for the GPU backends), cpu, cuda or cuda:N.
+
+    ``auto`` takes cuda (the csrc library) when a GPU is there and the library builds and
+    loads, then triton, then the CPU; the backend's detail line says what it passed over and
+    why, so logs, /health and `runtime check` show it."""
+    if requested not in BACKENDS:
+        raise BackendError(f"unknown backend {requested!r}: expected one of {', '.join(BACKENDS)}")
+    if requested != "auto":
+        return _make(requested, pinned, device)
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        backend = _make("cpu", pinned, "auto")
+        backend.detail += " (auto: no CUDA GPU)" if device == "auto" else ""
+        return backend
+    passed = []
+    for name in ("cuda", "triton"):
+        try:
+            backend = _make(name, pinned, device)
+        except BackendError as e:
+            passed.append(f"{name}: {e}")
+            continue
+        if passed:
+            backend.detail += f" (auto passed over {'; '.join(passed)})"
+        return backend
+    raise BackendError(f"no GPU backend can run here ({'; '.join(passed)}); use --backend cpu")
+
+
+def _make(name: str, pinned: dict[str, dict[str, dict[str, int]]], device: str) -> Backend:
     if name == "cpu":
         if device not in ("auto", "cpu"):
             raise BackendError(f"backend 'cpu' runs on the CPU, not {device!r}")
         from runtime.kernels.cpu import CpuBackend
 
         return CpuBackend()
+    if not _has_triton():  # the cuda backend's prefill attention is Triton's too
+        raise BackendError(f"backend {name!r} needs the triton package: pip install triton")
     if name == "cuda":
-        raise BackendError(
-            "backend 'cuda' (the csrc extension) is not built in this release; use --backend "
-            "triton on a GPU or --backend cpu"
-        )
-    if not _has_triton():
-        raise BackendError("backend 'triton' needs the triton package: pip install triton")
+        return _cuda(pinned, device)
     if not torch.cuda.is_available() and not interpreting():
         raise BackendError(
             "backend 'triton' needs a CUDA GPU (TRITON_INTERPRET=1 interprets its kernels on "
@@ -160,6 +175,20 @@ def select_backend(
     from runtime.kernels.triton.backend import TritonBackend
 
     return TritonBackend(_gpu_device(device), pinned)
+
+
+def _cuda(pinned: dict[str, dict[str, dict[str, int]]], device: str) -> Backend:
+    if not torch.cuda.is_available():
+        raise BackendError("backend 'cuda' needs a CUDA GPU; use --backend cpu here")
+    from runtime.kernels.build_cache import BuildUnavailable
+    from runtime.kernels.cuda import library
+    from runtime.kernels.cuda.backend import CudaBackend
+
+    try:
+        lib = library.library()
+    except BuildUnavailable as e:
+        raise BackendError(f"the csrc CUDA library is unavailable: {e}") from e
+    return CudaBackend(_gpu_device(device), pinned, lib)
 
 
 def _gpu_device(requested: str) -> torch.device:

@@ -1,0 +1,158 @@
+"""Build and load the CUDA kernels of ``csrc/`` as one shared library with C entry points.
+
+``nvcc`` compiles every ``csrc/*.cu`` into one ``.so`` holding SASS for sm_80, sm_86, sm_89
+and sm_90 plus sm_90 PTX (newer GPUs JIT it), with the CUDA runtime linked statically, so the
+library loads against any torch build (no torch headers, no torch ABI) and on a machine without
+a GPU. It is built on first use and cached per machine, keyed by the sources, the flags and the
+nvcc version (``runtime build-kernels`` builds it ahead of time). Kernels launch on the stream
+the caller passes, torch's current one, so CUDA graphs capture them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from runtime.kernels.build_cache import BuildUnavailable, cache_root, cached_build
+
+CSRC = Path(__file__).resolve().parents[3] / "csrc"
+ARCHS = ("80", "86", "89", "90")
+FLAGS = [
+    "-O3",
+    "-lineinfo",
+    "-std=c++17",
+    "-shared",
+    "-Xcompiler",
+    "-fPIC",
+    "--threads",
+    "0",  # one host thread per target architecture
+    *(f for a in ARCHS for f in ("-gencode", f"arch=compute_{a},code=sm_{a}")),
+    "-gencode",
+    f"arch=compute_{ARCHS[-1]},code=compute_{ARCHS[-1]}",
+]
+
+_P, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+# The C entry points (csrc/*.cu) and their argument types; each returns an int status (a
+# cudaError_t: 0 launched, 1 invalid arguments, refused before any CUDA call).
+SIGNATURES: dict[str, tuple[list, type]] = {
+    "lsq_w4a16_gemm": (
+        [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I32, _I32, _I32, _I32, _P],
+        ctypes.c_int,
+    ),
+    "lsq_w4a16_num_configs": ([], ctypes.c_int),
+    "lsq_w4a16_config": ([_I32, *[ctypes.POINTER(_I32)] * 5], ctypes.c_int),
+    "lsq_paged_decode_attention": (
+        [
+            *[_P, _I64, _I64] * 2,  # q and out with their batch and head strides
+            *[_P] * 6,  # the layer's pool: k, v, k_scale, k_zero, v_scale, v_zero
+            _I32,  # kv_kind
+            _I32,  # q_dtype
+            _P,  # block_tables
+            _I64,  # table_stride
+            _I64,  # max_blocks
+            _P,  # context_lens
+            *[_I64] * 5,  # batch, num_heads, num_kv_heads, head_dim, block_size
+            _I32,  # sliding_window
+            _F32,  # scale
+            _I64,  # partition_size
+            _P,  # workspace
+            _P,  # stream
+        ],
+        ctypes.c_int,
+    ),
+    "lsq_paged_decode_workspace_floats": ([_I64] * 6, ctypes.c_int64),
+    "lsq_kv_write": (
+        [
+            *[_P, _I64, _I64] * 2,  # k and v with their token and head strides
+            _I32,  # in_dtype
+            _P,  # slot_mapping (int64)
+            _I64,  # num_tokens
+            *[_P] * 6,  # the layer's pool
+            _I32,  # kv_kind
+            *[_I64] * 3,  # num_kv_heads, head_dim, block_size
+            _P,  # stream
+        ],
+        ctypes.c_int,
+    ),
+}
+
+
+def cache_dir() -> Path:
+    return cache_root() / "cuda"
+
+
+def nvcc() -> str:
+    """$NVCC, nvcc on PATH, or the toolkit's under $CUDA_HOME or /usr/local/cuda."""
+    candidates = [
+        os.environ.get("NVCC"),
+        shutil.which("nvcc"),
+        str(Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin" / "nvcc"),
+    ]
+    found = next((c for c in candidates if c and Path(c).is_file()), None)
+    if found is None:
+        raise BuildUnavailable(
+            "nvcc is not installed (not on PATH, nor in $CUDA_HOME or /usr/local/cuda): install "
+            "the CUDA toolkit, set NVCC, or build the library elsewhere with `runtime "
+            "build-kernels` and copy the cache (LITESERVE_CACHE)"
+        )
+    return found
+
+
+def sources() -> list[Path]:
+    found = sorted(CSRC.glob("*.cu"))
+    if not found:
+        raise BuildUnavailable(
+            f"no CUDA sources in {CSRC}: the cuda backend is built from a source checkout"
+        )
+    return found
+
+
+def compile_command(compiler: str, out: str, extra: tuple[str, ...] = ()) -> list[str]:
+    return [compiler, *FLAGS, *extra, *map(str, sources()), "-o", out]
+
+
+def build() -> Path:
+    """The library's path, compiling it first when this machine has no cached copy."""
+    compiler = nvcc()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    digest = hashlib.sha256(" ".join(FLAGS).encode() + version.encode())
+    for path in sorted(CSRC.glob("*.cu*")):  # sources and headers
+        digest.update(path.name.encode() + path.read_bytes())
+    target = cache_dir() / f"liteserve_cuda-{digest.hexdigest()[:16]}.so"
+
+    def compile_into(tmp: str) -> None:
+        done = subprocess.run(compile_command(compiler, tmp), capture_output=True, text=True)
+        if done.returncode != 0:
+            raise BuildUnavailable(f"nvcc failed to build csrc/:\n{done.stderr[-3000:]}")
+
+    return cached_build(target, compile_into)
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The loaded library; raises BuildUnavailable with the reason when it cannot be had."""
+    if os.environ.get("LITESERVE_CUDA") == "0":
+        raise BuildUnavailable("disabled by LITESERVE_CUDA=0")
+    path = build()
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise BuildUnavailable(f"cannot load {path}: {e}") from e
+    for name, (args, result) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, result
+    return lib
+
+
+def check(status: int, kernel: str) -> None:
+    """Raise on a failed launch: invalid arguments (1) name the kernel; any other code is a
+    CUDA error that torch will also report at the next sync."""
+    if status == 1:
+        raise ValueError(f"{kernel}: arguments refused by the CUDA kernel (cudaErrorInvalidValue)")
+    if status != 0:
+        raise RuntimeError(f"{kernel}: CUDA error {status} at launch")

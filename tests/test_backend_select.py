@@ -1,0 +1,53 @@
+"""Which backend runs, and why: named backends are refused with the reason, auto says what it
+passed over (logs, /health and `runtime check` show the backend's detail line)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from runtime.cli import main
+from runtime.kernels.cuda import library
+from runtime.kernels.ops import BackendError, select_backend
+
+
+@pytest.fixture
+def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def test_auto_without_a_gpu_is_the_cpu_and_says_so(no_gpu) -> None:
+    backend = select_backend("auto", {})
+    assert backend.name == "cpu" and backend.detail.endswith("(auto: no CUDA GPU)")
+    assert select_backend("auto", {}, "cpu").detail == select_backend("cpu", {}).detail
+
+
+def test_named_gpu_backends_are_refused_without_a_gpu(no_gpu, monkeypatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(BackendError, match="backend 'cuda' needs a CUDA GPU"):
+        select_backend("cuda", {})
+    with pytest.raises(BackendError, match="backend 'triton' needs a CUDA GPU"):
+        select_backend("triton", {})
+
+
+def test_auto_asked_for_a_gpu_that_is_not_there_names_each_backend(no_gpu, monkeypatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(BackendError, match=r"no GPU backend can run here \(cuda: .*; triton: "):
+        select_backend("auto", {}, "cuda:0")
+
+
+def test_unknown_backend_is_refused() -> None:
+    with pytest.raises(BackendError, match="expected one of auto, cpu, triton, cuda"):
+        select_backend("tpu", {})
+
+
+def test_build_kernels_without_nvcc_says_how_to_get_it(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("NVCC", str(tmp_path / "absent"))
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    result = CliRunner().invoke(main, ["build-kernels"])
+    assert result.exit_code == 1
+    assert "nvcc is not installed" in result.output and "NVCC" in result.output
+    with pytest.raises(library.BuildUnavailable, match="nvcc is not installed"):
+        library.build()
