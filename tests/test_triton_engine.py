@@ -1,5 +1,7 @@
-"""The engine on the triton backend (kernels interpreted on the CPU) against the CPU backend,
-and `lite tune` pinning GEMM configs that the backend then uses."""
+"""The engine on the triton backend against the CPU backend, its decode steps from the static
+padded buffers against eager steps, and `lite tune` pinning GEMM configs that the backend then
+uses. Kernels run compiled on a GPU and interpreted on the CPU (conftest); the engine's device is
+its backend's choice (the current GPU, or the CPU under the interpreter)."""
 
 from __future__ import annotations
 
@@ -15,11 +17,14 @@ from lite.cli import main
 from runtime.artifact.reader import Artifact
 from runtime.config import EngineConfig
 from runtime.engine.engine import Engine
-from runtime.engine.sampler import SamplingParams
-from runtime.kernels.ops import BackendError, select_backend
+from runtime.engine.sampler import SamplingParams, TokenLogprobs
+from runtime.kernels.ops import BackendError, StepInputs, select_backend
+from tests.conftest import GPU
 
 
-def _config(backend: str, **kw) -> EngineConfig:
+def engine_config(backend: str, **kw) -> EngineConfig:
+    """A small pool and a 32-token prefill budget: prompts of mixed_prompts() prefill in
+    chunks while others decode."""
     base = dict(
         kv_quant="none",
         num_blocks=24,
@@ -32,7 +37,15 @@ def _config(backend: str, **kw) -> EngineConfig:
     return EngineConfig(**{**base, **kw})
 
 
-def _prompts() -> list[list[int]]:
+def arch_key(device: torch.device) -> str:
+    """The key pinned configs live under: the GPU's compute capability, or the interpreter's."""
+    if device.type == "cpu":
+        return "interpreter"
+    return "sm_{}{}".format(*torch.cuda.get_device_capability(device))
+
+
+def mixed_prompts() -> list[list[int]]:
+    """Three prompts of 5, 21 and 40 tokens."""
     g = torch.Generator().manual_seed(3)
     return [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 21, 40)]
 
@@ -44,9 +57,9 @@ def test_triton_backend_matches_cpu(rtn_artifact: Path, kv_quant: str) -> None:
     params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True, prompt_logprobs=0)
     got = {}
     for backend in ("cpu", "triton"):
-        engine = Engine(rtn_artifact, _config(backend, kv_quant=kv_quant))
+        engine = Engine(rtn_artifact, engine_config(backend, kv_quant=kv_quant))
         assert engine.backend == backend
-        got[backend] = engine.generate(_prompts(), params)
+        got[backend] = engine.generate(mixed_prompts(), params)
     for a, b in zip(got["cpu"], got["triton"], strict=True):
         assert a.output_ids == b.output_ids
         x = torch.tensor([lp.logprob for lp in a.prompt_logprobs])
@@ -54,22 +67,63 @@ def test_triton_backend_matches_cpu(rtn_artifact: Path, kv_quant: str) -> None:
         assert float((x - y).abs().max()) < 0.02
 
 
+Outputs = list[tuple[list[int], list[TokenLogprobs]]]
+
+
+def staggered_run(engine: Engine) -> Outputs:
+    """Greedy tokens and logprobs (top 2) of mixed_prompts(), asking for 10, 7 and 4 tokens:
+    the 40-token prompt prefills while the others decode, then all three decode (a bucket of
+    4, one row padded) until they finish one by one (batches of 2, then 1)."""
+    seqs = [
+        engine.add_request(
+            prompt, SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True, logprobs=2)
+        )
+        for prompt, n in zip(mixed_prompts(), (10, 7, 4), strict=True)
+    ]
+    while engine.has_work():
+        engine.step()
+    return [(seq.output_ids, seq.logprobs) for seq in seqs]
+
+
+def test_decode_from_static_buffers_matches_eager(rtn_artifact: Path) -> None:
+    """Decode steps from cuda_graph.py's static padded buffers (replayed as CUDA graphs on a
+    GPU, run eagerly from the same buffers here) against eager steps (the reference): the same
+    tokens and logprobs, bit for bit, so bucketing and padding change nothing."""
+    eager = Engine(rtn_artifact, engine_config("triton", kv_quant="int8", enforce_eager=True))
+    assert eager.runner.graphs is None
+    buffered = Engine(rtn_artifact, engine_config("triton", kv_quant="int8"))
+    graphs = buffered.runner.graphs
+    batches: list[int] = []
+    run = graphs.run
+
+    def counted(step: StepInputs) -> torch.Tensor:
+        batches.append(len(step.input_ids))
+        return run(step)
+
+    graphs.run = counted
+    assert staggered_run(buffered) == staggered_run(eager)
+    assert set(batches) == {3, 2, 1}, batches  # 3 runs in the bucket of 4
+
+
 def test_backend_errors(monkeypatch: pytest.MonkeyPatch, rtn_artifact: Path) -> None:
     with pytest.raises(BackendError, match="not built"):
         select_backend("cuda", {})
     with pytest.raises(BackendError, match="unknown backend"):
         select_backend("tpu", {})
-    monkeypatch.delenv("TRITON_INTERPRET")
-    if not torch.cuda.is_available():
+    with pytest.raises(ValueError, match="float16, bfloat16 activations"):
+        Engine(rtn_artifact, engine_config("triton", dtype="float32"))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # as on a serving host
+    if GPU:
+        assert select_backend("auto", {}).name == "triton"
+    else:
         with pytest.raises(BackendError, match="needs a CUDA GPU"):
             select_backend("triton", {})
         assert select_backend("auto", {}).name == "cpu"
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(ValueError, match="float16, bfloat16 activations"):
-        Engine(rtn_artifact, _config("triton", dtype="float32"))
 
 
-def test_lite_tune_pins_configs_the_backend_uses(rtn_artifact: Path, tmp_path: Path) -> None:
+def test_lite_tune_pins_configs_the_backend_uses(
+    rtn_artifact: Path, tmp_path: Path, device: torch.device
+) -> None:
     from runtime.kernels.triton.gemm import GemmConfig, config_space
 
     art = tmp_path / "art"
@@ -78,7 +132,7 @@ def test_lite_tune_pins_configs_the_backend_uses(rtn_artifact: Path, tmp_path: P
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     kernels = json.loads((art / "manifest.json").read_text())["launch"]["kernels"]
-    pinned = kernels["interpreter"]
+    pinned = kernels[arch_key(device)]
     # tiny llama: qkv 96+32+32 padded to 128+64+64, o 96x96, gate/up 2x160 -> 2x192, down K=160
     shapes = {(256, 96), (96, 96), (384, 96), (96, 160)}
     assert set(pinned) == {f"w4a16/N{n}xK{k}/m{m}" for n, k in shapes for m in (1, 16)}
@@ -88,14 +142,16 @@ def test_lite_tune_pins_configs_the_backend_uses(rtn_artifact: Path, tmp_path: P
         m = int(key.split("/m")[1])
         assert GemmConfig.from_dict(cfg) in config_space(m, n, k, gs)[:2]
     Artifact(art, checksums=True)  # weights untouched
-    engine = Engine(art, _config("triton"))
+    engine = Engine(art, engine_config("triton"))
     qkv = engine.model.layers[0].qkv.weight
     assert qkv.config(1) == GemmConfig.from_dict(pinned["w4a16/N256xK96/m1"])
     bad = CliRunner().invoke(main, ["tune", str(art), "--buckets", "3"])
     assert bad.exit_code != 0 and "row buckets" in bad.output
 
 
-def test_runtime_cli_reports_the_triton_backend(rtn_artifact: Path, caplog) -> None:
+def test_runtime_cli_reports_the_triton_backend(
+    rtn_artifact: Path, caplog: pytest.LogCaptureFixture, device: torch.device
+) -> None:
     from runtime.cli import main as runtime_main
 
     args = ["-v", "generate", str(rtn_artifact), "--backend", "triton", "--dtype", "float16"]
@@ -103,12 +159,13 @@ def test_runtime_cli_reports_the_triton_backend(rtn_artifact: Path, caplog) -> N
     with caplog.at_level("INFO"):
         r = CliRunner().invoke(runtime_main, args)
     assert r.exit_code == 0, r.output
-    assert "backend triton (interpreter: heuristics), float16 activations" in caplog.text
+    detail = f"{arch_key(device)}: heuristics"
+    assert f"backend triton ({detail}), float16 activations" in caplog.text
     bad = CliRunner().invoke(runtime_main, [a if a != "triton" else "cuda" for a in args[1:]])
     assert bad.exit_code != 0 and "not built" in bad.output
 
 
-def test_gemm_reads_the_artifact_as_written(rtn_artifact: Path) -> None:
+def test_gemm_reads_the_artifact_as_written(rtn_artifact: Path, device: torch.device) -> None:
     """Every linear of a real artifact, straight from its safetensors file into the kernel:
     no conversion between `lite auto_awq`'s writer and the GEMM (fp16, 2e-3 relative)."""
     from runtime.artifact.layout import dequantize
@@ -120,8 +177,9 @@ def test_gemm_reads_the_artifact_as_written(rtn_artifact: Path) -> None:
     assert len(names) == 7 * art.manifest.architecture.num_layers
     for name in names:
         n, k = art.manifest.tensors[name].logical_shape
-        qweight, qparams = art.tensor(name), art.tensor(name.replace(".qweight", ".qparams"))
-        x = torch.randn(3, k, dtype=torch.float16)
+        qweight = art.tensor(name).to(device)
+        qparams = art.tensor(name.replace(".qweight", ".qparams")).to(device)
+        x = torch.randn(3, k, dtype=torch.float16, device=device)
         got = w4a16_gemm(x, qweight, qparams, n, k, gs).double()
         want = x.double() @ dequantize(qweight, qparams, n, k, gs).double().T
         assert float((got - want).norm() / want.norm()) < 2e-3, name

@@ -1,8 +1,10 @@
 """The W4A16 Triton GEMM against the pure-torch layout reference.
 
 Weights are random codes, scales and zeros packed with ``pack_qweight`` / ``pack_qparams`` exactly
-as the artifact writer does, and the kernel reads those tensors as they are. Without CUDA the
-kernel runs under ``TRITON_INTERPRET=1`` (set by conftest), so shapes stay small.
+as the artifact writer does, and the kernel reads those tensors as they are, on the test device:
+compiled on a GPU, interpreted (``TRITON_INTERPRET=1``, set by conftest) on the CPU, so shapes
+stay small. On a GPU each case compiles once, so there they take turns over the configs
+(``spread``), and ``test_gpu_real_sizes`` runs the tune space's corner configs at real sizes.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from runtime.kernels.triton.gemm import (
     m_bucket,
     w4a16_gemm,
 )
+from tests.conftest import spread
 
 F16, BF16 = torch.float16, torch.bfloat16
 # Norm-relative error bound against the fp64 product with the reference W_hat: 2 * eps(dtype).
@@ -33,7 +36,7 @@ TOL = {dt: 2 * torch.finfo(dt).eps for dt in (F16, BF16)}
 
 
 def make_weight(
-    n: int, k: int, group_size: int, device: str = "cpu"
+    n: int, k: int, group_size: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Random codes, zeros and scales of a realistic magnitude, packed as the writer packs them."""
     groups = -(-k // group_size)
@@ -48,6 +51,7 @@ def make_weight(
 def rel_error(
     y: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, qparams: torch.Tensor, gs: int
 ) -> float:
+    """Norm-relative error against the fp64 product, on the kernel's device."""
     n, k = y.shape[1], x.shape[1]
     ref = x.double() @ dequantize(qweight, qparams, n, k, gs).double().T
     return ((y.double() - ref).norm() / ref.norm()).item()
@@ -72,26 +76,33 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("config_name", list(CONFIGS))
-@pytest.mark.parametrize(("m", "n", "k", "gs", "dtype"), CASES)
+def case_id(value: object) -> str | None:
+    if isinstance(value, tuple):
+        m, n, k, gs, dtype = value
+        return f"m{m}-n{n}-k{k}-g{gs}-{str(dtype)[6:]}"
+    return None
+
+
+@pytest.mark.parametrize(("case", "config_name"), spread(CASES, list(CONFIGS)), ids=case_id)
 def test_matches_reference(
-    m: int, n: int, k: int, gs: int, dtype: torch.dtype, config_name: str
+    case: tuple[int, int, int, int, torch.dtype], config_name: str, device: torch.device
 ) -> None:
+    m, n, k, gs, dtype = case
     torch.manual_seed(1000 * m + 10 * n + k)
-    qweight, qparams = make_weight(n, k, gs)
-    x = torch.randn(m, k, dtype=dtype)
+    qweight, qparams = make_weight(n, k, gs, device)
+    x = torch.randn(m, k, dtype=dtype, device=device)
     y = w4a16_gemm(x, qweight, qparams, n, k, gs, CONFIGS[config_name])
     assert y.shape == (m, n) and y.dtype == dtype
     assert rel_error(y, x, qweight, qparams, gs) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [F16, BF16])
-def test_space_configs_agree(dtype: torch.dtype) -> None:
+def test_space_configs_agree(dtype: torch.dtype, device: torch.device) -> None:
     """Different tiles and split-K only reorder the fp32 sums: outputs differ by <= 1 ulp."""
     torch.manual_seed(7)
     m, n, k, gs = 3, 72, 200, 64
-    qweight, qparams = make_weight(n, k, gs)
-    x = torch.randn(m, k, dtype=dtype)
+    qweight, qparams = make_weight(n, k, gs, device)
+    x = torch.randn(m, k, dtype=dtype, device=device)
     space = config_space(m, n, k, gs)
     first, last = space[0], space[-1]
     assert first.block_n != last.block_n and first.split_k != last.split_k
@@ -101,23 +112,23 @@ def test_space_configs_agree(dtype: torch.dtype) -> None:
     assert rel_error(y2, x, qweight, qparams, gs) < TOL[dtype]
 
 
-def test_split_k_is_deterministic() -> None:
+def test_split_k_is_deterministic(device: torch.device) -> None:
     torch.manual_seed(8)
     n, k, gs = 40, 200, 64
-    qweight, qparams = make_weight(n, k, gs)
-    x = torch.randn(2, k, dtype=BF16)
+    qweight, qparams = make_weight(n, k, gs, device)
+    x = torch.randn(2, k, dtype=BF16, device=device)
     cfg = CONFIGS["split3"]
     y1 = w4a16_gemm(x, qweight, qparams, n, k, gs, cfg)
     y2 = w4a16_gemm(x, qweight, qparams, n, k, gs, cfg)
     assert torch.equal(y1, y2)
 
 
-def test_strided_views() -> None:
+def test_strided_views(device: torch.device) -> None:
     """A column slice of x and an N-shard of the packed tensors (docs section 8) are views."""
     torch.manual_seed(9)
     n, k, gs = 136, 80, 32
-    qweight, qparams = make_weight(n, k, gs)
-    wide = torch.randn(3, k + 24, dtype=F16)
+    qweight, qparams = make_weight(n, k, gs, device)
+    wide = torch.randn(3, k + 24, dtype=F16, device=device)
     x = wide[:, 5 : 5 + k]
     shard_w, shard_p = qweight[:, 128:], qparams[:, 64:]  # columns 64..135: N = 72
     assert not shard_w.is_contiguous() and not x.is_contiguous()
@@ -126,10 +137,11 @@ def test_strided_views() -> None:
     assert ((y.double() - ref).norm() / ref.norm()).item() < TOL[F16]
 
 
-def test_empty_batch() -> None:
-    qweight, qparams = make_weight(40, 80, 32)
-    y = w4a16_gemm(torch.empty(0, 80, dtype=F16), qweight, qparams, 40, 80, 32)
-    assert y.shape == (0, 40) and y.dtype == F16
+def test_empty_batch(device: torch.device) -> None:
+    qweight, qparams = make_weight(40, 80, 32, device)
+    x = torch.empty(0, 80, dtype=F16, device=device)
+    y = w4a16_gemm(x, qweight, qparams, 40, 80, 32)
+    assert y.shape == (0, 40) and y.dtype == F16 and y.device == device
 
 
 @pytest.mark.parametrize("gs", [32, 64, 128])
@@ -145,14 +157,13 @@ def test_config_space_is_valid(gs: int) -> None:
             assert heuristic_config(m, n, k, gs) in space
 
 
-@pytest.mark.parametrize("gs", [32, 64, 128])
-@pytest.mark.parametrize("m", [1, 33, 130])
-def test_space_configs_run(m: int, gs: int) -> None:
-    """About 4 configs spread over a bucket's space (all of them run in the GPU test)."""
+@pytest.mark.parametrize(("m", "gs"), spread([1, 33, 130], [32, 64, 128]))
+def test_space_configs_run(m: int, gs: int, device: torch.device) -> None:
+    """About 4 configs spread over a bucket's space (the corners run in the GPU test)."""
     torch.manual_seed(m + gs)
     n, k = 72, 200
-    qweight, qparams = make_weight(n, k, gs)
-    x = torch.randn(m, k, dtype=F16)
+    qweight, qparams = make_weight(n, k, gs, device)
+    x = torch.randn(m, k, dtype=F16, device=device)
     space = config_space(m, n, k, gs)
     for cfg in space[:: max(1, len(space) // 4)]:
         y = w4a16_gemm(x, qweight, qparams, n, k, gs, cfg)
@@ -213,8 +224,8 @@ def test_m_bucket_rejects_zero() -> None:
 Args = dict[str, object]
 BAD_INPUTS: dict[str, tuple[Callable[[Args], Args], str]] = {
     "fp32 x": (lambda a: a | {"x": a["x"].float()}, "float16 or bfloat16"),
-    "wrong K": (lambda a: a | {"x": torch.randn(2, 81, dtype=F16)}, r"K=80"),
-    "1-D x": (lambda a: a | {"x": torch.randn(80, dtype=F16)}, r"\[M, K=80\]"),
+    "wrong K": (lambda a: a | {"x": a["x"].new_ones(2, 81)}, r"K=80"),
+    "1-D x": (lambda a: a | {"x": a["x"][0]}, r"\[M, K=80\]"),
     "qweight of another N": (lambda a: a | {"n": 200}, "qweight"),
     "qweight of another group": (lambda a: a | {"group_size": 128}, "qweight"),
     "fp32 qparams": (lambda a: a | {"qparams": a["qparams"].float()}, "qparams"),
@@ -223,14 +234,16 @@ BAD_INPUTS: dict[str, tuple[Callable[[Args], Args], str]] = {
         lambda a: a | {"config": GemmConfig(16, 64, 64, 1, 4, 2)},
         "block_k=64 does not divide group_size=32",
     ),
+    # meta: a device other than the test device on any host
+    "x on another device": (lambda a: a | {"x": a["x"].to("meta")}, "must share a device"),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
-def test_bad_inputs(case: str) -> None:
-    qweight, qparams = make_weight(40, 80, 32)
+def test_bad_inputs(case: str, device: torch.device) -> None:
+    qweight, qparams = make_weight(40, 80, 32, device)
     args: Args = {
-        "x": torch.randn(2, 80, dtype=F16),
+        "x": torch.randn(2, 80, dtype=F16, device=device),
         "qweight": qweight,
         "qparams": qparams,
         "n": 40,
@@ -243,16 +256,27 @@ def test_bad_inputs(case: str) -> None:
         w4a16_gemm(**mutate(args))
 
 
+def corner_configs(m: int, n: int, k: int, gs: int) -> list[GemmConfig | None]:
+    """The heuristic and the tune space's corners: its first config (smallest tiles, fewest
+    stages), its last (largest tiles, deepest split), and the one holding the most shared
+    memory; the full space is what `lite tune` times, one compile per config."""
+    space = config_space(m, n, k, gs)
+    most_smem = max(space, key=lambda c: (c.block_m + c.block_n) * c.block_k * c.num_stages)
+    return [None, *dict.fromkeys([space[0], space[-1], most_smem])]
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("dtype", [F16, BF16])
-@pytest.mark.parametrize(("n", "k", "gs"), [(4136, 4096, 128), (1000, 2000, 64), (576, 1536, 32)])
-def test_gpu_every_config(n: int, k: int, gs: int, dtype: torch.dtype) -> None:
-    """Compiled kernels at real sizes: every config of every bucket, and the heuristic."""
+@pytest.mark.parametrize(
+    ("n", "k", "gs", "dtype"),
+    [(4136, 4096, 128, BF16), (1000, 2000, 64, F16), (576, 1536, 32, BF16)],
+)
+def test_gpu_real_sizes(n: int, k: int, gs: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Compiled kernels at real sizes, every row bucket family (decode, mid, large) with odd M:
+    the heuristic and the corner configs of the tune space."""
     torch.manual_seed(n + k)
-    qweight, qparams = make_weight(n, k, gs, "cuda")
-    for m in (1, 7, 16, 40, 300):
-        x = torch.randn(m, k, dtype=dtype, device="cuda")
-        for cfg in [None, *config_space(m, n, k, gs)]:
+    qweight, qparams = make_weight(n, k, gs, device)
+    for m in (1, 7, 40, 300):
+        x = torch.randn(m, k, dtype=dtype, device=device)
+        for cfg in corner_configs(m, n, k, gs):
             y = w4a16_gemm(x, qweight, qparams, n, k, gs, cfg)
             assert rel_error(y, x, qweight, qparams, gs) < TOL[dtype], (m, cfg)

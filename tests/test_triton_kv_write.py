@@ -4,7 +4,10 @@ the same (codes, fp16 scales and zeros compared as raw bits), padding slots unto
 Inputs cover what the quantizer's rounding steps are sensitive to: random rows, a large
 range (beyond fp16, saturating), constant vectors, negative values just below zero (zero
 rounds to -2**-24), a tiny range (subnormal scale), and exact round-half-even ties next to
-values one ulp below a tie. Without a GPU the kernel runs under ``TRITON_INTERPRET=1``.
+values one ulp below a tie. The kernel writes a pool on the test device (compiled on a GPU,
+interpreted under ``TRITON_INTERPRET=1`` on the CPU); the reference writes a CPU pool, the
+contract's own formulation. On a GPU, where each case compiles, the cases take turns over the
+slot dtypes (``spread``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 from runtime.kernels.triton.kv_write import kv_write
 from runtime.kv.cache import KVCache
 from runtime.kv.format import KVSpec
+from tests.conftest import spread
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 POOL = ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero")
@@ -50,12 +54,14 @@ def make_inputs(num_tokens: int, kv_heads: int, head_dim: int, qmax: int, seed: 
 
 
 def assert_same_pool(a: KVCache, b: KVCache) -> None:
+    """Every tensor of every layer bit for bit (``a`` on any device, ``b`` on the CPU)."""
     for name in POOL:
         for layer, (ka, kb) in enumerate(zip(a.layers, b.layers, strict=True)):
             x, y = getattr(ka, name), getattr(kb, name)
             if x is None:
                 assert y is None
                 continue
+            x = x.cpu()
             bits = torch.int16 if x.element_size() == 2 else x.dtype
             bits = torch.int32 if x.dtype == F32 else bits
             assert torch.equal(x.view(bits), y.view(bits)), f"{name}[{layer}] differs"
@@ -78,11 +84,16 @@ CASES = [  # kv_quant, cache dtype, input dtype, block_size, kv heads, head_dim
 ]
 
 
-@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32], ids=["i64", "i32"])
+def case_id(value) -> str:
+    if isinstance(value, tuple):
+        return f"{value[0]}-{str(value[1])[6:]}-from-{str(value[2])[6:]}-d{value[5]}"
+    return {torch.int64: "i64", torch.int32: "i32"}[value]
+
+
 @pytest.mark.parametrize(
-    "case", CASES, ids=[f"{c[0]}-{str(c[1])[6:]}-from-{str(c[2])[6:]}-d{c[5]}" for c in CASES]
+    ("case", "slot_dtype"), spread(CASES, [torch.int64, torch.int32]), ids=case_id
 )
-def test_kv_write_matches_cache_write(case, slot_dtype):
+def test_kv_write_matches_cache_write(case, slot_dtype, device):
     kv_quant, cache_dtype, in_dtype, block_size, kv_heads, head_dim = case
     spec = KVSpec(2, kv_heads, head_dim, block_size, kv_quant, cache_dtype)
     qmax = {"int8": 255, "int4": 15, "none": 15}[kv_quant]
@@ -92,57 +103,77 @@ def test_kv_write_matches_cache_write(case, slot_dtype):
     num_blocks = 3
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     slots[6 + torch.randperm(num_tokens - 12, generator=gen)[:4]] = -1  # padding, not special
-    ours, theirs = KVCache(spec, num_blocks), KVCache(spec, num_blocks)
-    kv_write(ours.layer(1), k, v, slots.to(slot_dtype))
+    ours, theirs = KVCache(spec, num_blocks, device), KVCache(spec, num_blocks)
+    kv_write(ours.layer(1), k.to(device), v.to(device), slots.to(device, slot_dtype))
     theirs.layer(1).write(k, v, slots)
     assert_same_pool(ours, theirs)
 
 
-def test_kv_write_strided_inputs_and_overwrite():
+def test_kv_write_strided_inputs_and_overwrite(device):
     """k/v as views of a fused qkv projection; a second write overwrites some slots."""
     spec = KVSpec(1, 2, 32, 16, "int4", F16)
     gen = torch.Generator().manual_seed(5)
-    ours, theirs = KVCache(spec, 2), KVCache(spec, 2)
+    ours, theirs = KVCache(spec, 2, device), KVCache(spec, 2)
     for _ in range(2):
         qkv = torch.randn(6, 4 + 2 + 2, 32, generator=gen).to(BF16)
-        k, v = qkv[:, 4:6], qkv[:, 6:]
-        assert not k.is_contiguous()
         slots = torch.randperm(32, generator=gen)[:6]
-        kv_write(ours.layer(0), k, v, slots)
-        theirs.layer(0).write(k, v, slots)
+        on_device = qkv.to(device)
+        k, v = on_device[:, 4:6], on_device[:, 6:]
+        assert not k.is_contiguous()
+        kv_write(ours.layer(0), k, v, slots.to(device))
+        theirs.layer(0).write(qkv[:, 4:6], qkv[:, 6:], slots)
     assert_same_pool(ours, theirs)
 
 
-def test_kv_write_no_tokens_is_a_no_op():
+def test_kv_write_no_tokens_is_a_no_op(device):
     spec = KVSpec(1, 2, 16, 16, "int8", F16)
-    cache = KVCache(spec, 1)
-    empty = torch.empty(0, 2, 16, dtype=F16)
-    kv_write(cache.layer(0), empty, empty, torch.empty(0, dtype=torch.long))
+    cache = KVCache(spec, 1, device)
+    empty = torch.empty(0, 2, 16, dtype=F16, device=device)
+    kv_write(cache.layer(0), empty, empty, torch.empty(0, dtype=torch.long, device=device))
     assert not cache.layer(0).k.any() and not cache.layer(0).k_scale.any()
 
 
-@pytest.fixture(scope="module")
-def cache():
-    return KVCache(KVSpec(2, 2, 16, 16, "int8", F16), 2)
-
-
 @pytest.mark.parametrize(
-    ("change", "match"),
+    ("change", "match", "where"),
     [
-        ({"k": torch.ones(3, 2, 8)}, "expects k, v \\[3, 2, 16\\]"),
-        ({"v": torch.ones(4, 2, 16)}, "expects k, v \\[3, 2, 16\\]"),
-        ({"k": torch.ones(3, 2, 16, dtype=torch.float64)}, "k must be float16"),
-        ({"slots": torch.tensor([0.0, 1.0, 2.0])}, "slot_mapping must be int32 or int64"),
-        ({"slots": torch.tensor([[0, 1, 2]])}, "slot_mapping must be int32 or int64 \\[T\\]"),
-        ({"slots": torch.tensor([0, 32, -1])}, "slot 32 out of range for 32 slots"),
+        ({"k": lambda d: torch.ones(3, 2, 8, device=d)}, "expects k, v \\[3, 2, 16\\]", "device"),
+        ({"v": lambda d: torch.ones(4, 2, 16, device=d)}, "expects k, v \\[3, 2, 16\\]", "device"),
+        (
+            {"k": lambda d: torch.ones(3, 2, 16, dtype=torch.float64, device=d)},
+            "k must be float16",
+            "device",
+        ),
+        (
+            {"slots": lambda d: torch.tensor([0.0, 1.0, 2.0], device=d)},
+            "slot_mapping must be int32 or int64",
+            "device",
+        ),
+        (
+            {"slots": lambda d: torch.tensor([[0, 1, 2]], device=d)},
+            "slot_mapping must be int32 or int64 \\[T\\]",
+            "device",
+        ),
+        (
+            {"slots": lambda d: torch.tensor([0, 1, 2], device="meta")},
+            "slot_mapping is on meta, the KV cache on",
+            "device",
+        ),
+        # slot values are checked only on CPU slots (on a GPU the check would sync per layer)
+        (
+            {"slots": lambda d: torch.tensor([0, 32, -1], device=d)},
+            "slot 32 out of range for 32 slots",
+            "cpu",
+        ),
     ],
 )
-def test_kv_write_rejects_bad_inputs(cache, change, match):
+def test_kv_write_rejects_bad_inputs(change, match, where, device):
+    dev = torch.device("cpu") if where == "cpu" else device
+    cache = KVCache(KVSpec(2, 2, 16, 16, "int8", F16), 2, dev)
     args = {
-        "k": torch.ones(3, 2, 16),
-        "v": torch.ones(3, 2, 16),
-        "slots": torch.tensor([0, 1, 2]),
+        "k": torch.ones(3, 2, 16, device=dev),
+        "v": torch.ones(3, 2, 16, device=dev),
+        "slots": torch.tensor([0, 1, 2], device=dev),
     }
-    args.update(change)
+    args.update({key: make(dev) for key, make in change.items()})
     with pytest.raises(ValueError, match=match):
         kv_write(cache.layer(0), args["k"], args["v"], args["slots"])
