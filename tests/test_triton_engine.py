@@ -106,15 +106,13 @@ def test_decode_from_static_buffers_matches_eager(rtn_artifact: Path) -> None:
 
 
 def test_backend_errors(monkeypatch: pytest.MonkeyPatch, rtn_artifact: Path) -> None:
-    with pytest.raises(BackendError, match="not built"):
-        select_backend("cuda", {})
     with pytest.raises(BackendError, match="unknown backend"):
         select_backend("tpu", {})
     with pytest.raises(ValueError, match="float16, bfloat16 activations"):
         Engine(rtn_artifact, engine_config("triton", dtype="float32"))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # as on a serving host
-    if GPU:
-        assert select_backend("auto", {}).name == "triton"
+    if GPU:  # cuda where the csrc library builds here, else triton
+        assert select_backend("auto", {}).name in ("cuda", "triton")
     else:
         with pytest.raises(BackendError, match="needs a CUDA GPU"):
             select_backend("triton", {})
