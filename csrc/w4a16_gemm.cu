@@ -1,0 +1,677 @@
+// W4A16 GEMM on the artifact layout `lsq4-mma16x16-v1` (docs/artifact-layout.md).
+//
+//   y[M, N] = x[M, K] @ W_hat^T,   W_hat[n, k] = q[n, k] * s[n, g] + b[n, g],  b = -z * s
+//
+// x and y are fp16 or bf16 with row strides; the weights are the artifact's tensors as they are on
+// disk: qweight int32 [Kp/16, 2*Np] (one 16x16 tile = 32 words, word t = lane t's mma B fragment)
+// and qparams fp16 [Kp/gs, Np, 2] = (s, -z*s). No torch headers: plain C entry points at the end,
+// loaded with ctypes and launched on the caller's stream.
+//
+// Per thread block: a BM x BN tile of y over one contiguous slice of k-steps (split-K: blockIdx.z).
+// A k-step of BK columns streams through shared memory in a STAGES-deep cp.async pipeline:
+//   A  x[m0 : m0+BM, k0 : k0+BK]      16-byte chunks, XOR-swizzled rows, zero-filled past M and K
+//   B  qweight[k0/16 : (k0+BK)/16, 2*n0 : 2*(n0+BN)]   copied as is (tile-major, 128 B per tile)
+//   Q  qparams[group(s) of the step, n0 : n0+BN]       the (s, b) pairs, one 32-bit word each
+// Each warp owns a (BM/WM) x (BN/WN) sub-tile. Per 16-deep k slice it loads its A fragments with
+// ldmatrix.x4 and, per 16x16 weight tile, ONE 32-bit shared load: that word is the B fragment of
+// both n8 halves. The word becomes four fp16x2 (or bf16x2) registers with lop3 and magic-number
+// arithmetic (no per-element shifts or converts), one fma2 per register applies the group's
+// (s, b), and two mma.sync.m16n8k16 (fp32 accumulate) per m16 row tile consume them.
+//
+// Split-K writes fp32 partials to workspace[split, M, Np] (plain stores, each element written by
+// exactly one thread) and lsq_reduce_splits sums them in split order 0, 1, ... into y: the
+// result is bit-for-bit reproducible. Without split-K the GEMM writes y directly.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <stdint.h>
+
+namespace lsq_gemm {
+
+constexpr int kDtypeBf16 = 1;  // the project's STORAGE_KINDS codes
+constexpr int kDtypeFp16 = 2;
+
+// ---------------------------------------------------------------------------------------------
+// Tile configurations. X(id, BM, BN, BK, WM, WN, STAGES, MINB): a BM x BN output tile per block,
+// BK-deep k-steps, WM x WN warps, STAGES shared-memory buffers, MINB = the blocks per SM that
+// __launch_bounds__ asks registers for. The only table: the host planner reads it through
+// lsq_w4a16_config (runtime/kernels/cuda/gemm_plan.py).
+#define LSQ_W4A16_CONFIGS(X)                                                             \
+  X(0, 16, 64, 128, 1, 4, 4, 4)   /* decode: narrow N, 9 KB/stage */                   \
+  X(1, 16, 128, 128, 1, 4, 4, 4)  /* decode: 14 KB/stage */                            \
+  X(2, 16, 256, 64, 1, 8, 4, 2)   /* decode: wide N, 8 warps */                        \
+  X(3, 32, 128, 64, 1, 4, 4, 4)   /* M 17..64 */                                       \
+  X(4, 64, 128, 64, 2, 2, 4, 2)   /* M 33..256, and prefill of narrow weights */       \
+  X(5, 64, 256, 64, 2, 4, 4, 1)   /* prefill */                                        \
+  X(6, 128, 128, 64, 2, 4, 4, 1)  /* prefill */                                        \
+  X(7, 128, 256, 64, 2, 4, 3, 1)  /* prefill, the largest tile: 64x64 per warp */
+
+struct ConfigInfo {
+  int block_m, block_n, block_k, warps, stages;
+};
+
+#define LSQ_INFO(id, bm, bn, bk, wm, wn, st, minb) {bm, bn, bk, (wm) * (wn), st},
+constexpr ConfigInfo kConfigs[] = {LSQ_W4A16_CONFIGS(LSQ_INFO)};
+#undef LSQ_INFO
+constexpr int kNumConfigs = sizeof(kConfigs) / sizeof(kConfigs[0]);
+
+#define LSQ_ID(id, bm, bn, bk, wm, wn, st, minb) id,
+constexpr int kIds[] = {LSQ_W4A16_CONFIGS(LSQ_ID)};
+#undef LSQ_ID
+constexpr bool ids_in_order(int i = 0) {
+  return i == kNumConfigs || (kIds[i] == i && ids_in_order(i + 1));
+}
+static_assert(ids_in_order(), "config ids are the rows of LSQ_W4A16_CONFIGS, 0, 1, 2, ...");
+
+template <int BM_, int BN_, int BK_, int WM_, int WN_, int STAGES_, int MINB_>
+struct Tile {
+  static constexpr int BM = BM_, BN = BN_, BK = BK_, WM = WM_, WN = WN_;
+  static constexpr int STAGES = STAGES_, MINB = MINB_;
+  static constexpr int THREADS = 32 * WM * WN;
+  static constexpr int TM = BM / WM, TN = BN / WN;  // warp tile
+  static constexpr int MT = TM / 16, NT = TN / 16;  // m16 row tiles, 16x16 weight tiles per warp
+  static constexpr int KK = BK / 16;                // 16-deep slices per k-step
+  static constexpr int QROWS = BK / 32;             // most groups one k-step can touch (gs >= 32)
+  static constexpr int A_CHUNKS = BM * BK / 8;      // 16-byte chunks per stage
+  static constexpr int B_CHUNKS = BK * BN / 32;
+  static constexpr int A_STAGE = BM * BK * 2;  // bytes
+  static constexpr int B_STAGE = BK * BN / 2;
+  static constexpr int Q_STAGE = QROWS * BN * 4;
+  static constexpr int SMEM = STAGES * (A_STAGE + B_STAGE + Q_STAGE);
+
+  static_assert(BM % (16 * WM) == 0 && BN % (16 * WN) == 0, "warp tiles are whole 16x16 tiles");
+  static_assert(BK == 64 || BK == 128, "the A swizzle needs >= 8 chunks per row; gs >= 32");
+  static_assert(QROWS * BN / 4 <= THREADS, "one pass loads a stage's qparams");
+  static_assert(STAGES >= 2, "a pipeline needs two buffers");
+  static_assert(A_STAGE % 128 == 0 && B_STAGE % 128 == 0 && Q_STAGE % 16 == 0, "alignment");
+};
+
+struct Params {
+  const void* x;
+  const uint32_t* qweight;
+  const uint32_t* qparams;
+  void* y;
+  float* workspace;
+  int64_t ldx, ldy;
+  int m, n, k;
+  int np, kp;            // padded N (multiple of 64) and K (multiple of gs)
+  int gs_log2;           // log2(group size)
+  int k_steps;           // ceil(k / BK)
+  int steps_per_split;   // k-steps of one split (the last may have fewer, never none)
+  int a_vec;             // x is 16-byte aligned with ldx % 8 == 0: cp.async for A
+  int y_vec;             // y is 4-byte aligned with ldy even: paired stores
+};
+
+// ---------------------------------------------------------------------------------------------
+// PTX wrappers.
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte async copy global -> shared; bytes past src_bytes (0..16) are zero-filled.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async16_hint(uint32_t dst, const void* src, int src_bytes,
+                                                uint64_t policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst),
+               "l"(src), "r"(src_bytes), "l"(policy)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ uint64_t l2_policy(bool evict_first) {
+  uint64_t policy;
+  if (evict_first)
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  else
+    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// (a & b) | c in one instruction.
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+template <bool BF16>
+__device__ __forceinline__ uint32_t fma2(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  if (BF16)
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  else
+    asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+__device__ __forceinline__ uint32_t sub_f16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("sub.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+template <bool BF16>
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  if (BF16)
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  else
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// One packed word -> the 4 registers of its B fragments, as integer codes 0..15 in fp16x2 or
+// bf16x2: r[0], r[1] = n8 half 0 {b0,b1}, {b2,b3}; r[2], r[3] = half 1 (docs section 4).
+//
+// fp16: (w & 0x000F000F) | 0x64006400 is the fp16 pair 1024 + q (nibbles 0 and 4), and minus 1024
+// is q. Nibbles 1 and 5 are masked in place with 0x00F000F0: 1024 + 16 q, and one fma by 1/16
+// minus 64 gives q (Marlin's trick: one shift per word instead of three). All exact.
+// bf16 has 7 mantissa bits, so 16 q would reach the exponent: every nibble pair is shifted down
+// to bits 0..3 / 16..19 and OR-ed into 0x4300 (128.0), giving 128 + q exactly; fma(x, 1, -128).
+template <bool BF16>
+__device__ __forceinline__ void int4_codes(uint32_t w, uint32_t (&r)[4]) {
+  constexpr uint32_t kLo = 0x000F000Fu;
+  if (BF16) {
+    constexpr uint32_t kMagic = 0x43004300u;  // bf16 {128, 128}
+    constexpr uint32_t kOne = 0x3F803F80u;    // bf16 {1, 1}
+    constexpr uint32_t kMinus = 0xC300C300u;  // bf16 {-128, -128}
+#pragma unroll
+    for (int i = 0; i < 4; ++i) r[i] = fma2<true>(and_or(w >> (4 * i), kLo, kMagic), kOne, kMinus);
+  } else {
+    constexpr uint32_t kHi = 0x00F000F0u;
+    constexpr uint32_t kMagic = 0x64006400u;  // fp16 {1024, 1024}
+    constexpr uint32_t kSixteenth = 0x2C002C00u;  // fp16 {1/16, 1/16}
+    constexpr uint32_t kMinus64 = 0xD400D400u;    // fp16 {-64, -64}
+    const uint32_t w8 = w >> 8;
+    r[0] = sub_f16x2(and_or(w, kLo, kMagic), kMagic);
+    r[1] = fma2<false>(and_or(w, kHi, kMagic), kSixteenth, kMinus64);
+    r[2] = sub_f16x2(and_or(w8, kLo, kMagic), kMagic);
+    r[3] = fma2<false>(and_or(w8, kHi, kMagic), kSixteenth, kMinus64);
+  }
+}
+
+// A qparams word (fp16 s in the low half, fp16 b = -z*s in the high half) -> (s, s) and (b, b)
+// in the activation dtype.
+template <bool BF16>
+__device__ __forceinline__ void group_pair(uint32_t v, uint32_t& s2, uint32_t& b2) {
+  if (BF16) {
+    const __half2 h = *reinterpret_cast<const __half2*>(&v);
+    const float s = __low2float(h), b = __high2float(h);
+    const __nv_bfloat162 s16 = __floats2bfloat162_rn(s, s), b16 = __floats2bfloat162_rn(b, b);
+    s2 = *reinterpret_cast<const uint32_t*>(&s16);
+    b2 = *reinterpret_cast<const uint32_t*>(&b16);
+  } else {
+    s2 = __byte_perm(v, v, 0x1010);
+    b2 = __byte_perm(v, v, 0x3232);
+  }
+}
+
+template <bool BF16>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if (BF16) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  } else {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+}
+
+template <bool BF16>
+__device__ __forceinline__ uint16_t pack1(float v) {
+  if (BF16) {
+    const __nv_bfloat16 h = __float2bfloat16_rn(v);
+    return *reinterpret_cast<const uint16_t*>(&h);
+  } else {
+    const __half h = __float2half_rn(v);
+    return *reinterpret_cast<const uint16_t*>(&h);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The GEMM kernel.
+
+template <class T, bool BF16>
+__global__ void __launch_bounds__(T::THREADS, T::MINB) w4a16_gemm_kernel(const Params p) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* const a_smem = smem;
+  uint8_t* const b_smem = a_smem + T::STAGES * T::A_STAGE;
+  uint8_t* const q_smem = b_smem + T::STAGES * T::B_STAGE;
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int warp_m = warp / T::WN;
+  const int warp_n = warp % T::WN;
+
+  const int n0 = blockIdx.x * T::BN;
+  const int m0 = blockIdx.y * T::BM;
+  const int step_begin = blockIdx.z * p.steps_per_split;
+  const int steps = min(p.steps_per_split, p.k_steps - step_begin);  // >= 1 (host checks)
+
+  const int gs = 1 << p.gs_log2;
+  const int q_rows = T::BK > gs ? T::BK / gs : 1;  // groups per k-step
+  const int kt_total = p.kp / 16;                  // qweight rows
+  const int groups = p.kp >> p.gs_log2;            // qparams rows
+  // Weights are read once when one row of tiles covers M (decode): do not let them evict x.
+  const uint64_t b_policy = l2_policy(gridDim.y == 1);
+
+  // ---- global -> shared, one k-step into one stage ----
+  constexpr int A_ITERS = (T::A_CHUNKS + T::THREADS - 1) / T::THREADS;
+  constexpr int B_ITERS = (T::B_CHUNKS + T::THREADS - 1) / T::THREADS;
+  // Per-thread copy state of a full k-step (k0 + BK <= K: no k bound inside it), fixed for the
+  // whole loop: source addresses at k0 = 0 (a row or column past the matrix points at row or
+  // column 0 and copies 0 bytes, so every address stays inside the tensor), byte counts and
+  // shared-memory offsets. A step then costs one add and one cp.async per 16-byte chunk.
+  const uint16_t* a_src[A_ITERS];
+  uint32_t a_off[A_ITERS];
+  int a_bytes[A_ITERS];
+#pragma unroll
+  for (int i = 0; i < A_ITERS; ++i) {
+    const int c = min(tid + i * T::THREADS, T::A_CHUNKS - 1);
+    const int r = c / (T::BK / 8), cc = c % (T::BK / 8);
+    const bool mine = T::A_CHUNKS % T::THREADS == 0 || tid + i * T::THREADS < T::A_CHUNKS;
+    const bool ok = mine && m0 + r < p.m;
+    a_src[i] = static_cast<const uint16_t*>(p.x) + (ok ? (m0 + r) * p.ldx : 0) + cc * 8;
+    a_off[i] = (r * T::BK + ((cc ^ (r & 7)) * 8)) * 2;  // chunk cc of row r sits at cc ^ (r & 7)
+    a_bytes[i] = ok ? 16 : 0;
+  }
+  const uint32_t* b_src[B_ITERS];
+  int b_bytes[B_ITERS];
+#pragma unroll
+  for (int i = 0; i < B_ITERS; ++i) {
+    const int c = min(tid + i * T::THREADS, T::B_CHUNKS - 1);
+    const int r = c / (T::BN / 2), cc = c % (T::BN / 2);  // BN/2 chunks per row of tiles
+    const bool ok = 2 * n0 + cc * 4 < 2 * p.np;
+    b_src[i] = p.qweight + (int64_t)r * (2 * p.np) + (ok ? 2 * n0 + cc * 4 : cc % 8 * 4);
+    b_bytes[i] = ok ? 16 : 0;
+  }
+  const int q_r = tid / (T::BN / 4), q_cc = tid % (T::BN / 4);
+  const bool q_on = tid < q_rows * (T::BN / 4);
+  const bool q_ok = q_on && n0 + q_cc * 4 < p.np;
+  const uint32_t* q_src =
+      p.qparams + (int64_t)(q_on ? q_r : 0) * p.np + (q_ok ? n0 + q_cc * 4 : 0);
+  const int64_t b_step = (int64_t)(T::BK / 16) * (2 * p.np);  // words per k-step
+
+  auto load_stage = [&](int stage, int step) {
+    const int k0 = step * T::BK;
+    const uint32_t a_dst = smem_addr(a_smem + stage * T::A_STAGE);
+    const uint32_t b_dst = smem_addr(b_smem + stage * T::B_STAGE);
+    const uint32_t q_dst = smem_addr(q_smem + stage * T::Q_STAGE);
+    if (p.a_vec && k0 + T::BK <= p.k) {  // every k-step but a ragged last one
+#pragma unroll
+      for (int i = 0; i < A_ITERS; ++i)
+        if (T::A_CHUNKS % T::THREADS == 0 || tid + i * T::THREADS < T::A_CHUNKS)
+          cp_async16(a_dst + a_off[i], a_src[i] + k0, a_bytes[i]);
+#pragma unroll
+      for (int i = 0; i < B_ITERS; ++i)
+        if (T::B_CHUNKS % T::THREADS == 0 || tid + i * T::THREADS < T::B_CHUNKS)
+          cp_async16_hint(b_dst + (tid + i * T::THREADS) * 16, b_src[i] + step * b_step,
+                          b_bytes[i], b_policy);
+      if (q_on)
+        cp_async16(q_dst + (q_r * T::BN + q_cc * 4) * 4,
+                   q_src + (int64_t)(k0 >> p.gs_log2) * p.np, q_ok ? 16 : 0);
+      return;
+    }
+    // The general step: bounds on k, K padding past Kp, and x without 16-byte rows.
+#pragma unroll
+    for (int i = 0; i < A_ITERS; ++i) {
+      const int c = tid + i * T::THREADS;
+      if (T::A_CHUNKS % T::THREADS == 0 || c < T::A_CHUNKS) {
+        const int r = c / (T::BK / 8), cc = c % (T::BK / 8);
+        const int row = m0 + r, kk = k0 + cc * 8;
+        const uint32_t dst = a_dst + a_off[i];
+        if (p.a_vec) {
+          const int bytes = row < p.m ? max(0, min(16, 2 * (p.k - kk))) : 0;
+          const void* src = bytes ? static_cast<const uint16_t*>(p.x) + row * p.ldx + kk : p.x;
+          cp_async16(dst, src, bytes);
+        } else {  // unaligned x or odd row stride: plain loads, still zero-filled
+          const uint16_t* xr = static_cast<const uint16_t*>(p.x) + row * p.ldx;
+          uint32_t v[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int ka = kk + 2 * e;
+            const uint32_t lo = (row < p.m && ka < p.k) ? xr[ka] : 0u;
+            const uint32_t hi = (row < p.m && ka + 1 < p.k) ? xr[ka + 1] : 0u;
+            v[e] = lo | (hi << 16);
+          }
+          asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(v[0]),
+                       "r"(v[1]), "r"(v[2]), "r"(v[3])
+                       : "memory");
+        }
+      }
+    }
+    // B: BK/16 rows of BN/16 tiles, 128 bytes each, copied in the global order; rows past Kp
+    // (a k-step longer than the padded K) are zero-filled.
+    const int kt0 = k0 / 16;
+#pragma unroll
+    for (int i = 0; i < B_ITERS; ++i) {
+      const int c = tid + i * T::THREADS;
+      if (T::B_CHUNKS % T::THREADS == 0 || c < T::B_CHUNKS) {
+        const int r = c / (T::BN / 2), cc = c % (T::BN / 2);
+        const int kt = kt0 + r, word = 2 * n0 + cc * 4;
+        const bool ok = kt < kt_total && word < 2 * p.np;
+        const uint32_t* src = ok ? p.qweight + (int64_t)kt * (2 * p.np) + word : p.qweight;
+        cp_async16_hint(b_dst + c * 16, src, ok ? 16 : 0, b_policy);
+      }
+    }
+    // Q: the (s, b) words of the step's group(s) for the block's BN columns, 4 per chunk.
+    if (q_on) {
+      const int g = (k0 >> p.gs_log2) + q_r, col = n0 + q_cc * 4;
+      const bool ok = g < groups && col < p.np;
+      const uint32_t* src = ok ? p.qparams + (int64_t)g * p.np + col : p.qparams;
+      cp_async16(q_dst + (q_r * T::BN + q_cc * 4) * 4, src, ok ? 16 : 0);
+    }
+  };
+
+  float acc[T::MT][T::NT][2][4];
+#pragma unroll
+  for (int i = 0; i < T::MT; ++i)
+#pragma unroll
+    for (int j = 0; j < T::NT; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][j][h][e] = 0.f;
+
+  // ---- shared -> registers -> tensor cores, one stage ----
+  const int g_lane = lane >> 2;  // mma groupID: the B column / C row within an 8-block
+  auto compute_stage = [&](int stage) {
+    const uint32_t a_base = smem_addr(a_smem + stage * T::A_STAGE);
+    const uint32_t* bw = reinterpret_cast<const uint32_t*>(b_smem + stage * T::B_STAGE);
+    const uint32_t* qw = reinterpret_cast<const uint32_t*>(q_smem + stage * T::Q_STAGE);
+    uint32_t s2[T::NT][2], b2[T::NT][2];
+#pragma unroll
+    for (int kk = 0; kk < T::KK; ++kk) {
+      // (s, b) of the group this 16-deep slice lies in: at kk = 0, and where a group starts
+      // (only at even kk, since gs >= 32).
+      if (kk == 0 || (kk % 2 == 0 && ((kk * 16) & (gs - 1)) == 0)) {
+        const int qr = (kk * 16) >> p.gs_log2;
+#pragma unroll
+        for (int j = 0; j < T::NT; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            group_pair<BF16>(qw[qr * T::BN + warp_n * T::TN + j * 16 + h * 8 + g_lane], s2[j][h],
+                             b2[j][h]);
+      }
+      uint32_t a[T::MT][4];
+#pragma unroll
+      for (int i = 0; i < T::MT; ++i) {
+        const int r = warp_m * T::TM + i * 16 + (lane & 15);
+        const int c = 2 * kk + (lane >> 4);
+        ldmatrix_x4(a[i], a_base + (r * T::BK + ((c ^ (r & 7)) * 8)) * 2);
+      }
+#pragma unroll
+      for (int j = 0; j < T::NT; ++j) {
+        const uint32_t w = bw[(kk * (T::BN / 16) + warp_n * T::NT + j) * 32 + lane];
+        uint32_t b[4];
+        int4_codes<BF16>(w, b);
+        b[0] = fma2<BF16>(b[0], s2[j][0], b2[j][0]);
+        b[1] = fma2<BF16>(b[1], s2[j][0], b2[j][0]);
+        b[2] = fma2<BF16>(b[2], s2[j][1], b2[j][1]);
+        b[3] = fma2<BF16>(b[3], s2[j][1], b2[j][1]);
+#pragma unroll
+        for (int i = 0; i < T::MT; ++i) {
+          mma16816<BF16>(acc[i][j][0], a[i], b[0], b[1]);
+          mma16816<BF16>(acc[i][j][1], a[i], b[2], b[3]);
+        }
+      }
+    }
+  };
+
+  // ---- the pipeline: STAGES - 1 steps in flight while one is computed ----
+#pragma unroll
+  for (int s = 0; s < T::STAGES - 1; ++s) {
+    if (s < steps) load_stage(s, step_begin + s);
+    cp_async_commit();
+  }
+  int read_stage = 0, write_stage = T::STAGES - 1;
+  for (int i = 0; i < steps; ++i) {
+    cp_async_wait<T::STAGES - 2>();  // step i has landed (this thread's copies) ...
+    __syncthreads();                 // ... everyone's, and everyone is done with step i - 1
+    if (i + T::STAGES - 1 < steps) load_stage(write_stage, step_begin + i + T::STAGES - 1);
+    cp_async_commit();
+    compute_stage(read_stage);
+    read_stage = read_stage == T::STAGES - 1 ? 0 : read_stage + 1;
+    write_stage = write_stage == T::STAGES - 1 ? 0 : write_stage + 1;
+  }
+  cp_async_wait<0>();
+
+  // ---- epilogue: fp32 partials to the workspace, or y in the activation dtype ----
+  const int tig = lane & 3;
+#pragma unroll
+  for (int i = 0; i < T::MT; ++i) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {  // C rows g and g + 8
+      const int row = m0 + warp_m * T::TM + i * 16 + g_lane + half * 8;
+      if (row >= p.m) continue;
+#pragma unroll
+      for (int j = 0; j < T::NT; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int col = n0 + warp_n * T::TN + j * 16 + h * 8 + 2 * tig;
+          const float v0 = acc[i][j][h][2 * half], v1 = acc[i][j][h][2 * half + 1];
+          if (gridDim.z > 1) {
+            if (col < p.np) {
+              float2* dst = reinterpret_cast<float2*>(
+                  p.workspace + ((int64_t)blockIdx.z * p.m + row) * p.np + col);
+              *dst = make_float2(v0, v1);
+            }
+          } else {
+            uint16_t* yr = static_cast<uint16_t*>(p.y) + row * p.ldy;
+            if (p.y_vec && col + 1 < p.n) {
+              *reinterpret_cast<uint32_t*>(yr + col) = pack2<BF16>(v0, v1);
+            } else {
+              if (col < p.n) yr[col] = pack1<BF16>(v0);
+              if (col + 1 < p.n) yr[col + 1] = pack1<BF16>(v1);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// y[m, n] = sum over s = 0, 1, ..., splits - 1 of workspace[s, m, n], in that order. One thread
+// per 4 columns (float4 loads; Np is a multiple of 64).
+template <bool BF16>
+__global__ void __launch_bounds__(256) lsq_reduce_splits(const float* __restrict__ ws, void* y,
+                                                         int64_t ldy, int m, int n, int np,
+                                                         int splits, int y_vec8) {
+  const int quads = np / 4;
+  const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= (int64_t)m * quads) return;
+  const int row = (int)(idx / quads), col = (int)(idx % quads) * 4;
+  if (col >= n) return;
+  const int64_t split_stride = (int64_t)m * np;
+  const float* src = ws + (int64_t)row * np + col;
+  float4 acc = *reinterpret_cast<const float4*>(src);
+  for (int s = 1; s < splits; ++s) {
+    const float4 v = *reinterpret_cast<const float4*>(src + s * split_stride);
+    acc.x += v.x;
+    acc.y += v.y;
+    acc.z += v.z;
+    acc.w += v.w;
+  }
+  uint16_t* yr = static_cast<uint16_t*>(y) + row * ldy;
+  if (y_vec8 && col + 3 < n) {
+    uint2 out;
+    out.x = pack2<BF16>(acc.x, acc.y);
+    out.y = pack2<BF16>(acc.z, acc.w);
+    *reinterpret_cast<uint2*>(yr + col) = out;
+  } else {
+    const float v[4] = {acc.x, acc.y, acc.z, acc.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (col + e < n) yr[col + e] = pack1<BF16>(v[e]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side.
+
+// cudaFuncSetAttribute once per (kernel, device): a bit per device (devices >= 64 always call).
+template <class Kernel>
+cudaError_t allow_smem(Kernel kernel, int bytes, std::atomic<uint64_t>& done) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  const uint64_t bit = dev < 64 ? (uint64_t{1} << dev) : 0;
+  if (bit && (done.load(std::memory_order_relaxed) & bit)) return cudaSuccess;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err == cudaSuccess && bit) done.fetch_or(bit, std::memory_order_relaxed);
+  return err;
+}
+
+template <class T, bool BF16>
+cudaError_t launch(const Params& p, dim3 grid, cudaStream_t stream) {
+  static std::atomic<uint64_t> smem_set{0};
+  auto kernel = w4a16_gemm_kernel<T, BF16>;
+  cudaError_t err = allow_smem(kernel, T::SMEM, smem_set);
+  if (err != cudaSuccess) return err;
+  kernel<<<grid, T::THREADS, T::SMEM, stream>>>(p);
+  return cudaGetLastError();
+}
+
+#define LSQ_TILE(id, bm, bn, bk, wm, wn, st, minb) \
+  using Tile##id = Tile<bm, bn, bk, wm, wn, st, minb>;
+LSQ_W4A16_CONFIGS(LSQ_TILE)
+#undef LSQ_TILE
+
+static cudaError_t dispatch(int config, bool bf16, const Params& p, dim3 grid,
+                            cudaStream_t stream) {
+  switch (config) {
+#define LSQ_CASE(id, bm, bn, bk, wm, wn, st, minb)                 \
+  case id:                                                         \
+    return bf16 ? launch<Tile##id, true>(p, grid, stream)          \
+                : launch<Tile##id, false>(p, grid, stream);
+    LSQ_W4A16_CONFIGS(LSQ_CASE)
+#undef LSQ_CASE
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+static inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+static inline bool aligned(const void* ptr, uintptr_t bytes) {
+  return (reinterpret_cast<uintptr_t>(ptr) % bytes) == 0;
+}
+
+}  // namespace lsq_gemm
+
+extern "C" {
+
+int lsq_w4a16_num_configs(void) { return lsq_gemm::kNumConfigs; }
+
+int lsq_w4a16_config(int32_t id, int32_t* block_m, int32_t* block_n, int32_t* block_k,
+                     int32_t* warps, int32_t* stages) {
+  if (id < 0 || id >= lsq_gemm::kNumConfigs) return -1;
+  const lsq_gemm::ConfigInfo& c = lsq_gemm::kConfigs[id];
+  if (block_m) *block_m = c.block_m;
+  if (block_n) *block_n = c.block_n;
+  if (block_k) *block_k = c.block_k;
+  if (warps) *warps = c.warps;
+  if (stages) *stages = c.stages;
+  return 0;
+}
+
+// Launch y = x @ W_hat^T on `stream`. Every argument is checked before any CUDA call: a bad one
+// returns cudaErrorInvalidValue and launches nothing (so this also holds on a machine without a
+// GPU). m == 0 launches nothing and returns 0.
+int lsq_w4a16_gemm(const void* x, int64_t ldx, const int32_t* qweight, const void* qparams, void* y,
+                   int64_t ldy, float* workspace, int64_t m, int64_t n, int64_t k,
+                   int32_t group_size, int32_t dtype, int32_t config, int32_t split_k,
+                   void* stream) {
+  constexpr int kInvalid = static_cast<int>(cudaErrorInvalidValue);
+  if (config < 0 || config >= lsq_gemm::kNumConfigs) return kInvalid;
+  if (dtype != lsq_gemm::kDtypeFp16 && dtype != lsq_gemm::kDtypeBf16) return kInvalid;
+  int gs_log2;
+  switch (group_size) {
+    case 32: gs_log2 = 5; break;
+    case 64: gs_log2 = 6; break;
+    case 128: gs_log2 = 7; break;
+    default: return kInvalid;
+  }
+  constexpr int64_t kMax = 0x7FFFFFFF;
+  if (m < 0 || n < 1 || k < 1 || m > kMax || n > kMax - 64 || k > kMax - 128) return kInvalid;
+  if (ldx < k || ldy < n) return kInvalid;
+  if (!x || !qweight || !qparams || !y) return kInvalid;
+  if (!lsq_gemm::aligned(qweight, 16) || !lsq_gemm::aligned(qparams, 16)) return kInvalid;
+  const lsq_gemm::ConfigInfo& c = lsq_gemm::kConfigs[config];
+  const int64_t k_steps = lsq_gemm::ceil_div(k, c.block_k);
+  if (split_k < 1 || split_k > k_steps || split_k > 65535) return kInvalid;
+  const int64_t steps_per_split = lsq_gemm::ceil_div(k_steps, split_k);
+  if ((split_k - 1) * steps_per_split >= k_steps) return kInvalid;  // a split would be empty
+  if (split_k > 1 && (!workspace || !lsq_gemm::aligned(workspace, 16))) return kInvalid;
+  const int64_t m_tiles = lsq_gemm::ceil_div(m, c.block_m);
+  if (m_tiles > 65535) return kInvalid;
+  if (m == 0) return 0;
+
+  lsq_gemm::Params p;
+  p.x = x;
+  p.qweight = reinterpret_cast<const uint32_t*>(qweight);
+  p.qparams = static_cast<const uint32_t*>(qparams);
+  p.y = y;
+  p.workspace = workspace;
+  p.ldx = ldx;
+  p.ldy = ldy;
+  p.m = static_cast<int>(m);
+  p.n = static_cast<int>(n);
+  p.k = static_cast<int>(k);
+  p.np = static_cast<int>(lsq_gemm::ceil_div(n, 64) * 64);
+  p.kp = static_cast<int>(lsq_gemm::ceil_div(k, group_size) * group_size);
+  p.gs_log2 = gs_log2;
+  p.k_steps = static_cast<int>(k_steps);
+  p.steps_per_split = static_cast<int>(steps_per_split);
+  p.a_vec = lsq_gemm::aligned(x, 16) && ldx % 8 == 0;
+  p.y_vec = lsq_gemm::aligned(y, 4) && ldy % 2 == 0;
+
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const dim3 grid(static_cast<unsigned>(lsq_gemm::ceil_div(n, c.block_n)),
+                  static_cast<unsigned>(m_tiles), static_cast<unsigned>(split_k));
+  cudaError_t err = lsq_gemm::dispatch(config, dtype == lsq_gemm::kDtypeBf16, p, grid, s);
+  if (err != cudaSuccess || split_k == 1) return static_cast<int>(err);
+
+  const int64_t threads = m * (p.np / 4);
+  const unsigned blocks = static_cast<unsigned>(lsq_gemm::ceil_div(threads, 256));
+  const int y_vec8 = lsq_gemm::aligned(y, 8) && ldy % 4 == 0;
+  if (dtype == lsq_gemm::kDtypeBf16)
+    lsq_gemm::lsq_reduce_splits<true><<<blocks, 256, 0, s>>>(workspace, y, ldy, p.m, p.n, p.np,
+                                                        split_k, y_vec8);
+  else
+    lsq_gemm::lsq_reduce_splits<false><<<blocks, 256, 0, s>>>(workspace, y, ldy, p.m, p.n, p.np,
+                                                         split_k, y_vec8);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // extern "C"

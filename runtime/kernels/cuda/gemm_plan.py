@@ -1,0 +1,303 @@
+"""Launch planning for the CUDA W4A16 GEMM (``csrc/w4a16_gemm.cu``): pure Python, no GPU.
+
+The tile configs live in one place, the C table behind ``lsq_w4a16_num_configs`` /
+``lsq_w4a16_config``; :func:`configs` reads it from the loaded library (a library built
+with static cudart answers without a GPU). :func:`plan` picks a config and a split-K for one call
+``(m, n, k, group_size)`` on a GPU with ``sm_count`` SMs and returns what the launch needs:
+``plan.config`` and ``plan.split_k`` (the entry point's arguments), the grid and the workspace.
+
+Split-K cuts the ``ceil(k / block_k)`` k-steps into ``split_k`` contiguous slices of
+``steps_per_split`` whole steps (the last may be shorter, never empty); each slice covers at
+least one quantization group. The GEMM then writes fp32 partials to a workspace
+``[split_k, m, Np]`` (``Np`` = n padded to 64) with plain stores and a second kernel sums them in
+split order, so results are reproducible bit for bit. Without split-K the workspace is unused.
+
+How the plan is chosen. Every candidate (config, split_k) gets a time estimate from a small model
+of an H100/H200-class SM, and the fastest wins (within 3 %: fewer splits, then more SMs busy,
+then the larger tile, then the lower id):
+
+* decode rows (m <= 16) use the 16-row configs, larger m the configs whose block_m fits m;
+* compute: the busiest SM runs ``ceil(blocks / sm_count)`` blocks of ``steps_per_split`` steps;
+* memory: the weights and x stream at HBM bandwidth only with enough bytes in flight: each
+  resident block keeps ``stages - 1`` k-steps in flight, and latency * bandwidth is the need;
+* latency: a block's k-steps form a chain of round trips, ``stages - 1`` at a time;
+* a split adds the reduction launch and the workspace's round trip.
+
+So a single weight matrix at decode is split until its blocks cover the SMs with enough bytes in
+flight, while a small one (SmolLM2's) is not split when the extra launch costs more than the
+latency it hides. Pinned configs (``lite tune``) override the model per shape and row bucket:
+a pinned entry is a tile shape plus split_k (:meth:`GemmPlan.to_dict`), looked up by the row
+bucket (a weight's own pins) or by the full key ``w4a16/N{n}xK{k}/m{bucket}``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+N_ALIGN = 64  # the layout's N padding
+GROUP_SIZES = (32, 64, 128)
+# Row buckets and pinned-config keys, the same as the Triton backend's (runtime.kernels.triton).
+M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # 512 means 512+
+DECODE_ROWS = 16  # m up to this runs the 16-row (decode) configs
+MAX_SPLIT_K = 32
+
+# The machine model (per SM of an H100/H200-class GPU; only ratios matter for the choice).
+_SM_FLOPS = 4.0e12  # mma.sync fp16/bf16, fp32 accumulate, per SM
+_HBM_BYTES_PER_S = 4.0e12  # achievable HBM bandwidth, whole GPU
+_LATENCY_S = 0.8e-6  # a global load's round trip under load
+_LAUNCH_S = 1.5e-6  # the reduction kernel's launch, in a CUDA graph or a stream
+_SMEM_PER_SM = 228 * 1024  # sm_90; sm_80 164 KiB, sm_86/89 100 KiB
+_THREADS_PER_SM = 2048  # sm_80/90; 1536 on sm_86/89
+_REGS_PER_SM = 65536
+_REGS_PER_THREAD = 128  # the configs' launch bounds keep most at or under this
+_MAX_BLOCKS_PER_SM = 16
+_TIE = 1.03
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One row of the C table: a block_m x block_n tile per block, block_k-deep k-steps."""
+
+    id: int
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of one block (csrc Tile::SMEM): per stage the x tile, the
+        packed weight tile and block_k / 32 rows of (s, b) words."""
+        per_stage = 2 * self.block_m * self.block_k + self.block_k * self.block_n // 2
+        return self.stages * (per_stage + (self.block_k // 32) * self.block_n * 4)
+
+    def shape(self) -> dict[str, int]:
+        """The pinned form of the tile (without split_k)."""
+        return {
+            "block_m": self.block_m,
+            "block_n": self.block_n,
+            "block_k": self.block_k,
+            "warps": self.warps,
+            "stages": self.stages,
+        }
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """Everything ``lsq_w4a16_gemm`` needs beyond the tensors: ``config`` (the tile config id)
+    and ``split_k``, with the tile, the grid it launches and the workspace it needs."""
+
+    config: int
+    tile: TileConfig
+    split_k: int
+    k_steps: int
+    steps_per_split: int
+    grid: tuple[int, int, int]  # (n tiles, m tiles, split_k)
+    workspace_bytes: int  # 0 without split-K, else split_k * m * Np * 4 (fp32)
+
+    @property
+    def blocks(self) -> int:
+        return self.grid[0] * self.grid[1] * self.grid[2]
+
+    @property
+    def workspace_floats(self) -> int:
+        return self.workspace_bytes // 4
+
+    def to_dict(self) -> dict[str, int]:
+        """The pinned form: the tile shape and split_k (values of :func:`plan`'s ``pinned``)."""
+        return {**self.tile.shape(), "split_k": self.split_k}
+
+
+def configs(lib: ctypes.CDLL) -> tuple[TileConfig, ...]:
+    """The C table of the loaded library, in id order (callable without a GPU)."""
+    lib.lsq_w4a16_num_configs.argtypes = []
+    lib.lsq_w4a16_num_configs.restype = ctypes.c_int
+    lib.lsq_w4a16_config.argtypes = [ctypes.c_int32] + [ctypes.POINTER(ctypes.c_int32)] * 5
+    lib.lsq_w4a16_config.restype = ctypes.c_int
+    table = []
+    for i in range(lib.lsq_w4a16_num_configs()):
+        out = [ctypes.c_int32() for _ in range(5)]
+        if lib.lsq_w4a16_config(i, *(ctypes.byref(v) for v in out)) != 0:
+            raise RuntimeError(f"lsq_w4a16_config refused id {i} of its own table")
+        table.append(TileConfig(i, *(v.value for v in out)))
+    return tuple(table)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def m_bucket(m: int) -> int:
+    """The smallest row bucket >= m, and 512 for every m > 256 (the Triton backend's)."""
+    if m < 1:
+        raise ValueError(f"row count must be >= 1, got {m}")
+    return next((b for b in M_BUCKETS if m <= b), M_BUCKETS[-1])
+
+
+def gemm_key(n: int, k: int, bucket: int) -> str:
+    """Pinned-config key of one GEMM shape and row bucket (the Triton backend's format)."""
+    return f"w4a16/N{n}xK{k}/m{bucket}"
+
+
+def workspace_bytes(split_k: int, m: int, n: int) -> int:
+    """fp32 partials [split_k, m, Np]; none without split-K."""
+    return 0 if split_k == 1 else split_k * m * cdiv(n, N_ALIGN) * N_ALIGN * 4
+
+
+def split_ok(cfg: TileConfig, k: int, group_size: int, split_k: int) -> bool:
+    """Whether ``split_k`` cuts k into non-empty slices of whole k-steps, each at least one
+    group long (the C entry point itself refuses only empty slices)."""
+    steps = cdiv(k, cfg.block_k)
+    if not 1 <= split_k <= min(steps, MAX_SPLIT_K):
+        return False
+    per = cdiv(steps, split_k)
+    if (split_k - 1) * per >= steps:
+        return False
+    return split_k == 1 or per * cfg.block_k >= group_size
+
+
+def make_plan(cfg: TileConfig, m: int, n: int, k: int, split_k: int) -> GemmPlan:
+    steps = cdiv(k, cfg.block_k)
+    per = cdiv(steps, split_k)
+    grid = (cdiv(n, cfg.block_n), cdiv(m, cfg.block_m), split_k)
+    return GemmPlan(cfg.id, cfg, split_k, steps, per, grid, workspace_bytes(split_k, m, n))
+
+
+def _check(m: int, n: int, k: int, group_size: int, sm_count: int) -> None:
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size!r}")
+    if m < 1 or n < 1 or k < 1:
+        raise ValueError(f"m, n and k must be positive, got m={m}, n={n}, k={k}")
+    if sm_count < 1:
+        raise ValueError(f"sm_count must be positive, got {sm_count}")
+
+
+def candidates(table: tuple[TileConfig, ...], m: int) -> list[TileConfig]:
+    """The configs worth timing for m rows: the 16-row ones at decode; else those whose
+    block_m is at least 32 and at most m rounded up to a power of two (>= 64 when m > 64)."""
+    if m <= DECODE_ROWS:
+        found = [c for c in table if c.block_m <= DECODE_ROWS]
+    else:
+        top = 1 << (m - 1).bit_length()
+        low = 64 if m > 64 else 32
+        found = [c for c in table if low <= c.block_m <= top]
+        if not found:  # a table without such tiles: the nearest block_m
+            best = min(abs(c.block_m - min(m, top)) for c in table)
+            found = [c for c in table if abs(c.block_m - min(m, top)) == best]
+    if not found:
+        raise ValueError("the GEMM library has no tile configs")
+    return found
+
+
+def blocks_per_sm(cfg: TileConfig, smem_per_sm: int = _SMEM_PER_SM) -> int:
+    """Resident blocks per SM, from shared memory (1 KiB reserved per block), threads and a
+    register estimate; at least 1."""
+    by_smem = smem_per_sm // (cfg.smem_bytes + 1024)
+    by_threads = _THREADS_PER_SM // cfg.threads
+    by_regs = _REGS_PER_SM // (cfg.threads * _REGS_PER_THREAD)
+    return max(1, min(by_smem, by_threads, by_regs, _MAX_BLOCKS_PER_SM))
+
+
+def estimate_seconds(
+    cfg: TileConfig,
+    m: int,
+    n: int,
+    k: int,
+    split_k: int,
+    sm_count: int,
+    smem_per_sm: int = _SMEM_PER_SM,
+) -> float:
+    """The model's time for one launch (see the module docstring); only comparisons matter."""
+    p = make_plan(cfg, m, n, k, split_k)
+    np_ = cdiv(n, N_ALIGN) * N_ALIGN
+    slots = sm_count * blocks_per_sm(cfg, smem_per_sm)
+    per_sm = cdiv(p.blocks, sm_count)
+    step_flops = 2 * cfg.block_m * cfg.block_n * cfg.block_k
+    compute = per_sm * p.steps_per_split * step_flops / _SM_FLOPS
+    # rows of x past m are zero-filled by the copy, not fetched
+    stage_bytes = cfg.block_k * cfg.block_n // 2 + 2 * min(m, cfg.block_m) * cfg.block_k
+    depth = min(p.steps_per_split, cfg.stages - 1)
+    in_flight = min(p.blocks, slots) * depth * stage_bytes
+    bandwidth = min(_HBM_BYTES_PER_S, in_flight / _LATENCY_S)
+    hbm_bytes = np_ * cdiv(k, 16) * 8 + 2 * m * k + 2 * m * n
+    memory = hbm_bytes / bandwidth
+    chain = cdiv(p.blocks, slots) * cdiv(p.steps_per_split, cfg.stages - 1) * _LATENCY_S
+    total = max(compute, memory, chain)
+    if split_k > 1:
+        total += _LAUNCH_S + (8 * split_k * m * np_ + 2 * m * n) / _HBM_BYTES_PER_S
+    return total
+
+
+def plan(
+    table: tuple[TileConfig, ...],
+    m: int,
+    n: int,
+    k: int,
+    group_size: int,
+    sm_count: int,
+    pinned: Mapping[int | str, Mapping[str, int]] | None = None,
+    smem_per_sm: int = _SMEM_PER_SM,
+) -> GemmPlan:
+    """The launch of ``y[m, n] = x[m, k] @ W^T`` from ``table`` (:func:`configs`): the pinned
+    entry for m's row bucket when ``pinned`` has one (keyed by the bucket, or by
+    ``w4a16/N{n}xK{k}/m{bucket}``), else the model's fastest candidate. A pinned entry naming no
+    tile of the table, or a split this k cannot take, raises ValueError (the caller warns and
+    plans without it)."""
+    _check(m, n, k, group_size, sm_count)
+    bucket = m_bucket(m)
+    key = gemm_key(n, k, bucket)
+    if pinned:
+        for found in (bucket, key):
+            if found in pinned:
+                return _pinned_plan(table, key, pinned[found], m, n, k, group_size)
+    timed = []
+    for cfg in candidates(table, m):
+        for split in range(1, MAX_SPLIT_K + 1):
+            if split_ok(cfg, k, group_size, split):
+                seconds = estimate_seconds(cfg, m, n, k, split, sm_count, smem_per_sm)
+                timed.append((seconds, make_plan(cfg, m, n, k, split)))
+    fastest = min(t for t, _ in timed)
+    near = [p for t, p in timed if t <= fastest * _TIE]
+    return min(near, key=lambda p: _preference(p, sm_count))
+
+
+def _preference(p: GemmPlan, sm_count: int) -> tuple[int, int, int, int]:
+    """Among near-equal estimates: fewer splits, more SMs busy, the larger tile, the lower id."""
+    area = p.tile.block_m * p.tile.block_n
+    return (p.split_k, -min(p.blocks, sm_count), -area, p.config)
+
+
+def _pinned_plan(
+    table: tuple[TileConfig, ...],
+    key: str,
+    entry: Mapping[str, int],
+    m: int,
+    n: int,
+    k: int,
+    group_size: int,
+) -> GemmPlan:
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"pinned {key}: expected a mapping, got {type(entry).__name__}")
+    want = {"block_m", "block_n", "block_k", "warps", "stages", "split_k"}
+    if set(entry) != want:
+        raise ValueError(
+            f"pinned {key}: keys must be {sorted(want)}, got {sorted(str(x) for x in entry)}"
+        )
+    shape = {f: entry[f] for f in want - {"split_k"}}
+    cfg = next((c for c in table if c.shape() == shape), None)
+    if cfg is None:
+        raise ValueError(f"pinned {key}: no tile config {shape} in the GEMM library")
+    split = entry["split_k"]
+    if not isinstance(split, int) or not split_ok(cfg, k, group_size, split):
+        raise ValueError(
+            f"pinned {key}: split_k={split!r} does not cut K={k} into non-empty slices of "
+            f"{cfg.block_k}-deep steps, each at least one group of {group_size}"
+        )
+    return make_plan(cfg, m, n, k, split)

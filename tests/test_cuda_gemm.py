@@ -1,0 +1,356 @@
+"""The CUDA W4A16 GEMM (csrc/w4a16_gemm.cu) as far as a CPU can check it, and its launch planning
+(runtime/kernels/cuda/gemm_plan.py).
+
+One nvcc build per module (sm_80, sm_86, sm_89, sm_90, ``-lineinfo -O3 -Xptxas -v``): ptxas
+reports no stack, spills or local memory for any kernel; the sm_80 SASS really runs the tensor
+cores (HMMA), ldmatrix (LDSM) and cp.async (LDGSTS) and converts no int4 code with I2F; the
+library loads with ctypes on a machine without a GPU (static cudart), where its config table and
+argument checks answer. Planning is checked against SmolLM2-135M, Llama-3-8B and Qwen2.5-7B
+shapes on a 132-SM GPU. The GPU's own checks are in test_cuda_gemm_gpu.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from runtime.kernels.cuda import gemm_plan as gp
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = ROOT / "csrc" / "w4a16_gemm.cu"
+ARCHS = ("80", "86", "89", "90")
+NVCC = shutil.which("nvcc")
+SMS = 132  # an H200
+KERNELS = 18  # 8 tile configs x 2 dtypes, and the split-K reduction x 2 dtypes
+INVALID = 1  # cudaErrorInvalidValue
+FP16, BF16 = 2, 1  # STORAGE_KINDS
+
+pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
+
+
+def find_cuobjdump() -> str | None:
+    """cuobjdump from PATH, next to nvcc, under CUDA_HOME, or the copy triton ships."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    dirs = [Path(os.path.realpath(NVCC)).parent] if NVCC else []
+    dirs += [Path(os.environ[v]) / "bin" for v in ("CUDA_HOME", "CUDA_PATH") if v in os.environ]
+    try:
+        import triton
+
+        dirs.append(Path(triton.__file__).parent / "backends" / "nvidia" / "bin")
+    except ImportError:
+        pass
+    return next((str(d / "cuobjdump") for d in dirs if (d / "cuobjdump").is_file()), None)
+
+
+@dataclass
+class Build:
+    lib_path: Path
+    ptxas: str  # nvcc's stderr: the -Xptxas -v report
+    seconds: float
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory: pytest.TempPathFactory) -> Build:
+    out = tmp_path_factory.mktemp("cuda_gemm") / "liblsq_w4a16.so"
+    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHS]
+    cmd = [NVCC, "-O3", "-lineinfo", "-std=c++17", "-shared", "-Xcompiler", "-fPIC"]
+    cmd += [*gencode, "-Xptxas", "-v", str(SOURCE), "-o", str(out)]
+    start = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    assert done.returncode == 0, done.stderr[-4000:]
+    print(f"nvcc, {len(ARCHS)} architectures: {seconds:.1f} s")
+    return Build(out, done.stderr, seconds)
+
+
+@pytest.fixture(scope="module")
+def lib(build: Build) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build.lib_path))
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+    lib.lsq_w4a16_gemm.argtypes = [p, i64, p, p, p, i64, p, i64, i64, i64, i32, i32, i32, i32, p]
+    lib.lsq_w4a16_gemm.restype = ctypes.c_int
+    return lib
+
+
+@pytest.fixture(scope="module")
+def table(lib: ctypes.CDLL) -> tuple[gp.TileConfig, ...]:
+    return gp.configs(lib)
+
+
+@pytest.fixture(scope="module")
+def cuobjdump() -> str:
+    path = find_cuobjdump()
+    if path is None:
+        pytest.skip("cuobjdump not found (PATH, nvcc's directory, CUDA_HOME, triton)")
+    return path
+
+
+def test_compiles_for_every_architecture(build: Build, cuobjdump: str) -> None:
+    elves = subprocess.run(
+        [cuobjdump, "--list-elf", str(build.lib_path)], capture_output=True, text=True, check=True
+    ).stdout
+    for arch in ARCHS:
+        assert f"sm_{arch}" in elves, elves
+    assert build.seconds < 300, f"the four-architecture build took {build.seconds:.0f} s"
+
+
+def test_no_spills_no_stack_no_local_memory(build: Build) -> None:
+    entries = re.findall(r"Compiling entry function '(\w+)' for '(sm_\d+)'", build.ptxas)
+    assert len(entries) == KERNELS * len(ARCHS), entries
+    usage = re.findall(
+        r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", build.ptxas
+    )
+    assert len(usage) == len(entries), build.ptxas[-4000:]
+    bad = [(e, u) for e, u in zip(entries, usage, strict=True) if u != ("0", "0", "0")]
+    assert not bad, f"stack or spills (stack, stores, loads): {bad}"
+
+
+def test_resource_usage_has_no_local_memory(build: Build, cuobjdump: str) -> None:
+    text = subprocess.run(
+        [cuobjdump, "--dump-resource-usage", str(build.lib_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    rows = re.findall(r"Function (\w+):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", text)
+    assert len(rows) == KERNELS * len(ARCHS), text[-3000:]
+    for name, regs, stack, local in rows:
+        assert (stack, local) == ("0", "0"), name
+        assert int(regs) <= 255, name
+
+
+def _sass_by_function(cuobjdump: str, lib_path: Path, arch: str) -> dict[str, str]:
+    text = subprocess.run(
+        [cuobjdump, "--dump-sass", "--gpu-architecture", f"sm_{arch}", str(lib_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    parts = re.split(r"\n\s*Function : (\w+)\n", text)
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
+
+
+@pytest.mark.parametrize("arch", ["80", "90"])
+def test_sass_runs_tensor_cores_ldmatrix_cp_async(build: Build, cuobjdump: str, arch: str) -> None:
+    sass = _sass_by_function(cuobjdump, build.lib_path, arch)
+    gemms = {name: code for name, code in sass.items() if "w4a16_gemm_kernel" in name}
+    assert len(gemms) == KERNELS - 2, sorted(sass)
+    for name, code in gemms.items():
+        assert "HMMA.16816.F32" in code, name  # mma.sync.m16n8k16, fp32 accumulators
+        assert "LDSM.16.M88.4" in code, name  # ldmatrix.x4 for x
+        assert "LDGSTS.E.BYPASS.128" in code, name  # cp.async.cg, 16 bytes
+        assert "LOP3.LUT" in code, name  # the nibble masks
+        # int4 codes become fp16/bf16 by magic numbers: no int-to-float conversion at all
+        assert "I2F" not in code, name
+        assert "LDL" not in code and "STL" not in code, name  # no local memory
+
+
+def test_config_table(table: tuple[gp.TileConfig, ...], lib: ctypes.CDLL) -> None:
+    assert len(table) == lib.lsq_w4a16_num_configs() == (KERNELS - 2) // 2
+    for c in table:
+        assert c.block_m % 16 == 0 and c.block_n % 64 == 0, c
+        assert c.block_k in (64, 128) and c.warps in (4, 8) and c.stages >= 2, c
+        assert c.smem_bytes <= 99 * 1024, c  # sm_86/sm_89's per-block limit
+    assert any(c.block_m == 16 for c in table)  # decode tiles
+    assert any(c.block_m >= 128 for c in table)  # prefill tiles
+    out = [ctypes.c_int32(-7) for _ in range(5)]
+    for bad in (-1, len(table), 1 << 20):
+        assert lib.lsq_w4a16_config(bad, *(ctypes.byref(v) for v in out)) == -1
+        assert all(v.value == -7 for v in out)
+
+
+# Fake device pointers: the entry point checks every argument before any CUDA call, so these are
+# never dereferenced; a valid call with m = 0 launches nothing and returns 0.
+X, QW, QP, Y, WS = 0x10000, 0x20000, 0x30000, 0x40000, 0x50000
+
+
+def _call(lib: ctypes.CDLL, **over: int) -> int:
+    args = dict(
+        x=X, ldx=576, qweight=QW, qparams=QP, y=Y, ldy=576, workspace=WS, m=0, n=576, k=576,
+        group_size=64, dtype=FP16, config=0, split_k=1, stream=0,
+    )  # fmt: skip
+    args.update(over)
+    return lib.lsq_w4a16_gemm(*args.values())
+
+
+def test_valid_arguments_with_no_rows_launch_nothing(lib: ctypes.CDLL) -> None:
+    assert _call(lib) == 0
+    assert _call(lib, dtype=BF16, group_size=128, config=1, split_k=5) == 0
+    assert _call(lib, x=X + 2, ldx=577, ldy=579) == 0  # unaligned x, y: the scalar paths
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"config": -1},
+        {"config": 99},
+        {"group_size": 16},
+        {"group_size": 96},
+        {"dtype": 0},
+        {"dtype": 3},
+        {"split_k": 0},
+        {"split_k": 6},  # 5 k-steps of 128 in K=576
+        {"k": 1024, "ldx": 1024, "split_k": 7},  # 8 steps in slices of 2: the 7th is empty
+        {"k": 0},
+        {"n": 0},
+        {"m": -1},
+        {"ldx": 575},
+        {"ldy": 575},
+        {"x": 0},
+        {"qweight": 0},
+        {"qparams": 0},
+        {"y": 0},
+        {"workspace": 0, "split_k": 2},
+        {"qweight": QW + 4},  # not 16-byte aligned
+        {"qparams": QP + 8},
+        {"workspace": WS + 4, "split_k": 2},
+        {"m": 70000 * 16},  # more m tiles than a grid's y dimension
+    ],
+)
+def test_bad_arguments_are_refused_before_any_cuda_call(lib: ctypes.CDLL, bad: dict) -> None:
+    assert _call(lib, **{"m": 1, **bad}) == INVALID
+
+
+# (N, K, group size) per linear; fused q/k/v and gate/up as the backends fuse them.
+SHAPES = {
+    "smollm2-135m": {
+        "qkv": (576 + 192 + 192, 576, 64),
+        "o": (576, 576, 64),
+        "gate_up": (2 * 1536, 576, 64),
+        "down": (576, 1536, 64),
+    },
+    "llama-3-8b": {
+        "qkv": (4096 + 1024 + 1024, 4096, 128),
+        "o": (4096, 4096, 128),
+        "gate_up": (2 * 14336, 4096, 128),
+        "down": (4096, 14336, 128),
+    },
+    "qwen2.5-7b": {
+        "qkv": (3584 + 512 + 512, 3584, 128),
+        "o": (3584, 3584, 128),
+        "gate_up": (2 * 18944, 3584, 128),
+        "down": (3584, 18944, 128),
+    },
+}
+CASES = [(model, name, *shape) for model, d in SHAPES.items() for name, shape in d.items()]
+
+
+@pytest.mark.parametrize("m", [1, 16, 256, 4096])
+@pytest.mark.parametrize(("model", "linear", "n", "k", "gs"), CASES)
+def test_plan(
+    table: tuple[gp.TileConfig, ...],
+    lib: ctypes.CDLL,
+    model: str,
+    linear: str,
+    n: int,
+    k: int,
+    gs: int,
+    m: int,
+) -> None:
+    p = gp.plan(table, m, n, k, gs, SMS)
+    c = p.tile
+    assert table[p.config] is c
+    assert p.grid == (gp.cdiv(n, c.block_n), gp.cdiv(m, c.block_m), p.split_k)
+    # every split is a whole, non-empty run of k-steps, at least one group long
+    assert p.k_steps == gp.cdiv(k, c.block_k)
+    assert p.steps_per_split == gp.cdiv(p.k_steps, p.split_k)
+    assert (p.split_k - 1) * p.steps_per_split < p.k_steps
+    assert p.split_k == 1 or p.steps_per_split * c.block_k >= gs
+    np_ = gp.cdiv(n, 64) * 64
+    assert p.workspace_bytes == (0 if p.split_k == 1 else p.split_k * m * np_ * 4)
+    # the C entry point accepts exactly this launch
+    assert (
+        _call(lib, ldx=k, ldy=n, n=n, k=k, group_size=gs, config=p.config, split_k=p.split_k) == 0
+    )
+    # decode rows run the 16-row tiles; prefill tiles do not split a large M
+    assert (c.block_m == 16) == (m <= 16)
+    if m == 4096:
+        assert p.split_k == 1 and c.block_m >= 64
+    fill = p.blocks / SMS
+    weight_bytes = np_ * k // 2
+    if weight_bytes >= 8 << 20:  # one Llama/Qwen matrix: split-K (or N) fills the H200
+        assert fill >= (0.95 if m <= 16 else 0.8), p
+        if m <= 16:
+            assert fill <= 4, p  # not split past a few blocks per SM
+    else:  # SmolLM2: sub-MB weights, latency-bound; a split only where its launch pays off
+        assert p.split_k <= p.k_steps
+        if m == 4096:
+            assert fill >= 0.9, p
+
+
+def test_plan_splits_a_decode_matrix_until_it_fills_the_gpu(
+    table: tuple[gp.TileConfig, ...],
+) -> None:
+    for n, k, gs in SHAPES["llama-3-8b"].values():
+        p = gp.plan(table, 1, n, k, gs, SMS)
+        no_split = gp.make_plan(p.tile, 1, n, k, 1)
+        assert p.split_k > 1 or no_split.blocks >= SMS, p
+        assert p.blocks >= SMS
+
+
+def test_plan_follows_the_sm_count(table: tuple[gp.TileConfig, ...]) -> None:
+    n, k, gs = SHAPES["llama-3-8b"]["o"]
+    small = gp.plan(table, 1, n, k, gs, 16)
+    large = gp.plan(table, 1, n, k, gs, SMS)
+    assert small.blocks < large.blocks
+    assert small.split_k <= large.split_k
+
+
+def test_pinned_plans(table: tuple[gp.TileConfig, ...]) -> None:
+    n, k, gs = SHAPES["llama-3-8b"]["qkv"]
+    cfg = table[-1]
+    entry = {**cfg.shape(), "split_k": 2}
+    pinned = {gp.gemm_key(n, k, 256): entry}
+    p = gp.plan(table, 200, n, k, gs, SMS, pinned=pinned)  # 200 rows: bucket 256
+    assert p.tile is cfg and p.config == cfg.id and p.split_k == 2 and p.to_dict() == entry
+    assert p.workspace_floats * 4 == p.workspace_bytes == 2 * 200 * 6144 * 4
+    by_bucket = gp.plan(table, 200, n, k, gs, SMS, pinned={256: entry})  # a weight's own pins
+    assert by_bucket == p
+    assert gp.plan(table, 300, n, k, gs, SMS, pinned=pinned) == gp.plan(
+        table, 300, n, k, gs, SMS
+    )  # bucket 512 is not pinned
+    key = gp.gemm_key(n, k, 256)
+    with pytest.raises(ValueError, match="no tile config"):
+        gp.plan(table, 200, n, k, gs, SMS, pinned={key: {**entry, "warps": 3}})
+    with pytest.raises(ValueError, match="split_k"):
+        gp.plan(table, 200, n, k, gs, SMS, pinned={key: {**entry, "split_k": 999}})
+    with pytest.raises(ValueError, match="keys"):
+        gp.plan(table, 200, n, k, gs, SMS, pinned={key: {"config": 1}})
+
+
+def test_plan_refuses_bad_shapes(table: tuple[gp.TileConfig, ...]) -> None:
+    for args in ((0, 64, 64, 64), (1, 0, 64, 64), (1, 64, 0, 64), (1, 64, 64, 48)):
+        with pytest.raises(ValueError):
+            gp.plan(table, *args, SMS)
+    with pytest.raises(ValueError, match="sm_count"):
+        gp.plan(table, 1, 64, 64, 64, 0)
+
+
+def test_keys_and_buckets_match_the_gpu_backends() -> None:
+    gpu = pytest.importorskip("runtime.kernels.gpu")
+    triton_gemm = pytest.importorskip("runtime.kernels.triton.gemm")
+    assert gp.M_BUCKETS == triton_gemm.M_BUCKETS
+    assert gp.gemm_key(960, 576, 16) == gpu.gemm_key(960, 576, 16)
+    for m in (1, 3, 16, 17, 300, 5000):
+        assert gp.m_bucket(m) == triton_gemm.m_bucket(m)
+
+
+def test_a_valid_call_reaches_cuda(lib: ctypes.CDLL) -> None:
+    """Past the checks the entry point calls CUDA; without a GPU (or driver) that fails with a
+    CUDA error code, not a crash. (On a GPU host these fake pointers must not be launched.)"""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the fake pointers would be launched")
+    for config, split in ((0, 1), (1, 5)):  # below and above 48 KiB of shared memory
+        rc = _call(lib, m=1, config=config, split_k=split)
+        assert rc not in (0, INVALID), rc

@@ -1,0 +1,227 @@
+"""The CUDA W4A16 GEMM (csrc/w4a16_gemm.cu) on a GPU, against the layout's reference.
+
+The library is built for the current GPU only (one nvcc call per module) and called through
+ctypes with torch CUDA tensors on torch's current stream, exactly as a backend would. Every tile
+config, with and without split-K, is compared to ``x @ dequantize(qweight, qparams).T`` in fp64:
+
+* fp16: relative Frobenius error < 2e-3. The kernel rounds each weight q*s + b to fp16 once
+  (fma of the exact code with the stored fp16 s and b: 2^-11 relative) and the output to fp16
+  (2^-11), with fp32 accumulation; a lane-level emulation of the kernel measured ~3e-4.
+* bf16: < 1e-2. bf16 keeps 8 significant bits: s and b are rounded to bf16 before the fma
+  (b = -z*s is up to 15 s, so its rounding is up to 15 s * 2^-9), the weight and the output once
+  each; the emulation measured ~4e-3.
+
+Shapes are the odd ones: K = 576 at group 64 (SmolLM2), N not a multiple of 64, K not a multiple
+of the group (zero padding), M = 1, 3, 17, 256. Also: row strides and an unaligned x (the
+kernel's scalar path), output padding left untouched, bit-identical split-K reruns, and a
+capture into a CUDA graph. Skipped without a GPU (and without nvcc).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.artifact import layout
+from runtime.kernels.cuda import gemm_plan as gp
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = ROOT / "csrc" / "w4a16_gemm.cu"
+NVCC = shutil.which("nvcc")
+DTYPES = {torch.float16: 2, torch.bfloat16: 1}  # STORAGE_KINDS codes
+TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(NVCC is None, reason="nvcc not installed"),
+]
+
+# (N, K, group size): SmolLM2's o and fused qkv (K = 576 at g64); N not a multiple of 64 and K
+# not a multiple of the group; K = 1000 padded to 1024; a Llama-sized square.
+SHAPES = [(576, 576, 64), (960, 576, 64), (200, 300, 32), (1000, 1000, 128), (4096, 4096, 128)]
+ROWS = [1, 3, 17, 256]
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"{major}{minor}"
+    out = tmp_path_factory.mktemp("cuda_gemm_gpu") / "liblsq_w4a16.so"
+    cmd = [NVCC, "-O3", "-lineinfo", "-std=c++17", "-shared", "-Xcompiler", "-fPIC"]
+    cmd += [f"-gencode=arch=compute_{arch},code=sm_{arch}", str(SOURCE), "-o", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    lib = ctypes.CDLL(str(out))
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+    lib.lsq_w4a16_gemm.argtypes = [p, i64, p, p, p, i64, p, i64, i64, i64, i32, i32, i32, i32, p]
+    lib.lsq_w4a16_gemm.restype = ctypes.c_int
+    return lib
+
+
+@pytest.fixture(scope="module")
+def table(lib: ctypes.CDLL) -> tuple[gp.TileConfig, ...]:
+    return gp.configs(lib)
+
+
+def make_weight(n: int, k: int, gs: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random codes, scales and zero points, packed by the reference packer, on the GPU."""
+    g = torch.Generator().manual_seed(seed)
+    groups = -(-k // gs)
+    q = torch.randint(0, 16, (n, k), generator=g)
+    scale = torch.rand(n, groups, generator=g) * 0.02 + 0.002
+    zero = torch.randint(0, 16, (n, groups), generator=g)
+    qweight = layout.pack_qweight(q, gs).cuda()
+    qparams = layout.pack_qparams(scale, zero, gs, k).cuda()
+    return qweight, qparams
+
+
+def reference(x: torch.Tensor, qweight, qparams, n: int, k: int, gs: int) -> torch.Tensor:
+    w = layout.dequantize(qweight, qparams, n, k, gs)
+    return x.double() @ w.double().T
+
+
+def gemm(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qparams: torch.Tensor,
+    n: int,
+    k: int,
+    gs: int,
+    config: int,
+    split_k: int,
+    y: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y = x @ W_hat^T by lsq_w4a16_gemm on torch's current stream; x and y may be row views."""
+    m = x.shape[0]
+    assert x.stride(1) == 1 and x.shape[1] == k
+    if y is None:
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    np_ = -(-n // 64) * 64
+    workspace = torch.empty(max(1, split_k * m * np_), dtype=torch.float32, device=x.device)
+    rc = lib.lsq_w4a16_gemm(
+        x.data_ptr(),
+        x.stride(0),
+        qweight.data_ptr(),
+        qparams.data_ptr(),
+        y.data_ptr(),
+        y.stride(0),
+        workspace.data_ptr(),
+        m,
+        n,
+        k,
+        gs,
+        DTYPES[x.dtype],
+        config,
+        split_k,
+        torch.cuda.current_stream().cuda_stream,
+    )
+    assert rc == 0, f"lsq_w4a16_gemm returned cudaError {rc}"
+    return y
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref).norm() / ref.norm())
+
+
+def splits_to_try(cfg: gp.TileConfig, k: int, gs: int) -> list[int]:
+    """1, the largest valid split up to 8, and one in between."""
+    valid = [s for s in range(1, 9) if gp.split_ok(cfg, k, gs, s)]
+    return sorted({valid[0], valid[len(valid) // 2], valid[-1]})
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize(("n", "k", "gs"), SHAPES)
+def test_every_config_and_split_against_the_reference(
+    lib: ctypes.CDLL, table: tuple[gp.TileConfig, ...], n: int, k: int, gs: int, dtype
+) -> None:
+    qweight, qparams = make_weight(n, k, gs, seed=n + k)
+    failures = []
+    for m in ROWS:
+        x = torch.randn(m, k, device="cuda").to(dtype)
+        ref = reference(x, qweight, qparams, n, k, gs)
+        for cfg in table:
+            for split in splits_to_try(cfg, k, gs):
+                y = gemm(lib, x, qweight, qparams, n, k, gs, cfg.id, split)
+                torch.cuda.synchronize()
+                err = rel_err(y, ref)
+                if not (torch.isfinite(y).all() and err < TOLERANCE[dtype]):
+                    failures.append(f"m={m} config={cfg.id} split={split}: rel err {err:.2e}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_planned_launches(lib: ctypes.CDLL, table: tuple[gp.TileConfig, ...], dtype) -> None:
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = [(960, 576, 64), (576, 1536, 64), (6144, 4096, 128), (4096, 14336, 128)]
+    for i, (n, k, gs) in enumerate(shapes):
+        qweight, qparams = make_weight(n, k, gs, seed=i)
+        for m in (1, 16, 100, 512):
+            p = gp.plan(table, m, n, k, gs, sms)
+            x = torch.randn(m, k, device="cuda").to(dtype)
+            y = gemm(lib, x, qweight, qparams, n, k, gs, p.config, p.split_k)
+            err = rel_err(y, reference(x, qweight, qparams, n, k, gs))
+            assert err < TOLERANCE[dtype], (n, k, m, p, err)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("aligned", [True, False])
+def test_strides_and_padding_left_alone(
+    lib: ctypes.CDLL, table: tuple[gp.TileConfig, ...], dtype, aligned: bool
+) -> None:
+    """x and y as row views of wider buffers; unaligned x (odd offset and stride) takes the
+    kernel's plain-load path; y's columns past N and rows past M keep their NaNs."""
+    n, k, gs, m = 200, 300, 32, 19
+    qweight, qparams = make_weight(n, k, gs, seed=7)
+    if aligned:  # ldx = 320: 16-byte rows, the cp.async path
+        x = torch.randn(m, k + 20, device="cuda").to(dtype)[:, :k]
+    else:  # 2 bytes past an aligned address, ldx = 303
+        flat = torch.randn(m * (k + 3) + 1, device="cuda").to(dtype)
+        x = flat[1:].view(m, k + 3)[:, :k]
+    assert (x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0) == aligned
+    ref = reference(x, qweight, qparams, n, k, gs)
+    for cfg in table:
+        for split in splits_to_try(cfg, k, gs):
+            out = torch.full((m + 2, n + 5), float("nan"), dtype=dtype, device="cuda")
+            y = out[:m, :n]
+            gemm(lib, x, qweight, qparams, n, k, gs, cfg.id, split, y=y)
+            assert rel_err(y, ref) < TOLERANCE[dtype], (cfg, split)
+            assert out[:m, n:].isnan().all() and out[m:].isnan().all(), (cfg, split)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_split_k_is_bit_reproducible(
+    lib: ctypes.CDLL, table: tuple[gp.TileConfig, ...], dtype
+) -> None:
+    n, k, gs = 4096, 4096, 128
+    qweight, qparams = make_weight(n, k, gs, seed=3)
+    x = torch.randn(16, k, device="cuda").to(dtype)
+    cfg = table[0]
+    first = gemm(lib, x, qweight, qparams, n, k, gs, cfg.id, 8)
+    for _ in range(3):
+        assert torch.equal(gemm(lib, x, qweight, qparams, n, k, gs, cfg.id, 8), first)
+
+
+def test_captured_in_a_cuda_graph(lib: ctypes.CDLL, table: tuple[gp.TileConfig, ...]) -> None:
+    """Launched on torch's current stream, so a graph capture records the GEMM and its split-K
+    reduction; replays read the static input's new values."""
+    n, k, gs, m = 960, 576, 64, 4
+    qweight, qparams = make_weight(n, k, gs, seed=5)
+    x = torch.randn(m, k, device="cuda").half()
+    y = torch.empty(m, n, dtype=torch.float16, device="cuda")
+    cfg = table[0]
+    gemm(lib, x, qweight, qparams, n, k, gs, cfg.id, 3, y=y)  # warm-up (smem attribute)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemm(lib, x, qweight, qparams, n, k, gs, cfg.id, 3, y=y)
+    x.copy_(torch.randn(m, k, device="cuda").half())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(y, reference(x, qweight, qparams, n, k, gs)) < TOLERANCE[torch.float16]
