@@ -1,0 +1,206 @@
+"""The csrc paged decode attention (csrc/paged_attention.cu) on a GPU, against the Triton kernel
+on the same pools in the same run: issue 12's decode-attention targets.
+
+Llama-3-8B heads (32 query, 8 KV, dim 128), block size 64, one token per sequence over 1k..32k
+cached tokens, fp16 / int8 / int4 KV. Both kernels are timed as CUDA-graph replays (how the
+engine runs decode), so launch overhead on the host is not in the figures. Prints per shape the
+time, the KV bytes read per second and the speed-up over Triton, then the targets:
+
+* int8 KV at batch 8, 32k tokens: at least 1.6x faster than fp16 KV (it reads half the bytes);
+* fp16 KV at batch 1, 32k tokens: at least 2.5 TB/s of KV read.
+
+Every shape's output is also compared with Triton's (max abs difference: both read the same
+pool, so it is their rounding difference, ~1e-3 for fp16).
+
+The library comes from $LSQ_CUDA_ATTENTION_LIB (or --lib), else it is compiled with nvcc for
+this GPU (about a minute). --quick runs tiny shapes through the CPU emulation of the kernel
+(lsq_emulate_paged_decode_attention, no GPU, no timing): a check of this script.
+
+Usage: python evals/bench/cuda_attention.py [--batch 1,8] [--contexts 1024,4096,16384,32768]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from runtime.kv.cache import KVCache
+from runtime.kv.format import STORAGE_KINDS, KVSpec
+
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+_ARGS = [_P, _I64, _I64, _P, _I64, _I64, *[_P] * 6, _I32, _I32, _P, _I64, _I64, _P]
+_ARGS += [*[_I64] * 5, _I32, _F32, _I64, _P]
+HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 64
+
+
+def load_library(path: str | None, quick: bool) -> ctypes.CDLL:
+    if not path:
+        nvcc = shutil.which("nvcc")
+        if nvcc is None:
+            raise SystemExit("nvcc not installed: set LSQ_CUDA_ATTENTION_LIB to a built library")
+        arch = "80" if quick else "".join(map(str, torch.cuda.get_device_capability()))
+        path = str(Path(tempfile.mkdtemp()) / "liblsq_attention.so")
+        cmd = [nvcc, "-std=c++17", "-O3", "-lineinfo", "-shared", "-Xcompiler", "-fPIC"]
+        cmd += ["-cudart", "static", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+        cmd += [str(CSRC / "paged_attention.cu"), str(CSRC / "kv_write.cu"), "-o", path]
+        start = time.monotonic()
+        subprocess.run(cmd, check=True)
+        print(f"built for sm_{arch} in {time.monotonic() - start:.0f} s")
+    lib = ctypes.CDLL(path)
+    lib.lsq_paged_decode_attention.argtypes = [*_ARGS, _P]
+    lib.lsq_emulate_paged_decode_attention.argtypes = _ARGS
+    lib.lsq_paged_decode_workspace_floats.argtypes = [_I64] * 6
+    lib.lsq_paged_decode_partition_size.argtypes = [_I64] * 6
+    for fn in (lib.lsq_paged_decode_workspace_floats, lib.lsq_paged_decode_partition_size):
+        fn.restype = _I64
+    return lib
+
+
+def make_pool(kv_quant: str, batch: int, ctx: int, device: torch.device):
+    spec = KVSpec(1, KV_HEADS, DIM, BLOCK, kv_quant, torch.float16)
+    blocks = batch * -(-ctx // BLOCK)
+    kv = KVCache(spec, blocks, device).layer(0)
+    for t in (kv.k, kv.v):
+        t.copy_(torch.randint_like(t, 0, 255) if t.dtype == torch.uint8 else torch.randn_like(t))
+    if kv.quantized:
+        for t in (kv.k_scale, kv.v_scale):
+            t.fill_(0.01)
+        for t in (kv.k_zero, kv.v_zero):
+            t.fill_(-1.0)
+    tables = torch.randperm(blocks, device=device, dtype=torch.int32).view(batch, -1)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    return spec, kv, tables, lens
+
+
+def csrc_call(lib, q, out, kv, tables, lens, partition, workspace, emulate: bool):
+    s = kv.spec
+    ptr = [None if t is None else t.data_ptr() for t in kv.tensors()[:2]]
+    ptr += [None if t is None else t.data_ptr() for t in (kv.k_scale, kv.k_zero)]
+    ptr += [None if t is None else t.data_ptr() for t in (kv.v_scale, kv.v_zero)]
+    args = [
+        q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
+        *ptr, s.storage_kind, STORAGE_KINDS[q.dtype],
+        tables.data_ptr(), tables.stride(0), tables.shape[1], lens.data_ptr(),
+        q.shape[0], q.shape[1], s.num_kv_heads, s.head_dim, s.block_size, 0, DIM**-0.5,
+        partition, workspace.data_ptr(),
+    ]  # fmt: skip
+
+    def run() -> None:
+        if emulate:
+            rc = lib.lsq_emulate_paged_decode_attention(*args)
+        else:
+            rc = lib.lsq_paged_decode_attention(*args, torch.cuda.current_stream().cuda_stream)
+        if rc:
+            raise RuntimeError(f"lsq_paged_decode_attention returned {rc}")
+
+    return run
+
+
+def graph_ms(fn, iters: int = 50) -> float:
+    """Milliseconds per replay of fn captured in a CUDA graph (after a warm-up call)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def measure(lib, kv_quant: str, batch: int, ctx: int, device: torch.device, sms: int, quick: bool):
+    """(partition size, csrc ms, triton ms, max |csrc - triton|, KV bytes read) of one shape;
+    in --quick mode only the emulated call runs (times and difference are None)."""
+    spec, kv, tables, lens = make_pool(kv_quant, batch, ctx, device)
+    q = torch.randn(batch, HEADS, DIM, device=device, dtype=torch.float16)
+    out = torch.empty_like(q)
+    width = tables.shape[1]
+    part = lib.lsq_paged_decode_partition_size(batch, HEADS, KV_HEADS, width, BLOCK, sms)
+    floats = lib.lsq_paged_decode_workspace_floats(batch, HEADS, DIM, width, BLOCK, part)
+    workspace = torch.empty(max(floats, 1), dtype=torch.float32, device=device)
+    run = csrc_call(lib, q, out, kv, tables, lens, part, workspace, quick)
+    kv_bytes = batch * ctx * spec.bytes_per_token()
+    if quick:
+        run()
+        return part, None, None, None, kv_bytes
+    from runtime.kernels.triton.attention import paged_decode_attention
+
+    ms = graph_ms(run)
+    outputs: list[torch.Tensor] = []
+
+    def triton_run() -> None:
+        outputs.append(paged_decode_attention(q, kv, tables, lens, DIM**-0.5))
+
+    t_ms = graph_ms(triton_run)  # the replays write into the captured call's output
+    run()
+    torch.cuda.synchronize()
+    diff = (out.float() - outputs[-1].float()).abs().max().item()
+    return part, ms, t_ms, diff, kv_bytes
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", default="1,8")
+    p.add_argument("--contexts", default="1024,4096,16384,32768")
+    p.add_argument("--lib", default=os.environ.get("LSQ_CUDA_ATTENTION_LIB"))
+    p.add_argument("--quick", action="store_true", help="CPU emulation, tiny shapes, no timing")
+    a = p.parse_args()
+    if not a.quick and not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU (or --quick: the CPU emulation, as a smoke test)")
+    device = torch.device("cpu") if a.quick else torch.device("cuda", torch.cuda.current_device())
+    lib = load_library(a.lib, a.quick)
+    sms = 132 if a.quick else torch.cuda.get_device_properties(device).multi_processor_count
+    batches = (1, 2) if a.quick else tuple(int(b) for b in a.batch.split(","))
+    contexts = (200,) if a.quick else tuple(int(c) for c in a.contexts.split(","))
+    name = "CPU (emulated)" if a.quick else torch.cuda.get_device_name(device)
+    print(f"# csrc paged decode attention on {name}, torch {torch.__version__}")
+    print(f"{HEADS} heads / {KV_HEADS} KV heads, dim {DIM}, block {BLOCK}; CUDA-graph replays\n")
+    print(
+        "| kv | batch | context | partition | csrc ms | csrc TB/s | triton ms | speed-up | diff |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    times: dict[tuple[str, int, int], float] = {}
+    for batch in batches:
+        for kv_quant in ("none", "int8", "int4"):
+            for ctx in contexts:
+                part, ms, t_ms, diff, kv_bytes = measure(
+                    lib, kv_quant, batch, ctx, device, sms, a.quick
+                )
+                if ms is None:
+                    print(f"| {kv_quant} | {batch} | {ctx} | {part} | - | - | - | - | - |")
+                    continue
+                times[(kv_quant, batch, ctx)] = ms
+                print(
+                    f"| {kv_quant} | {batch} | {ctx} | {part} | {ms:.4f} | "
+                    f"{kv_bytes / ms / 1e9:.2f} | {t_ms:.4f} | {t_ms / ms:.2f}x | {diff:.1e} |"
+                )
+    if a.quick:
+        return
+    longest = max(contexts)
+    print(f"\n## Targets (context {longest})")
+    if ("int8", 8, longest) in times:
+        ratio = times[("none", 8, longest)] / times[("int8", 8, longest)]
+        print(f"- int8 vs fp16 KV at batch 8: {ratio:.2f}x faster (target >= 1.6x)")
+    if ("none", 1, longest) in times:
+        spec = KVSpec(1, KV_HEADS, DIM, BLOCK, "none", torch.float16)
+        rate = longest * spec.bytes_per_token() / times[("none", 1, longest)] / 1e9
+        print(f"- fp16 KV at batch 1: {rate:.2f} TB/s of KV read (target >= 2.5 TB/s)")
+
+
+if __name__ == "__main__":
+    main()

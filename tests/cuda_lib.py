@@ -1,0 +1,406 @@
+"""Build and call the csrc paged-attention and KV-write kernels from tests (ctypes, no torch
+headers): the shared part of ``test_cuda_attention_build.py`` (CPU: compile checks, argument
+checks, the kernels run by the SIMT emulator) and ``test_cuda_attention_gpu.py`` (the kernels on
+a GPU).
+
+The library is compiled at most once per test session (per architecture list). The entry points
+are ``lsq_paged_decode_attention``, ``lsq_kv_write`` (``_i32``) and their ``lsq_emulate_*`` twins,
+which run the very same block bodies on the CPU (``csrc/simt.cuh``) on host pointers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from runtime.kv.format import STORAGE_KINDS
+from runtime.kv.layer import LayerKV
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+SOURCES = ("paged_attention.cu", "kv_write.cu")
+HEADERS = ("common.cuh", "simt.cuh")
+ARCHS = ("80", "86", "89", "90")  # sm_80, sm_86, sm_89, sm_90: the project's fatbin targets
+NVCC = shutil.which("nvcc")
+
+_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+_ATTENTION = [
+    *[_P, _I64, _I64],  # q, strides
+    *[_P, _I64, _I64],  # out, strides
+    *[_P] * 6,  # k, v, k_scale, k_zero, v_scale, v_zero
+    _I32,  # kv_kind
+    _I32,  # q_dtype
+    *[_P, _I64, _I64, _P],  # block_tables, table_stride, max_blocks, context_lens
+    *[_I64] * 5,  # batch, num_heads, num_kv_heads, head_dim, block_size
+    _I32,  # sliding_window
+    _F32,  # scale
+    _I64,  # partition_size
+    _P,  # workspace
+]
+_WRITE = [
+    *[_P, _I64, _I64, _P, _I64, _I64],  # k, strides, v, strides
+    _I32,  # in_dtype
+    _P,  # slot_mapping
+    _I64,  # num_tokens
+    *[_P] * 6,  # k_cache, v_cache, k_scale, k_zero, v_scale, v_zero
+    _I32,  # kv_kind
+    *[_I64] * 3,  # num_kv_heads, head_dim, block_size
+]
+SIGNATURES = {
+    "lsq_paged_decode_attention": (_I32, [*_ATTENTION, _P]),
+    "lsq_emulate_paged_decode_attention": (_I32, _ATTENTION),
+    "lsq_paged_decode_workspace_floats": (_I64, [_I64] * 6),
+    "lsq_paged_decode_partition_size": (_I64, [_I64] * 6),
+    "lsq_kv_write": (_I32, [*_WRITE, _P]),
+    "lsq_kv_write_i32": (_I32, [*_WRITE, _P]),
+    "lsq_emulate_kv_write": (_I32, [*_WRITE[:8], _I32, *_WRITE[8:]]),  # + slot_bytes
+}
+INVALID = 1  # cudaErrorInvalidValue
+
+
+@dataclass(frozen=True)
+class Build:
+    path: Path
+    log: str  # nvcc's output, with ptxas -v resource usage
+    seconds: float
+    archs: tuple[str, ...]
+
+
+_BUILDS: dict[tuple[str, ...], Build] = {}
+
+
+def nvcc_command(out: Path, archs: tuple[str, ...]) -> list[str]:
+    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    return [
+        str(NVCC),
+        "-std=c++17",
+        "-O3",
+        "-lineinfo",
+        "-shared",
+        "-Xcompiler",
+        "-fPIC",
+        "-cudart",
+        "static",
+        "-Xptxas",
+        "-v",
+        *gencode,
+        *(str(CSRC / s) for s in SOURCES),
+        "-o",
+        str(out),
+    ]
+
+
+def build(out_dir: Path, archs: tuple[str, ...] = ARCHS) -> Build:
+    """Compile the two kernel files into ``out_dir/liblsq_attention.so`` (once per session and
+    architecture list; a build for a superset of ``archs`` is reused)."""
+    for have, done in _BUILDS.items():
+        if set(archs) <= set(have):
+            return done
+    out = out_dir / "liblsq_attention.so"
+    start = time.monotonic()
+    proc = subprocess.run(nvcc_command(out, archs), capture_output=True, text=True)
+    seconds = time.monotonic() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"nvcc failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    done = Build(out, proc.stdout + proc.stderr, seconds, tuple(archs))
+    _BUILDS[tuple(archs)] = done
+    return done
+
+
+def load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    for name, (restype, argtypes) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def decode_attention(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    kv: LayerKV,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    partition_size: int,
+    emulate: bool = False,
+) -> torch.Tensor:
+    """The kernel's output ``[B, H, D]`` in q's dtype; ``emulate`` runs it on the CPU (all tensors
+    on the CPU), else on q's GPU on torch's current stream. int32 tables and lengths."""
+    s = kv.spec
+    batch, heads, dim = q.shape
+    assert q.stride(-1) == 1 and block_tables.dtype == torch.int32
+    assert context_lens.dtype == torch.int32 and context_lens.is_contiguous()
+    out = torch.empty_like(q)
+    max_blocks = block_tables.shape[1]
+    floats = lib.lsq_paged_decode_workspace_floats(
+        batch, heads, dim, max_blocks, s.block_size, partition_size
+    )
+    assert floats >= 0
+    workspace = torch.empty(max(floats, 1), dtype=torch.float32, device=q.device)
+    args = [
+        _ptr(q), q.stride(0), q.stride(1),
+        _ptr(out), out.stride(0), out.stride(1),
+        *(_ptr(t) for t in (kv.k, kv.v, kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero)),
+        s.storage_kind, STORAGE_KINDS[q.dtype],
+        _ptr(block_tables), block_tables.stride(0), max_blocks, _ptr(context_lens),
+        batch, heads, s.num_kv_heads, dim, s.block_size,
+        sliding_window or 0, scale, partition_size, _ptr(workspace),
+    ]  # fmt: skip
+    if emulate:
+        rc = lib.lsq_emulate_paged_decode_attention(*args)
+    else:
+        rc = lib.lsq_paged_decode_attention(*args, torch.cuda.current_stream().cuda_stream)
+    assert rc == 0, f"lsq_paged_decode_attention returned {rc}"
+    return out
+
+
+def kv_write(
+    lib: ctypes.CDLL,
+    kv: LayerKV,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    emulate: bool = False,
+) -> None:
+    """Quantize (or convert) and store ``k``, ``v`` ``[T, Hkv, D]`` at ``slot_mapping`` (int64 or
+    int32) into the layer's pool; ``emulate`` runs the kernel on the CPU."""
+    s = kv.spec
+    assert k.stride(-1) == 1 and v.stride(-1) == 1
+    args = [
+        _ptr(k), k.stride(0), k.stride(1), _ptr(v), v.stride(0), v.stride(1),
+        STORAGE_KINDS[k.dtype],
+    ]  # fmt: skip
+    rest = [
+        slot_mapping.shape[0],
+        *(_ptr(t) for t in (kv.k, kv.v, kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero)),
+        s.storage_kind, s.num_kv_heads, s.head_dim, s.block_size,
+    ]  # fmt: skip
+    assert k.dtype == v.dtype and slot_mapping.dtype in (torch.int64, torch.int32)
+    if emulate:
+        size = slot_mapping.element_size()
+        rc = lib.lsq_emulate_kv_write(*args, _ptr(slot_mapping), size, *rest)
+    else:
+        fn = lib.lsq_kv_write if slot_mapping.dtype == torch.int64 else lib.lsq_kv_write_i32
+        rc = fn(*args, _ptr(slot_mapping), *rest, torch.cuda.current_stream().cuda_stream)
+    assert rc == 0, f"lsq_kv_write returned {rc}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Test data shared by the emulated (CPU) and GPU tests.
+
+F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+POOL = ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero")
+# max |out - ref| <= atol + rtol * |ref|: see test_cuda_attention_build.py's docstring
+TOL = {F16: (2e-3, 2e-3), BF16: (3e-2, 3e-2)}
+SPARE_BLOCKS = 2  # table columns past the longest sequence: padding, and empty partitions
+
+# kv_quant, dtype, block_size, heads, kv heads, head_dim, context_lens, window, partition_size
+DECODE_CASES = [
+    ("none", F16, 16, 32, 8, 128, [1, 17, 1000], None, 16),  # 63 partitions of one block
+    ("none", F16, 64, 9, 3, 64, [1, 17, 1000], 300, 128),
+    ("none", BF16, 16, 9, 3, 96, [17, 1, 200], None, 48),  # 3-block partitions
+    ("none", BF16, 64, 32, 8, 128, [1000, 17], 100, 64),
+    ("int8", F16, 16, 32, 8, 128, [1, 17, 1000], None, 256),
+    ("int8", F16, 64, 9, 3, 64, [1000, 1, 17], 33, 64),  # most partitions before the window
+    ("int8", BF16, 16, 9, 3, 128, [17, 1000], 1, 16),  # window 1: only the token itself
+    ("int8", BF16, 64, 16, 1, 96, [1, 17, 300], None, 4096),  # one partition; 16 heads: 2 chunks
+    ("int4", F16, 16, 9, 3, 128, [1, 17, 1000], 500, 64),
+    ("int4", F16, 64, 32, 8, 64, [17, 1000, 1], None, 128),
+    ("int4", BF16, 16, 12, 1, 96, [1000, 17], 70, 32),  # a 12-head group: chunks of 8 and 4
+    ("int4", BF16, 64, 4, 4, 128, [1, 17, 1000], None, 1024),  # no GQA
+]
+
+
+def case_id(case: tuple) -> str:
+    kv_quant, dtype, bs, heads, kv_heads, dim, ctx, window, part = case
+    win = f"-w{window}" if window else ""
+    return f"{kv_quant}-{str(dtype)[6:]}-bs{bs}-{heads}x{kv_heads}-d{dim}{win}-p{part}"
+
+
+def build_pool(
+    kv_quant: str,
+    dtype: torch.dtype,
+    block_size: int,
+    context_lens: list[int],
+    num_kv_heads: int,
+    head_dim: int,
+    seed: int,
+):
+    """A one-layer pool (CPU) holding every sequence's K/V, written by ``LayerKV.write`` into
+    shuffled blocks, and int32 block tables padded with 0 (a valid id, as the engine pads).
+    Returns (cache, tables, generator)."""
+    from runtime.kv.cache import KVCache
+    from runtime.kv.format import KVSpec
+
+    gen = torch.Generator().manual_seed(seed)
+    spec = KVSpec(1, num_kv_heads, head_dim, block_size, kv_quant, dtype)
+    needed = [-(-n // block_size) for n in context_lens]
+    num_blocks = sum(needed) + 3
+    cache = KVCache(spec, num_blocks)
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(context_lens), max(needed) + SPARE_BLOCKS, dtype=torch.int32)
+    slots, start = [], 0
+    for i, (n, nb) in enumerate(zip(context_lens, needed, strict=True)):
+        tables[i, :nb] = perm[start : start + nb]
+        start += nb
+        pos = torch.arange(n)
+        slots.append(tables[i, pos // block_size].long() * block_size + pos % block_size)
+    slot_mapping = torch.cat(slots)
+    k = 2 * torch.randn(len(slot_mapping), num_kv_heads, head_dim, generator=gen) + 0.3
+    v = torch.randn(len(slot_mapping), num_kv_heads, head_dim, generator=gen) - 0.2
+    cache.layer(0).write(k.to(dtype), v.to(dtype), slot_mapping)
+    # stale, non-finite bytes in the unused slots of the last blocks and the spare ones:
+    # the kernel must not let positions past a sequence's end reach the output
+    used = torch.zeros(cache.num_slots, dtype=torch.bool)
+    used[slot_mapping] = True
+    layer = cache.layer(0)
+    for name in POOL:
+        t = getattr(layer, name)
+        if t is not None and t.dtype != torch.uint8:
+            layer._flat(t)[~used] = float("nan")
+    return cache, tables, gen
+
+
+def reference_decode(q, cache, tables, context_lens, scale, window) -> torch.Tensor:
+    from runtime.kernels.reference import paged_attention
+
+    rows = list(tables.long())
+    ones = [1] * len(context_lens)
+    return paged_attention(q, cache.layer(0), rows, context_lens, ones, scale, window)
+
+
+def on_device(cache, device: torch.device):
+    """A copy of the pool on ``device``: the kernels read the bytes the CPU reference reads."""
+    from runtime.kv.cache import KVCache
+
+    if device.type == "cpu":
+        return cache
+    copy = KVCache(cache.spec, cache.num_blocks, device)
+    for src, dst in zip(cache.layers, copy.layers, strict=True):
+        for name in POOL:
+            if getattr(src, name) is not None:
+                getattr(dst, name).copy_(getattr(src, name))
+    return copy
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    atol, rtol = TOL[ref.dtype]
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.cpu().float(), ref.float(), atol=atol, rtol=rtol)
+
+
+def special_rows(head_dim: int, qmax: int, gen: torch.Generator) -> torch.Tensor:
+    """[6, head_dim] fp32 rows that stress the quantizer's rounding: beyond the fp16 range
+    (saturating), constant, tiny negatives (zero rounds to -2**-24), a range below one fp16 ulp,
+    exact round-half-even ties next to values one ulp below a tie, and an offset random row."""
+    ramp = torch.arange(head_dim, dtype=F32)
+    ties = torch.full((head_dim,), 0.5)
+    ties[0], ties[1] = 0.0, float(qmax)  # zero 0 and scale exactly 1: codes are round(x)
+    half = torch.arange(head_dim - 2) % qmax + 0.5  # k + 0.5: exact ties, both parities
+    ties[2:] = torch.where(torch.arange(head_dim - 2) % 3 == 0, half.nextafter(-half), half)
+    return torch.stack(
+        [
+            torch.randn(head_dim, generator=gen) * 3e4 + ramp * 1e3,
+            torch.full((head_dim,), 1.2345),
+            -torch.rand(head_dim, generator=gen) * 1e-9,
+            1 + torch.rand(head_dim, generator=gen) * 1e-6,
+            ties,
+            torch.randn(head_dim, generator=gen) - 7.5,
+        ]
+    )
+
+
+# kv_quant, pool dtype, input dtype, kv heads, head_dim
+WRITE_CASES = [
+    ("int8", F16, F32, 2, 128),
+    ("int8", BF16, F16, 3, 64),
+    ("int8", F16, BF16, 1, 96),
+    ("int8", F16, F32, 2, 20),  # head_dim below a warp
+    ("int4", F16, F32, 2, 128),
+    ("int4", BF16, BF16, 2, 64),
+    ("int4", F16, F16, 1, 200),  # more pairs than lanes
+    ("int4", F16, F32, 3, 18),
+    ("none", F16, F16, 2, 128),
+    ("none", BF16, BF16, 2, 64),
+    ("none", BF16, F32, 2, 96),  # converted on the way in
+    ("none", F16, BF16, 1, 40),
+    ("none", F16, F32, 2, 64),
+]
+
+
+def write_case_id(case: tuple) -> str:
+    kv_quant, pool, src, heads, dim = case
+    return f"{kv_quant}-{str(pool)[6:]}-from-{str(src)[6:]}-h{heads}-d{dim}"
+
+
+def write_inputs(case: tuple, seed: int):
+    """(spec, k, v, slots, num_blocks): 20 tokens with the special rows in K's first head and
+    (reversed) V's last head, slots shuffled over 3 blocks of 16 with 4 padding slots (-1)."""
+    from runtime.kv.format import KVSpec
+
+    kv_quant, pool, src, heads, dim = case
+    gen = torch.Generator().manual_seed(seed)
+    qmax = 255 if kv_quant == "int8" else 15
+    num_tokens, block_size, num_blocks = 20, 16, 3
+    k = torch.randn(num_tokens, heads, dim, generator=gen) * 2 + 0.5
+    v = torch.randn(num_tokens, heads, dim, generator=gen)
+    rows = special_rows(dim, qmax, gen)
+    k[: len(rows), 0] = rows
+    v[-len(rows) :, -1] = rows.flip(0)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[6 + torch.randperm(num_tokens - 12, generator=gen)[:4]] = -1  # padding, not special
+    spec = KVSpec(1, heads, dim, block_size, kv_quant, pool)
+    return spec, k.to(src), v.to(src), slots, num_blocks
+
+
+def assert_same_pool(a, b) -> None:
+    """Every tensor of the layer bit for bit (``a`` on any device, ``b`` on the CPU)."""
+    for name in POOL:
+        x, y = getattr(a.layer(0), name), getattr(b.layer(0), name)
+        if x is None:
+            assert y is None
+            continue
+        x = x.cpu()
+        bits = torch.uint8 if x.dtype == torch.uint8 else torch.int16
+        assert torch.equal(x.view(bits), y.view(bits)), f"{name} differs"
+
+
+def find_cuobjdump() -> str | None:
+    """cuobjdump from PATH, next to nvcc, or the copy triton ships (None when none is found)."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    dirs = [Path(NVCC).resolve().parent] if NVCC else []
+    try:
+        import triton
+
+        dirs.append(Path(triton.__file__).parent / "backends" / "nvidia" / "bin")
+    except ImportError:
+        pass
+    return next((str(d / "cuobjdump") for d in dirs if (d / "cuobjdump").is_file()), None)
+
+
+def saturate(cache, tables: torch.Tensor, seq: int, positions: list[int], seed: int) -> None:
+    """Rewrite V of some positions of sequence ``seq`` with values at the fp16 limits (+-65504):
+    their dequantized maximum, zero + qmax * scale, exceeds the fp16 range (so the kernel's
+    fp16 dequantization must clamp), while a bf16 pool's reference stays finite."""
+    s = cache.spec
+    gen = torch.Generator().manual_seed(seed)
+    pos = torch.tensor(positions)
+    slots = tables[seq, pos // s.block_size].long() * s.block_size + pos % s.block_size
+    k = torch.randn(len(positions), s.num_kv_heads, s.head_dim, generator=gen)
+    v = torch.full((len(positions), s.num_kv_heads, s.head_dim), 65504.0)
+    v[..., ::2] = -65504.0
+    v[:, :, 1] = 7e4  # beyond fp16: clamped by the quantizer
+    cache.layer(0).write(k.to(s.dtype), v.to(s.dtype), slots)
