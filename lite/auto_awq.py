@@ -1,9 +1,12 @@
 """`lite auto_awq`: calibrate layer by layer, resumably, and publish an artifact atomically.
 
 Only one decoder layer's weights (read lazily from the source shards) and the calibration
-activations are resident at a time. After each layer, its packed tensors and the next layer's
-inputs are saved under WORK_DIR.partial/; a rerun of the same command picks up there and
-writes the same bytes. The artifact appears at WORK_DIR by a single rename at the end.
+activations are resident at a time: the layer on the calibration device (`--device`), the
+activations on the host, crossing to the device one chunk at a time (`--calib-batch-size`).
+After each layer, its packed tensors and the next layer's inputs are saved under
+WORK_DIR.partial/; a rerun of the same command picks up there and writes the same bytes, and
+so does a rerun with another device or chunk size (neither is part of the run's identity). The
+artifact appears at WORK_DIR by a single rename at the end.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import resource
 import shutil
@@ -26,12 +30,23 @@ import torch
 from safetensors.torch import load_file
 
 from lite.awq import InputStats, search_clip, search_scale
+from lite.compute import (
+    cuda_version,
+    device_label,
+    free_bytes,
+    full_fp32,
+    out_of_memory,
+    peak_gib,
+    pick_device,
+    reset_peak,
+)
 from lite.data import CalibrationSet, build_calibration
 from lite.families import LAYER_GROUPS, NO_CLIP, ScaleGroup
 from lite.hf import architecture_from_config, generation_defaults, load_config
 from lite.model_card import write_model_card
+from lite.plan import Plan, default_rows, device_rows, make_plan, skeleton
 from lite.quantizer import QuantSpec, quantize
-from lite.sources import Checkpoint, ModelSource, resolve
+from lite.sources import Checkpoint, ModelSource, resolve, resolve_plan
 from runtime import __version__
 from runtime.artifact import layout
 from runtime.artifact.manifest import (
@@ -53,7 +68,7 @@ from runtime.artifact.writer import (
 )
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-CHUNK_TOKENS = 4096  # tokens per forward chunk: bounds activation memory, keeps matmuls large
+SOURCE_16BIT = {"F16": "float16", "BF16": "bfloat16"}  # safetensors' names
 
 
 class AwqFallbackWarning(UserWarning):
@@ -87,6 +102,7 @@ class RunState:
     created: str
     done: int = -1
     fallbacks: list[str] = field(default_factory=list)
+    devices: list[str] = field(default_factory=list)  # every device that calibrated a layer
 
     @classmethod
     def open(cls, partial: Path, fingerprint: str) -> RunState:
@@ -99,9 +115,8 @@ class RunState:
                     f"rerun the original command to resume it, or delete it (rm -r {partial}) "
                     f"to start over"
                 )
-            return cls(
-                partial, **{k: saved[k] for k in ("fingerprint", "created", "done", "fallbacks")}
-            )
+            kept = {k: saved[k] for k in ("fingerprint", "created", "done", "fallbacks")}
+            return cls(partial, **kept, devices=saved.get("devices", []))
         partial.mkdir(parents=True, exist_ok=True)
         (partial / "layers").mkdir(exist_ok=True)
         state = cls(partial, fingerprint, _now())
@@ -118,6 +133,11 @@ class RunState:
     def save(self) -> None:
         data = {k: v for k, v in dataclasses.asdict(self).items() if k != "dir"}
         write_json_atomic(data, self.dir / "state.json")
+
+    def add_device(self, label: str) -> None:
+        if label not in self.devices:
+            self.devices.append(label)
+            self.save()
 
     def finish_layer(
         self,
@@ -185,28 +205,46 @@ def _layer_call(layer: torch.nn.Module, h: torch.Tensor, pos: tuple) -> torch.Te
     return out[0] if isinstance(out, tuple) else out
 
 
+def layer_device(layer: torch.nn.Module) -> torch.device:
+    return next(layer.parameters()).device
+
+
 @torch.inference_mode()
-def run_layer(layer: torch.nn.Module, x: torch.Tensor, pos: tuple) -> torch.Tensor:
-    chunk = max(1, CHUNK_TOKENS // x.shape[1])
-    return torch.cat([_layer_call(layer, x[i : i + chunk], pos) for i in range(0, len(x), chunk)])
+def run_layer(
+    layer: torch.nn.Module, x: torch.Tensor, pos: tuple, rows: int | None = None
+) -> torch.Tensor:
+    """The layer's outputs for all samples of x, `rows` samples at a time (default:
+    `default_rows`). Each chunk crosses to the layer's device and its outputs come back to
+    x's, so the device holds one chunk; `pos` must be on the layer's device."""
+    device = layer_device(layer)
+    rows = rows or default_rows(x.shape[1])
+    out = torch.empty_like(x)
+    for i in range(0, len(x), rows):
+        out[i : i + rows] = _layer_call(layer, x[i : i + rows].to(device), pos)
+    return out
 
 
 def capture(
-    layer: torch.nn.Module, groups: tuple[ScaleGroup, ...], x: torch.Tensor, pos: tuple
+    layer: torch.nn.Module,
+    groups: tuple[ScaleGroup, ...],
+    x: torch.Tensor,
+    pos: tuple,
+    rows: int | None = None,
 ) -> tuple[dict[ScaleGroup, InputStats], torch.Tensor]:
     """One forward with hooks: the input statistics each group's linears share, and the
     layer's full-precision outputs, which become the next layer's inputs (as in AutoAWQ;
-    measured on SmolLM2 as good as feeding quantized outputs, and one forward cheaper)."""
+    measured on SmolLM2 as good as feeding quantized outputs, and one forward cheaper). The
+    statistics add up chunk by chunk on the layer's device."""
     stats: dict[ScaleGroup, InputStats] = {}
     handles = []
     for group in groups:
         first = layer.get_submodule(group.linears[0])
-        stats[group] = InputStats(first.in_features)
+        stats[group] = InputStats(first.in_features, layer_device(layer))
         handles.append(
             first.register_forward_pre_hook(lambda _m, args, s=stats[group]: s.add(args[0]))
         )
     try:
-        outputs = run_layer(layer, x, pos)
+        outputs = run_layer(layer, x, pos, rows)
     finally:
         for h in handles:
             h.remove()
@@ -218,6 +256,7 @@ class LayerCalibration:
     clip: dict[str, torch.Tensor]  # linear name -> per (row, group) range shrink
     fallbacks: list[str]
     outputs: torch.Tensor
+    ratios: dict[str, float | None] = field(default_factory=dict)  # group -> alpha (None: 1)
 
 
 def _can_scale(layer: torch.nn.Module, group: ScaleGroup) -> bool:
@@ -256,20 +295,20 @@ def calibrate_layer(
     pos: tuple,
     cfg: AwqConfig,
     name: str,
+    rows: int | None = None,
 ) -> LayerCalibration:
-    """Scale search (folded into the layer in place), then clip search."""
-    stats, outputs = capture(layer, groups, x, pos)
+    """Scale search (folded into the layer in place), then clip search, on the layer's device."""
+    stats, outputs = capture(layer, groups, x, pos, rows)
     fallbacks = []
+    ratios: dict[str, float | None] = {}
     for group in groups:
         if not _can_scale(layer, group):
             continue
         w = torch.cat([layer.get_submodule(n).weight.data for n in group.linears])
         result = search_scale(w, stats[group], cfg.spec, cfg.n_grid, cfg.duo_scaling)
-        if result.ratio is None and not torch.isfinite(torch.tensor(result.loss)):
-            note = (
-                f"{name} {group.prev}->{','.join(group.linears)}: non-finite search loss, "
-                f"identity scale"
-            )
+        ratios[group.label] = result.ratio
+        if result.ratio is None and not math.isfinite(result.loss):
+            note = f"{name} {group.label}: non-finite search loss, identity scale"
             warnings.warn(note, AwqFallbackWarning, stacklevel=2)
             fallbacks.append(note)
             continue
@@ -287,13 +326,14 @@ def calibrate_layer(
         for name in group.linears
         if name.rsplit(".", 1)[-1] not in NO_CLIP
     }
-    return LayerCalibration(clip, fallbacks, outputs)
+    return LayerCalibration(clip, fallbacks, outputs, ratios)
 
 
 def pack_layer(
     layer: torch.nn.Module, cfg: AwqConfig, prefix: str, clip: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """Every linear quantized and packed in the artifact layout; the rest in `cfg.dtype`."""
+    """Every linear quantized and packed in the artifact layout; the rest in `cfg.dtype`.
+    Computed where the layer is; returned on the host, to be written."""
     dtype = DTYPES[cfg.dtype]
     gs = cfg.spec.group_size
     tensors: dict[str, torch.Tensor] = {}
@@ -309,22 +349,22 @@ def pack_layer(
     for pname, p in layer.named_parameters():
         if pname.rsplit(".", 1)[0] not in linears:
             tensors[prefix + pname] = p.data.to(dtype)
-    return tensors
+    return {name: t.cpu() for name, t in tensors.items()}
 
 
 def build_layers(config) -> tuple[torch.nn.ModuleList, torch.nn.Module]:
     """Decoder layer skeletons on the meta device (no memory) and the rotary embedding."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    rotary = type(skeleton.model.rotary_emb)(config=config)
-    return skeleton.model.layers, rotary
+    model = skeleton(config)
+    rotary = type(model.model.rotary_emb)(config=config)
+    return model.model.layers, rotary
 
 
-def load_layer(layer: torch.nn.Module, ckpt: Checkpoint, prefix: str) -> None:
-    layer.to_empty(device="cpu")
-    state = ckpt.with_prefix(prefix)
+def load_layer(
+    layer: torch.nn.Module, ckpt: Checkpoint, prefix: str, device: torch.device | str = "cpu"
+) -> None:
+    """The layer's weights from the shards onto `device`, in fp32."""
+    layer.to_empty(device=device)
+    state = ckpt.with_prefix(prefix, device)
     missing, unexpected = layer.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(
@@ -344,6 +384,32 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
 
 
+@dataclass(frozen=True)
+class Compute:
+    """Where a run computes and in what pieces: `--device` (auto, cpu, cuda, cuda:N) and
+    `--calib-batch-size` (samples per activation chunk; None: automatic). Not part of the
+    run's identity: a run that ran out of memory resumes with a smaller chunk or elsewhere."""
+
+    device: str = "auto"
+    calib_batch_size: int | None = None
+
+
+def storage_dtype(requested: str, ckpt: Checkpoint) -> str:
+    """`--dtype auto`: the source's own 16-bit dtype, so embeddings, norms and an untied
+    lm_head are stored bit for bit; float16 for a 32-bit source."""
+    if requested != "auto":
+        return requested
+    return SOURCE_16BIT.get(ckpt.stored_dtype("model.embed_tokens.weight"), "float16")
+
+
+def _calibration(cfg: AwqConfig, tokenizer) -> CalibrationSet | None:
+    if cfg.calib_samples == 0:
+        return None
+    return build_calibration(
+        cfg.calib_dataset, tokenizer, cfg.calib_samples, cfg.calib_seqlen, cfg.seed
+    )
+
+
 def auto_awq(
     model: str,
     work_dir: str | Path,
@@ -351,36 +417,79 @@ def auto_awq(
     command: str = "",
     overwrite: bool = False,
     progress: bool = True,
+    compute: Compute = Compute(),
 ) -> Path:
     from transformers import AutoTokenizer
 
     started = time.perf_counter()
+    device = pick_device(compute.device)
     work_dir = Path(work_dir)
     check_writable(work_dir, overwrite)
     source = resolve(model)
     config = load_config(source.path)
+    ckpt = Checkpoint(source.path)
+    cfg = dataclasses.replace(cfg, dtype=storage_dtype(cfg.dtype, ckpt))
     tokenizer = AutoTokenizer.from_pretrained(source.path)
-    calib = None
-    if cfg.calib_samples > 0:
-        calib = build_calibration(
-            cfg.calib_dataset, tokenizer, cfg.calib_samples, cfg.calib_seqlen, cfg.seed
-        )
+    calib = _calibration(cfg, tokenizer)
     state = RunState.open(
         work_dir.with_name(work_dir.name + ".partial"), fingerprint(source, cfg, calib)
     )
-    ckpt = Checkpoint(source.path)
-    bar_label = f"{cfg.method} {Path(model).name}"
-    quantize_layers(state, ckpt, config, calib, cfg, bar_label if progress else None)
+    bar_label = f"{cfg.method} {Path(model).name} on {device_label(device)}"
+    reset_peak(device)
+    quantize_layers(
+        state, ckpt, config, calib, cfg, device, compute.calib_batch_size, bar_label, progress
+    )
     staging = state.dir / "artifact"
     _assemble(staging, state, source, ckpt, config, tokenizer, cfg, calib, command)
     publish(staging, work_dir, overwrite)
     shutil.rmtree(state.dir)
-    print(
-        f"wrote {work_dir} in {time.perf_counter() - started:.0f} s; "
-        f"peak RSS {peak_rss_gib():.2f} GiB",
-        file=sys.stderr,
-    )
+    print(_summary(work_dir, time.perf_counter() - started, device), file=sys.stderr)
     return work_dir
+
+
+def _summary(work_dir: Path, seconds: float, device: torch.device) -> str:
+    """The last line: wall time, peak host RSS and, on a GPU, peak GPU memory."""
+    line = f"wrote {work_dir} in {seconds:.0f} s on {device_label(device)}; "
+    line += f"peak RSS {peak_rss_gib():.2f} GiB"
+    gpu = peak_gib(device)
+    return line if gpu is None else f"{line}; peak GPU memory {gpu:.2f} GiB"
+
+
+def embed(ckpt: Checkpoint, calib: CalibrationSet) -> torch.Tensor:
+    """The first layer's inputs, on the host: the calibration tokens' embeddings in fp32."""
+    return torch.nn.functional.embedding(calib.tokens, ckpt.get("model.embed_tokens.weight"))
+
+
+def positions(rotary: torch.nn.Module, x: torch.Tensor, device: torch.device) -> tuple:
+    """Rotary cos/sin of one calibration block, on the device (they broadcast over chunks)."""
+    cos, sin = rotary(x[:1], torch.arange(x.shape[1])[None])
+    return cos.to(device), sin.to(device)
+
+
+def quantize_layer(
+    layer: torch.nn.Module,
+    i: int,
+    ckpt: Checkpoint,
+    x: torch.Tensor | None,
+    pos: tuple | None,
+    cfg: AwqConfig,
+    config,
+    device: torch.device,
+    rows: int,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, list[str]]:
+    """Layer i loaded onto the device, calibrated on x (unless RTN) and packed: its host
+    tensors, its outputs (the next layer's inputs) and its fallbacks. Out of device memory
+    becomes an error that says which flag fixes it."""
+    prefix = f"model.layers.{i}."
+    try:
+        load_layer(layer, ckpt, prefix, device)
+        if x is None:
+            return pack_layer(layer, cfg, prefix, {}), None, []
+        groups = LAYER_GROUPS[config.model_type]
+        result = calibrate_layer(layer, groups, x, pos, cfg, f"model.layers.{i}", rows)
+        return pack_layer(layer, cfg, prefix, result.clip), result.outputs, result.fallbacks
+    except torch.OutOfMemoryError as e:
+        raise out_of_memory(device, i, rows if x is not None else 0) from e
 
 
 def quantize_layers(
@@ -389,40 +498,84 @@ def quantize_layers(
     config,
     calib: CalibrationSet | None,
     cfg: AwqConfig,
-    bar_label: str | None,
+    device: torch.device,
+    calib_batch_size: int | None,
+    bar_label: str,
+    progress: bool = True,
 ) -> None:
     """Each layer not yet finished: load it, calibrate it (unless RTN), pack it, save it."""
     from tqdm import tqdm
 
-    groups = LAYER_GROUPS[config.model_type]
     layers, rotary = build_layers(config)
-    check_coverage(layers[0], groups, config.model_type)
-    x = pos = None
-    if calib is not None:
-        if state.done >= 0:
-            x = state.load_inputs()
-        else:
-            x = torch.nn.functional.embedding(calib.tokens, ckpt.get("model.embed_tokens.weight"))
-        pos = rotary(x[:1], torch.arange(calib.seqlen)[None])
+    check_coverage(layers[0], LAYER_GROUPS[config.model_type], config.model_type)
     n_layers = config.num_hidden_layers
-    with tqdm(
-        total=n_layers,
-        initial=state.done + 1,
-        desc=bar_label,
-        unit="layer",
-        disable=bar_label is None,
-    ) as bar:
+    x = pos = None
+    rows = 0
+    if calib is not None and state.done + 1 < n_layers:
+        x = state.load_inputs() if state.done >= 0 else embed(ckpt, calib)
+        pos = positions(rotary, x, device)
+        rows = device_rows(
+            calib_batch_size, layers[0], config, calib.seqlen, calib.n_samples, free_bytes(device)
+        )
+    state.add_device(device_label(device))
+    with (
+        tqdm(
+            total=n_layers,
+            initial=state.done + 1,
+            desc=bar_label,
+            unit="layer",
+            disable=not progress,
+        ) as bar,
+        full_fp32(),
+    ):
         for i in range(state.done + 1, n_layers):
-            prefix = f"model.layers.{i}."
-            layer = layers[i]
-            load_layer(layer, ckpt, prefix)
-            clip, fallbacks = {}, []
-            if x is not None:
-                result = calibrate_layer(layer, groups, x, pos, cfg, f"model.layers.{i}")
-                clip, fallbacks, x = result.clip, result.fallbacks, result.outputs
-            state.finish_layer(i, pack_layer(layer, cfg, prefix, clip), x, fallbacks)
+            tensors, x, fallbacks = quantize_layer(
+                layers[i], i, ckpt, x, pos, cfg, config, device, rows
+            )
+            last = i + 1 == n_layers  # its outputs feed nothing: not saved
+            state.finish_layer(i, tensors, None if last else x, fallbacks)
             layers[i] = torch.nn.Identity()  # drop the layer's weights
             bar.update(1)
+
+
+def dry_run_plan(model: str, cfg: AwqConfig, compute: Compute = Compute()) -> Plan:
+    """The plan of a run, from the config alone; with the weights here, layer 0 is also
+    calibrated once (nothing written) to time it."""
+    device = pick_device(compute.device)
+    path, source = resolve_plan(model)
+    config = load_config(path)
+    plan = make_plan(
+        config,
+        cfg.spec.group_size,
+        cfg.calib_samples,
+        cfg.calib_seqlen,
+        device_label(device),
+        compute.calib_batch_size,
+        free_bytes(device),
+    )
+    if source is None:
+        return plan
+    return dataclasses.replace(plan, layer_seconds=time_layer(source, config, cfg, device, plan))
+
+
+def time_layer(
+    source: ModelSource, config, cfg: AwqConfig, device: torch.device, plan: Plan
+) -> float:
+    """Seconds to load, calibrate and pack layer 0 on the device, as a run would."""
+    from transformers import AutoTokenizer
+
+    ckpt = Checkpoint(source.path)
+    cfg = dataclasses.replace(cfg, dtype=storage_dtype(cfg.dtype, ckpt))
+    calib = _calibration(cfg, AutoTokenizer.from_pretrained(source.path))
+    layers, rotary = build_layers(config)
+    x = pos = None
+    if calib is not None:
+        x = embed(ckpt, calib)
+        pos = positions(rotary, x, device)
+    started = time.perf_counter()
+    with full_fp32():
+        quantize_layer(layers[0], 0, ckpt, x, pos, cfg, config, device, plan.rows)
+    return time.perf_counter() - started  # pack_layer's copies to the host synchronize
 
 
 def _globals(ckpt: Checkpoint, tied: bool, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -464,7 +617,14 @@ def _assemble(
             padded[prefix] = layout.padded_shape(*w_shape, cfg.spec.group_size)
     tokenizer.save_pretrained(staging)
     manifest = Manifest(
-        producer=Producer(version=__version__, command=command, created=state.created),
+        producer=Producer(
+            version=__version__,
+            command=command,
+            created=state.created,
+            devices=state.devices,
+            torch=torch.__version__,
+            cuda=cuda_version(state.devices),
+        ),
         source=SourceModel(id=source.id, revision=source.revision, files=source.files),
         architecture=arch,
         quantization=Quantization(

@@ -3,8 +3,12 @@
 For a linear with weight W and inputs x_t, the output error of a candidate W' summed over all
 calibration tokens is sum_t |(W - W') x_t|^2 = tr(E H E^T) with E = W - W' and H = sum_t x_t
 x_t^T. H is accumulated once per layer; each candidate then costs O(N K^2) instead of a forward
-over every token, so the whole calibration set scores every grid point (no token subsampling)
-and statistics and losses stay in fp32/fp64.
+over every token, so the whole calibration set scores every grid point (no token subsampling).
+
+Precision, the same on every device: statistics (H, sum |x|) accumulate in fp32 and fp64, and
+losses are scored in fp64, so a GPU run makes the grid choices the CPU run makes. fp64 costs
+nothing on the CPU and on data-center GPUs (an A100/H100/H200 multiplies fp64 matrices at its
+plain fp32 rate); on a consumer GPU (1/64 of it) the scale search becomes the slow part.
 """
 
 from __future__ import annotations
@@ -22,13 +26,14 @@ class InputStats:
     """Running statistics of one linear input: Gram matrix and mean |x| per channel."""
 
     dim: int
+    device: torch.device | str = "cpu"  # where the inputs arrive: the statistics live there
     gram: torch.Tensor = field(init=False)
     abs_sum: torch.Tensor = field(init=False)
     count: int = 0
 
     def __post_init__(self) -> None:
-        self.gram = torch.zeros(self.dim, self.dim, dtype=torch.float32)
-        self.abs_sum = torch.zeros(self.dim, dtype=torch.float64)
+        self.gram = torch.zeros(self.dim, self.dim, dtype=torch.float32, device=self.device)
+        self.abs_sum = torch.zeros(self.dim, dtype=torch.float64, device=self.device)
 
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, self.dim).float()
@@ -48,7 +53,8 @@ class InputStats:
 
 
 def output_error(err: torch.Tensor, gram: torch.Tensor) -> float:
-    """tr(E H E^T): the squared output error over all calibration tokens."""
+    """tr(E H E^T): the squared output error over all calibration tokens. Pass H in fp64 when
+    scoring many candidates against it: it is then converted once, not per call."""
     e = err.double()
     return float(((e @ gram.double()) * e).sum())
 
@@ -77,7 +83,7 @@ def search_scale(
     search never does worse than round-to-nearest on its own objective."""
     x_mean = stats.mean_abs
     w_mean = weight_importance(w, spec.group_size)
-    gram = stats.gram
+    gram = stats.gram.double()
     identity = torch.ones_like(x_mean)
     identity_loss = output_error(w - fake_quantize(w, spec), gram)
     best = ScaleResult(identity, None, identity_loss, identity_loss)
@@ -108,8 +114,8 @@ def search_clip(
     blocks = torch.stack(
         [gram[g * gs : (g + 1) * gs, g * gs : (g + 1) * gs] for g in range(groups)]
     )
-    best_loss = torch.full((n, groups), math.inf, dtype=torch.float64)
-    best_ratio = torch.ones(n, groups, dtype=torch.float32)
+    best_loss = torch.full((n, groups), math.inf, dtype=torch.float64, device=w.device)
+    best_ratio = torch.ones(n, groups, dtype=torch.float32, device=w.device)
     for i in range(int(max_shrink * n_grid)):
         ratio = 1 - i / n_grid
         err = torch.nn.functional.pad(w - fake_quantize(w, spec, ratio), (0, pad))

@@ -30,9 +30,8 @@ def main() -> None:
 @click.argument("model")
 @click.option(
     "--work-dir",
-    required=True,
     type=click.Path(path_type=Path),
-    help="Where the artifact appears (atomically, when finished).",
+    help="Where the artifact appears (atomically, when finished); required unless --dry-run.",
 )
 @click.option(
     "--recipe",
@@ -66,10 +65,30 @@ def main() -> None:
 @click.option("--seed", default=42, show_default=True, help="Picks the calibration blocks.")
 @click.option(
     "--dtype",
-    type=click.Choice(["float16", "bfloat16"]),
-    default="float16",
+    type=click.Choice(["auto", "float16", "bfloat16"]),
+    default="auto",
     show_default=True,
-    help="Storage dtype of the unquantized tensors.",
+    help="Storage dtype of the unquantized tensors; auto: the source's own 16-bit dtype "
+    "(float16 for a 32-bit source).",
+)
+@click.option(
+    "--device",
+    default="auto",
+    show_default=True,
+    help="Where calibration computes: auto (the current GPU if there is one, else cpu), cpu, "
+    "cuda or cuda:N.",
+)
+@click.option(
+    "--calib-batch-size",
+    type=click.IntRange(min=1),
+    help="Calibration samples per activation chunk on the device; default: 4096 tokens' worth, "
+    "fewer if free GPU memory is short. Lower it after an out-of-memory error and rerun.",
+)
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Plan only: per-layer memory, artifact size, and (weights present) the time of one "
+    "layer; nothing is written.",
 )
 @click.option("--overwrite", is_flag=True, help="Replace an existing artifact at --work-dir.")
 @click.option(
@@ -80,25 +99,32 @@ def main() -> None:
 def auto_awq_cmd(
     ctx: click.Context,
     model: str,
-    work_dir: Path,
+    work_dir: Path | None,
     recipe: Path | None,
     overwrite: bool,
     tune_after: bool,
     quiet: bool,
+    device: str,
+    calib_batch_size: int | None,
+    dry_run: bool,
     **flags,
 ) -> None:
     """Quantize MODEL (HF directory, hub id, .gguf file, or smollm2-135m-instruct) with AWQ.
 
     Interrupted runs resume: rerun the same command and calibration continues after the last
-    finished layer (state in WORK_DIR.partial/).
+    finished layer (state in WORK_DIR.partial/), also with another --device or
+    --calib-batch-size (after running out of GPU memory, for instance).
     """
-    from lite.auto_awq import AwqConfig, auto_awq
+    from lite.auto_awq import AwqConfig, Compute, auto_awq, dry_run_plan
+    from lite.plan import render
     from lite.quantizer import QuantSpec
     from lite.recipe import Recipe, load_recipe
     from lite.tune import check_device, tune
 
+    if work_dir is None and not dry_run:
+        raise click.UsageError("Missing option '--work-dir'.")
     try:
-        if tune_after:
+        if tune_after and not dry_run:
             check_device()  # before hours of calibration, not after
         rec = load_recipe(recipe) if recipe else Recipe()
         for name, value in rec.flags().items():
@@ -113,8 +139,12 @@ def auto_awq_cmd(
             dtype=flags["dtype"],
             launch=rec.launch,
         )
+        compute = Compute(device, calib_batch_size)
+        if dry_run:
+            click.echo(render(dry_run_plan(model, cfg, compute)))
+            return
         command = shlex.join(["lite", *sys.argv[1:]])
-        auto_awq(model, work_dir, cfg, command=command, overwrite=overwrite, progress=not quiet)
+        auto_awq(model, work_dir, cfg, command, overwrite, not quiet, compute)
         if tune_after:
             tune(work_dir, progress=click.echo)
     except USER_ERRORS as e:

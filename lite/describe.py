@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from lite.model_card import made_by
+from runtime.artifact.manifest import Producer
 from runtime.artifact.reader import Artifact
 
 
@@ -82,7 +84,7 @@ def render(f: dict) -> str:
         ("calibration", calib),
         ("fallbacks", ", ".join(f["fallbacks"]) or "none"),
         ("launch", launch),
-        ("made", f"{f['producer']['created']} by liteserve {f['producer']['version']}"),
+        ("made", made_by(Producer.model_validate(f["producer"]))),
         ("verified", "every checksum" if f["verified"] == "checksums" else "file sizes only"),
     ]
     width = max(len(k) for k, _ in rows)

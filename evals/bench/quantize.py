@@ -7,6 +7,7 @@ BOS, each window alone. Ratios are printed against the source model (perplexity)
 llm-compressor 0.14's AWQModifier measured with the same protocol on the same 2-core machine.
 
     python evals/bench/quantize.py [--calib-file ../shared/data/groups_merged.txt] [--limit N]
+        [--device cpu|cuda]   # cpu by default: the llm-compressor figures are CPU figures
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--calib-file", type=Path, help="also calibrate on this text file")
     p.add_argument("--limit", type=int, help="score at most this many 512-token windows")
+    p.add_argument("--device", default="cpu", help="lite auto_awq --device (default: cpu)")
     a = p.parse_args()
 
     from transformers import AutoTokenizer
@@ -71,6 +73,8 @@ def main() -> None:
         str(a.group_size),
         "--calib-seqlen",
         str(a.seqlen),
+        "--device",
+        a.device,
         "--quiet",
         "--overwrite",
     ]

@@ -11,7 +11,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 FORMAT = "liteserve-artifact"
-SCHEMA_VERSION = 1
+# 2: producer.devices/torch/cuda (optional: schema-1 manifests still validate).
+SCHEMA_VERSION = 2
 MANIFEST_FILE = "manifest.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 MODEL_CARD_FILE = "README.md"
@@ -27,6 +28,9 @@ class Producer(_Strict):
     version: str
     command: str
     created: str  # ISO 8601, UTC; the start of the run, so a resumed run writes the same bytes
+    devices: list[str] = Field(default_factory=list)  # that calibrated: "cpu", "cuda:0 (NVIDIA H200)"
+    torch: str | None = None  # torch version of the run
+    cuda: str | None = None  # torch's CUDA version, when a GPU calibrated
 
 
 class SourceModel(_Strict):

@@ -1,0 +1,100 @@
+"""Where `lite auto_awq` computes: the device, its numerics and memory, and the facts recorded.
+
+One code path for every device: a decoder layer's weights stream from the source shards onto
+the device, calibration activations cross to it one chunk at a time, and the packed tensors
+come back to the host to be written. Only the device and the chunk size differ, and neither is
+part of a run's identity, so a run that ran out of GPU memory resumes with a smaller chunk or
+on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from runtime.device import resolve_device
+
+DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
+CHUNK_FLAG = "--calib-batch-size"
+
+
+class DeviceMemoryError(ValueError):
+    """The device ran out of memory; the message says which flag fixes it and that the run
+    resumes where it stopped."""
+
+
+def pick_device(requested: str) -> torch.device:
+    """auto: the current GPU when there is one, else the CPU. `cuda` becomes `cuda:N`, and a
+    missing GPU is refused with the reason (runtime.device.resolve_device)."""
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(requested)
+    except RuntimeError:
+        raise ValueError(f"--device {requested!r}: use {DEVICE_CHOICES}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {requested!r}: use {DEVICE_CHOICES}")
+    return resolve_device(device)
+
+
+def device_label(device: torch.device) -> str:
+    """`cpu`, or `cuda:0 (NVIDIA H200)`: what the progress bar and the manifest name."""
+    if device.type != "cuda":
+        return str(device)
+    return f"{device} ({torch.cuda.get_device_name(device)})"
+
+
+def cuda_version(devices: list[str]) -> str | None:
+    """torch's CUDA version when a GPU calibrated (a CPU run's bytes do not depend on it)."""
+    return torch.version.cuda if any(d.startswith("cuda") for d in devices) else None
+
+
+@contextlib.contextmanager
+def full_fp32() -> Iterator[None]:
+    """fp32 matrix products in full fp32, whatever the process set before: TF32 would round
+    the Gram matrices' inputs to 10 mantissa bits and move the searches' choices."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Memory the device can still give this process (None on the CPU: not managed here).
+    Blocks torch's allocator caches but does not use count as free."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gib(device: torch.device) -> float | None:
+    """Peak GPU memory torch's allocator reserved (what nvidia-smi shows of this process, less
+    the CUDA context), or None on the CPU."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_reserved(device) / 2**30
+
+
+def out_of_memory(device: torch.device, layer: int, rows: int) -> DeviceMemoryError:
+    """The error a user sees instead of a CUDA traceback: what ran out, and how to go on.
+    `rows` is the samples per activation chunk (0 for round-to-nearest)."""
+    where = f"out of memory on {device_label(device)} in decoder layer {layer}"
+    if rows:
+        where += f" with calibration chunks of {rows} sample(s) ({CHUNK_FLAG} {rows})"
+    if rows > 1:
+        fix = f"rerun the same command with {CHUNK_FLAG} {rows // 2}"
+    else:
+        fix = "rerun the same command with --device cpu"
+    return DeviceMemoryError(
+        f"{where}; {fix}: the run resumes at layer {layer}, the finished layers are kept"
+    )
