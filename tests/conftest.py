@@ -98,9 +98,17 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_tiny_model(
-    family: str, out: Path, tokenizer_dir: Path, layers: int = 2, hidden: int = 96, seed: int = 0
+    family: str,
+    out: Path,
+    tokenizer_dir: Path,
+    layers: int = 2,
+    hidden: int = 96,
+    seed: int = 0,
+    head_dim: int = 16,
 ) -> Path:
-    """hidden 96 and intermediate 160 are not multiples of 64: K padding is always exercised."""
+    """hidden 96 and intermediate 160 are not multiples of 64: K padding is always exercised.
+    6 query heads of head_dim over 2 KV heads (head_dim 64 is a shape the csrc decode attention
+    is built for; 16 is not)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
@@ -112,7 +120,7 @@ def make_tiny_model(
         num_hidden_layers=layers,
         num_attention_heads=6,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=head_dim,
         max_position_embeddings=1024,
         tie_word_embeddings=family != "mistral",
         bos_token_id=1,

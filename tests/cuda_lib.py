@@ -3,14 +3,16 @@ headers): the shared part of ``test_cuda_attention_build.py`` (CPU: compile chec
 checks, the kernels run by the SIMT emulator) and ``test_cuda_attention_gpu.py`` (the kernels on
 a GPU).
 
-The library is compiled at most once per test session (per architecture list). The entry points
-are ``lsq_paged_decode_attention``, ``lsq_kv_write`` (``_i32``) and their ``lsq_emulate_*`` twins,
-which run the very same block bodies on the CPU (``csrc/simt.cuh``) on host pointers.
+The library (all of csrc, as the cuda backend builds it) is compiled at most once per test
+session (per architecture list). The entry points are ``lsq_paged_decode_attention``,
+``lsq_kv_write`` (``_i32``) and their ``lsq_emulate_*`` twins, which run the very same block
+bodies on the CPU (``csrc/simt.cuh``) on host pointers.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import shutil
 import subprocess
 import time
@@ -19,47 +21,24 @@ from pathlib import Path
 
 import torch
 
+from runtime.kernels.cuda import library
 from runtime.kv.format import STORAGE_KINDS
 from runtime.kv.layer import LayerKV
 
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = ("paged_attention.cu", "kv_write.cu")
-HEADERS = ("common.cuh", "simt.cuh")
-ARCHS = ("80", "86", "89", "90")  # sm_80, sm_86, sm_89, sm_90: the project's fatbin targets
-NVCC = shutil.which("nvcc")
+ARCHS = library.ARCHS
+
+
+def _nvcc() -> str | None:
+    try:
+        return library.nvcc()
+    except library.BuildUnavailable:
+        return None
+
+
+NVCC = _nvcc()
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
-_ATTENTION = [
-    *[_P, _I64, _I64],  # q, strides
-    *[_P, _I64, _I64],  # out, strides
-    *[_P] * 6,  # k, v, k_scale, k_zero, v_scale, v_zero
-    _I32,  # kv_kind
-    _I32,  # q_dtype
-    *[_P, _I64, _I64, _P],  # block_tables, table_stride, max_blocks, context_lens
-    *[_I64] * 5,  # batch, num_heads, num_kv_heads, head_dim, block_size
-    _I32,  # sliding_window
-    _F32,  # scale
-    _I64,  # partition_size
-    _P,  # workspace
-]
-_WRITE = [
-    *[_P, _I64, _I64, _P, _I64, _I64],  # k, strides, v, strides
-    _I32,  # in_dtype
-    _P,  # slot_mapping
-    _I64,  # num_tokens
-    *[_P] * 6,  # k_cache, v_cache, k_scale, k_zero, v_scale, v_zero
-    _I32,  # kv_kind
-    *[_I64] * 3,  # num_kv_heads, head_dim, block_size
-]
-SIGNATURES = {
-    "lsq_paged_decode_attention": (_I32, [*_ATTENTION, _P]),
-    "lsq_emulate_paged_decode_attention": (_I32, _ATTENTION),
-    "lsq_paged_decode_workspace_floats": (_I64, [_I64] * 6),
-    "lsq_paged_decode_partition_size": (_I64, [_I64] * 6),
-    "lsq_kv_write": (_I32, [*_WRITE, _P]),
-    "lsq_kv_write_i32": (_I32, [*_WRITE, _P]),
-    "lsq_emulate_kv_write": (_I32, [*_WRITE[:8], _I32, *_WRITE[8:]]),  # + slot_bytes
-}
+SIGNATURES = library.SIGNATURES
 INVALID = 1  # cudaErrorInvalidValue
 
 
@@ -74,36 +53,17 @@ class Build:
 _BUILDS: dict[tuple[str, ...], Build] = {}
 
 
-def nvcc_command(out: Path, archs: tuple[str, ...]) -> list[str]:
-    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
-    return [
-        str(NVCC),
-        "-std=c++17",
-        "-O3",
-        "-lineinfo",
-        "-shared",
-        "-Xcompiler",
-        "-fPIC",
-        "-cudart",
-        "static",
-        "-Xptxas",
-        "-v",
-        *gencode,
-        *(str(CSRC / s) for s in SOURCES),
-        "-o",
-        str(out),
-    ]
-
-
 def build(out_dir: Path, archs: tuple[str, ...] = ARCHS) -> Build:
-    """Compile the two kernel files into ``out_dir/liblsq_attention.so`` (once per session and
-    architecture list; a build for a superset of ``archs`` is reused)."""
+    """The whole csrc library as ``runtime build-kernels`` compiles it, plus ``-Xptxas -v`` for
+    the resource report, into ``out_dir`` (once per session and architecture list; a build for
+    a superset of ``archs`` is reused): every test module checks the same binary."""
     for have, done in _BUILDS.items():
         if set(archs) <= set(have):
             return done
-    out = out_dir / "liblsq_attention.so"
+    out = out_dir / "liteserve_cuda.so"
+    command = library.compile_command(library.nvcc(), str(out), ("-Xptxas", "-v"), archs)
     start = time.monotonic()
-    proc = subprocess.run(nvcc_command(out, archs), capture_output=True, text=True)
+    proc = subprocess.run(command, capture_output=True, text=True)
     seconds = time.monotonic() - start
     if proc.returncode != 0:
         raise RuntimeError(f"nvcc failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
@@ -112,12 +72,7 @@ def build(out_dir: Path, archs: tuple[str, ...] = ARCHS) -> Build:
     return done
 
 
-def load(path: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(path))
-    for name, (restype, argtypes) in SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = restype, argtypes
-    return lib
+load = library.load
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -382,6 +337,7 @@ def find_cuobjdump() -> str | None:
     if found:
         return found
     dirs = [Path(NVCC).resolve().parent] if NVCC else []
+    dirs += [Path(os.environ[v]) / "bin" for v in ("CUDA_HOME", "CUDA_PATH") if v in os.environ]
     try:
         import triton
 

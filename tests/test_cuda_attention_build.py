@@ -110,7 +110,8 @@ def test_every_kernel_compiles_for_every_architecture(build: cuda_lib.Build) -> 
     usage = ptxas_usage(build.log)
     for arch in cuda_lib.ARCHS:
         compiled = {kernel for kernel, sm in usage if sm == f"sm_{arch}"}
-        assert compiled == expected_kernels(), f"sm_{arch}"
+        ours = {k for k in compiled if "lsq_pa" in k or "lsq_kvw" in k}  # the build has all csrc
+        assert ours == expected_kernels(), f"sm_{arch}"
     print(f"\ncompiled {len(usage)} kernels in {build.seconds:.0f} s")
 
 

@@ -15,20 +15,19 @@
   saturating, constant, tiny, sub-ulp and exact-tie rows and padding slots, int64 and int32
   slot mappings.
 
-The library is compiled for this GPU's architecture with nvcc, or taken prebuilt from
-``$LSQ_CUDA_ATTENTION_LIB`` (for a machine without nvcc: build it elsewhere with
-``tests/cuda_lib.py``'s ``nvcc_command``). Every test is marked ``gpu`` and skips without one.
+The library is the cuda backend's: built here with nvcc, or carried prebuilt in
+``LITESERVE_CACHE`` (`runtime build-kernels`) to a machine without nvcc. Every test is marked
+``gpu`` and skips without one.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
-from pathlib import Path
 
 import pytest
 import torch
 
+from runtime.kernels.cuda import library
 from runtime.kv.cache import KVCache
 from tests import cuda_lib
 from tests.cuda_lib import BF16, DECODE_CASES, F16, WRITE_CASES
@@ -40,15 +39,13 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    prebuilt = os.environ.get("LSQ_CUDA_ATTENTION_LIB")
-    if prebuilt:
-        return cuda_lib.load(Path(prebuilt))
-    if cuda_lib.NVCC is None:
-        pytest.skip("nvcc not installed (or set LSQ_CUDA_ATTENTION_LIB to a built library)")
-    major, minor = torch.cuda.get_device_capability()
-    build = cuda_lib.build(tmp_path_factory.mktemp("csrc"), (f"{major}{minor}",))
-    return cuda_lib.load(build.path)
+def lib() -> ctypes.CDLL:
+    """The library the cuda backend loads: built here, or carried prebuilt in LITESERVE_CACHE
+    to a GPU machine without nvcc (`runtime build-kernels`)."""
+    try:
+        return library.library()
+    except library.BuildUnavailable as e:
+        pytest.skip(f"the csrc library is unavailable: {e}")
 
 
 @pytest.fixture(scope="module")

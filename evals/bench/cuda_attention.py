@@ -12,9 +12,10 @@ time, the KV bytes read per second and the speed-up over Triton, then the target
 Every shape's output is also compared with Triton's (max abs difference: both read the same
 pool, so it is their rounding difference, ~1e-3 for fp16).
 
-The library comes from $LSQ_CUDA_ATTENTION_LIB (or --lib), else it is compiled with nvcc for
-this GPU (about a minute). --quick runs tiny shapes through the CPU emulation of the kernel
-(lsq_emulate_paged_decode_attention, no GPU, no timing): a check of this script.
+The library is the cuda backend's (`runtime build-kernels`; built on first use, or carried
+prebuilt in LITESERVE_CACHE to a machine without nvcc). --quick runs tiny shapes through the
+CPU emulation of the kernel (lsq_emulate_paged_decode_attention, no GPU, no timing): a check
+of this script.
 
 Usage: python evals/bench/cuda_attention.py [--batch 1,8] [--contexts 1024,4096,16384,32768]
 """
@@ -23,45 +24,23 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import os
-import shutil
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
+from runtime.kernels.cuda import library
 from runtime.kv.cache import KVCache
 from runtime.kv.format import STORAGE_KINDS, KVSpec
 
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
-_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
-_ARGS = [_P, _I64, _I64, _P, _I64, _I64, *[_P] * 6, _I32, _I32, _P, _I64, _I64, _P]
-_ARGS += [*[_I64] * 5, _I32, _F32, _I64, _P]
 HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 64
 
 
-def load_library(path: str | None, quick: bool) -> ctypes.CDLL:
-    if not path:
-        nvcc = shutil.which("nvcc")
-        if nvcc is None:
-            raise SystemExit("nvcc not installed: set LSQ_CUDA_ATTENTION_LIB to a built library")
-        arch = "80" if quick else "".join(map(str, torch.cuda.get_device_capability()))
-        path = str(Path(tempfile.mkdtemp()) / "liblsq_attention.so")
-        cmd = [nvcc, "-std=c++17", "-O3", "-lineinfo", "-shared", "-Xcompiler", "-fPIC"]
-        cmd += ["-cudart", "static", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
-        cmd += [str(CSRC / "paged_attention.cu"), str(CSRC / "kv_write.cu"), "-o", path]
-        start = time.monotonic()
-        subprocess.run(cmd, check=True)
-        print(f"built for sm_{arch} in {time.monotonic() - start:.0f} s")
-    lib = ctypes.CDLL(path)
-    lib.lsq_paged_decode_attention.argtypes = [*_ARGS, _P]
-    lib.lsq_emulate_paged_decode_attention.argtypes = _ARGS
-    lib.lsq_paged_decode_workspace_floats.argtypes = [_I64] * 6
-    lib.lsq_paged_decode_partition_size.argtypes = [_I64] * 6
-    for fn in (lib.lsq_paged_decode_workspace_floats, lib.lsq_paged_decode_partition_size):
-        fn.restype = _I64
+def load_library() -> ctypes.CDLL:
+    """The library the cuda backend loads (built on first use, or carried prebuilt in
+    LITESERVE_CACHE); --quick runs its emulated twins on the CPU."""
+    start = time.monotonic()
+    lib = library.library()
+    print(f"csrc library ready in {time.monotonic() - start:.0f} s")
     return lib
 
 
@@ -157,13 +136,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", default="1,8")
     p.add_argument("--contexts", default="1024,4096,16384,32768")
-    p.add_argument("--lib", default=os.environ.get("LSQ_CUDA_ATTENTION_LIB"))
     p.add_argument("--quick", action="store_true", help="CPU emulation, tiny shapes, no timing")
     a = p.parse_args()
     if not a.quick and not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU (or --quick: the CPU emulation, as a smoke test)")
     device = torch.device("cpu") if a.quick else torch.device("cuda", torch.cuda.current_device())
-    lib = load_library(a.lib, a.quick)
+    lib = load_library()
     sms = 132 if a.quick else torch.cuda.get_device_properties(device).multi_processor_count
     batches = (1, 2) if a.quick else tuple(int(b) for b in a.batch.split(","))
     contexts = (200,) if a.quick else tuple(int(c) for c in a.contexts.split(","))

@@ -2,13 +2,15 @@
 
 Weights are the artifact's packed tensors as on disk (fused by concatenation, as for triton);
 prefill attention is the Triton variable-length kernel (prefill is compute-bound and that
-kernel handles chunked prefill over the paged pool); norms and the lm_head are torch's.
+kernel handles chunked prefill over the paged pool), as is decode attention for a head_dim the
+csrc kernel is not built for (said once in the log); norms and the lm_head are torch's.
 Every kernel launches on torch's current stream, so the decode CUDA graphs capture them.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,13 +27,12 @@ from runtime.kernels.gpu import (
     gemm_key,
     gpu_arch,
 )
-from runtime.kernels.ops import BackendError
-from runtime.kernels.triton.attention import decode_partition_size, paged_prefill_attention
+from runtime.kernels.triton.attention import paged_decode_attention, paged_prefill_attention
 from runtime.kv.format import STORAGE_KINDS
 from runtime.kv.layer import LayerKV
 
 log = logging.getLogger("runtime.kernels")
-HEAD_DIMS = (64, 128)  # what the decode attention kernel is instantiated for
+HEAD_DIMS = (64, 96, 128)  # what the decode attention kernel is instantiated for
 
 
 @dataclass
@@ -101,11 +102,14 @@ class CudaBackend(GpuBackend):
 
     def kv_write(self, kv: LayerKV, k, v, slot_mapping) -> None:
         s = kv.spec
-        if slot_mapping.dtype != torch.int64:
-            slot_mapping = slot_mapping.long()  # the graph path's int32 buffer
         k = k if k.stride(-1) == 1 else k.contiguous()
         v = v if v.stride(-1) == 1 else v.contiguous()
-        status = self.lib.lsq_kv_write(
+        write = (
+            self.lib.lsq_kv_write
+            if slot_mapping.dtype == torch.int64
+            else self.lib.lsq_kv_write_i32
+        )
+        status = write(
             k.data_ptr(),
             k.stride(0),
             k.stride(1),
@@ -134,17 +138,23 @@ class CudaBackend(GpuBackend):
 
     def _decode(self, q, kv: LayerKV, attn: KernelTensors, scale, sliding_window):
         s = kv.spec
-        if s.head_dim not in HEAD_DIMS:
-            raise BackendError(
-                f"the cuda decode attention has head_dim {HEAD_DIMS}, not {s.head_dim}"
+        if s.head_dim not in HEAD_DIMS or s.dtype == torch.float32:
+            self._say_triton_decode(s.head_dim)
+            return paged_decode_attention(
+                q, kv, attn.block_tables, attn.context_lens, scale, sliding_window
             )
         q = q if q.stride(-1) == 1 else q.contiguous()
         out = torch.empty_like(q)
         batch, max_blocks = attn.block_tables.shape
-        partition = decode_partition_size(s.block_size, max_blocks * s.block_size)
+        heads = q.shape[1]
+        partition = self.lib.lsq_paged_decode_partition_size(
+            batch, heads, s.num_kv_heads, max_blocks, s.block_size, self.sm_count
+        )  # from shapes only: a CUDA graph replays it whatever the context lengths
         floats = self.lib.lsq_paged_decode_workspace_floats(
-            batch, q.shape[1], s.head_dim, max_blocks, s.block_size, partition
+            batch, heads, s.head_dim, max_blocks, s.block_size, partition
         )
+        if partition < 0 or floats < 0:
+            raise ValueError(f"the cuda decode attention refused {batch}x{heads} heads, {s}")
         workspace = torch.empty(floats, dtype=torch.float32, device=q.device) if floats else None
         status = self.lib.lsq_paged_decode_attention(
             q.data_ptr(), q.stride(0), q.stride(1),
@@ -160,6 +170,15 @@ class CudaBackend(GpuBackend):
         )  # fmt: skip
         check(status, "lsq_paged_decode_attention")
         return out
+
+    @functools.cache  # noqa: B019 (one backend per engine; says it once)
+    def _say_triton_decode(self, head_dim: int) -> None:
+        log.warning(
+            "cuda backend: decode attention for head_dim %d runs Triton's kernel (the csrc "
+            "kernel is built for head_dim %s)",
+            head_dim,
+            ", ".join(map(str, HEAD_DIMS)),
+        )
 
 
 def _pool(kv: LayerKV) -> tuple[torch.Tensor | None, ...]:

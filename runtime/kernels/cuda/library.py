@@ -29,14 +29,46 @@ FLAGS = [
     "-shared",
     "-Xcompiler",
     "-fPIC",
+    "-cudart",
+    "static",  # no libcudart to find at load time: any torch build, any machine
     "--threads",
     "0",  # one host thread per target architecture
-    *(f for a in ARCHS for f in ("-gencode", f"arch=compute_{a},code=sm_{a}")),
-    "-gencode",
-    f"arch=compute_{ARCHS[-1]},code=compute_{ARCHS[-1]}",
 ]
 
+
+def gencode(archs: tuple[str, ...] = ARCHS) -> list[str]:
+    """SASS for each architecture, and PTX of the newest for GPUs after it."""
+    codes = [f for a in archs for f in ("-gencode", f"arch=compute_{a},code=sm_{a}")]
+    return [*codes, "-gencode", f"arch=compute_{archs[-1]},code=compute_{archs[-1]}"]
+
+
 _P, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+_DECODE = [
+    *[_P, _I64, _I64] * 2,  # q and out with their batch and head strides
+    *[_P] * 6,  # the layer's pool: k, v, k_scale, k_zero, v_scale, v_zero
+    _I32,  # kv_kind
+    _I32,  # q_dtype
+    _P,  # block_tables
+    _I64,  # table_stride
+    _I64,  # max_blocks
+    _P,  # context_lens
+    *[_I64] * 5,  # batch, num_heads, num_kv_heads, head_dim, block_size
+    _I32,  # sliding_window
+    _F32,  # scale
+    _I64,  # partition_size
+    _P,  # workspace
+    _P,  # stream
+]
+_KV_WRITE = [
+    *[_P, _I64, _I64] * 2,  # k and v with their token and head strides
+    _I32,  # in_dtype
+    _P,  # slot_mapping
+    _I64,  # num_tokens
+    *[_P] * 6,  # the layer's pool
+    _I32,  # kv_kind
+    *[_I64] * 3,  # num_kv_heads, head_dim, block_size
+    _P,  # stream
+]
 # The C entry points (csrc/*.cu) and their argument types; each returns an int status (a
 # cudaError_t: 0 launched, 1 invalid arguments, refused before any CUDA call).
 SIGNATURES: dict[str, tuple[list, type]] = {
@@ -46,39 +78,15 @@ SIGNATURES: dict[str, tuple[list, type]] = {
     ),
     "lsq_w4a16_num_configs": ([], ctypes.c_int),
     "lsq_w4a16_config": ([_I32, *[ctypes.POINTER(_I32)] * 5], ctypes.c_int),
-    "lsq_paged_decode_attention": (
-        [
-            *[_P, _I64, _I64] * 2,  # q and out with their batch and head strides
-            *[_P] * 6,  # the layer's pool: k, v, k_scale, k_zero, v_scale, v_zero
-            _I32,  # kv_kind
-            _I32,  # q_dtype
-            _P,  # block_tables
-            _I64,  # table_stride
-            _I64,  # max_blocks
-            _P,  # context_lens
-            *[_I64] * 5,  # batch, num_heads, num_kv_heads, head_dim, block_size
-            _I32,  # sliding_window
-            _F32,  # scale
-            _I64,  # partition_size
-            _P,  # workspace
-            _P,  # stream
-        ],
-        ctypes.c_int,
-    ),
+    "lsq_paged_decode_attention": (_DECODE, ctypes.c_int),
     "lsq_paged_decode_workspace_floats": ([_I64] * 6, ctypes.c_int64),
-    "lsq_kv_write": (
-        [
-            *[_P, _I64, _I64] * 2,  # k and v with their token and head strides
-            _I32,  # in_dtype
-            _P,  # slot_mapping (int64)
-            _I64,  # num_tokens
-            *[_P] * 6,  # the layer's pool
-            _I32,  # kv_kind
-            *[_I64] * 3,  # num_kv_heads, head_dim, block_size
-            _P,  # stream
-        ],
-        ctypes.c_int,
-    ),
+    "lsq_paged_decode_partition_size": ([_I64] * 6, ctypes.c_int64),
+    "lsq_kv_write": (_KV_WRITE, ctypes.c_int),  # int64 slots (the eager step)
+    "lsq_kv_write_i32": (_KV_WRITE, ctypes.c_int),  # int32 slots (the CUDA-graph buffers)
+    # Twins that run the same block bodies on the CPU on host pointers (csrc/simt.cuh): how
+    # the tests and `evals/bench/cuda_attention.py --quick` check the kernels without a GPU.
+    "lsq_emulate_paged_decode_attention": (_DECODE[:-1], ctypes.c_int),
+    "lsq_emulate_kv_write": ([*_KV_WRITE[:8], _I32, *_KV_WRITE[8:-1]], ctypes.c_int),
 }
 
 
@@ -112,15 +120,17 @@ def sources() -> list[Path]:
     return found
 
 
-def compile_command(compiler: str, out: str, extra: tuple[str, ...] = ()) -> list[str]:
-    return [compiler, *FLAGS, *extra, *map(str, sources()), "-o", out]
+def compile_command(
+    compiler: str, out: str, extra: tuple[str, ...] = (), archs: tuple[str, ...] = ARCHS
+) -> list[str]:
+    return [compiler, *FLAGS, *gencode(archs), *extra, *map(str, sources()), "-o", out]
 
 
 def build() -> Path:
     """The library's path, compiling it first when this machine has no cached copy."""
     compiler = nvcc()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    digest = hashlib.sha256(" ".join(FLAGS).encode() + version.encode())
+    digest = hashlib.sha256(" ".join(FLAGS + gencode()).encode() + version.encode())
     for path in sorted(CSRC.glob("*.cu*")):  # sources and headers
         digest.update(path.name.encode() + path.read_bytes())
     target = cache_dir() / f"liteserve_cuda-{digest.hexdigest()[:16]}.so"
@@ -138,7 +148,11 @@ def library() -> ctypes.CDLL:
     """The loaded library; raises BuildUnavailable with the reason when it cannot be had."""
     if os.environ.get("LITESERVE_CUDA") == "0":
         raise BuildUnavailable("disabled by LITESERVE_CUDA=0")
-    path = build()
+    return load(build())
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """A built library with its entry points typed."""
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
