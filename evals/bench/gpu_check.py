@@ -390,6 +390,24 @@ def plan(a: argparse.Namespace, work: Path, logs: Path) -> Plan:
         reserve=45,
         env=interp,
     )
+    engine_cuda = Stage(
+        "engine-cuda",
+        "engine decode with backend cuda (the csrc library; issue 12), no transformers baseline",
+        [*engine, "decode", str(art), "--batches", "1,16,64,256", "--backend", "cuda"]
+        + ["--kv-quant", "int8"],
+        cap=100,
+        reserve=30,
+        env=triton_cache,
+        needs=(art,),
+        skip=gpu_only,
+    )
+    cuda_attention = Stage(
+        "cuda-attention",
+        "csrc paged decode attention against Triton's on Llama-3-8B shapes",
+        [PY, str(BENCH / "cuda_attention.py")] + (["--quick"] if smoke else ["--batch", "1,8"]),
+        cap=90,
+        reserve=20,
+    )
     memory = Stage(
         "memory-8b",
         "device memory of the 8B shape, projected to 32 layers",
@@ -409,7 +427,8 @@ def plan(a: argparse.Namespace, work: Path, logs: Path) -> Plan:
             reserve=25,
             needs=(art,),
         )
-    p = Plan([tests], [model, model8], [decode, agree, serve, kernels, memory])
+    measuring = [decode, engine_cuda, agree, serve, kernels, cuda_attention, memory]
+    p = Plan([tests], [model, model8], measuring)
     chosen = set(a.only.split(",")) if a.only else None
     for s in p.all():
         if chosen is not None and s.name not in chosen and s.skip is None:

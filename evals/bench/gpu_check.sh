@@ -36,6 +36,9 @@ if [ "$PY" != .venv/bin/python ] && compgen -G ".whl/*.whl" > /dev/null; then
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
+# A CUDA library built here (`LITESERVE_CACHE=$PWD/.kernels runtime build-kernels`) serves a
+# GPU machine without nvcc: the cuda backend finds it in the cache by its source hash.
+[ -d .kernels ] && export LITESERVE_CACHE=$PWD/.kernels
 [ -d .tok ] || echo "[setup] no .tok/: models get a small trained tokenizer, not the 49152-token one" >&2
 
 export OUT=${OUT:-$PWD/out/gpu-check}

@@ -3,8 +3,9 @@
 ``nvcc`` compiles every ``csrc/*.cu`` into one ``.so`` holding SASS for sm_80, sm_86, sm_89
 and sm_90 plus sm_90 PTX (newer GPUs JIT it), with the CUDA runtime linked statically, so the
 library loads against any torch build (no torch headers, no torch ABI) and on a machine without
-a GPU. It is built on first use and cached per machine, keyed by the sources, the flags and the
-nvcc version (``runtime build-kernels`` builds it ahead of time). Kernels launch on the stream
+a GPU. It is built on first use and cached, keyed by the sources and the flags
+(``runtime build-kernels`` builds it ahead of time, also for a GPU machine without nvcc: copy
+the cache directory there, or point LITESERVE_CACHE at it). Kernels launch on the stream
 the caller passes, torch's current one, so CUDA graphs capture them.
 """
 
@@ -128,15 +129,15 @@ def compile_command(
 
 def build() -> Path:
     """The library's path, compiling it first when this machine has no cached copy."""
-    compiler = nvcc()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    digest = hashlib.sha256(" ".join(FLAGS + gencode()).encode() + version.encode())
+    digest = hashlib.sha256(" ".join(FLAGS + gencode()).encode())
     for path in sorted(CSRC.glob("*.cu*")):  # sources and headers
         digest.update(path.name.encode() + path.read_bytes())
+    # Keyed by what it is built from, not by the nvcc that built it: a library built elsewhere
+    # and carried in LITESERVE_CACHE serves a GPU machine that has no nvcc.
     target = cache_dir() / f"liteserve_cuda-{digest.hexdigest()[:16]}.so"
 
     def compile_into(tmp: str) -> None:
-        done = subprocess.run(compile_command(compiler, tmp), capture_output=True, text=True)
+        done = subprocess.run(compile_command(nvcc(), tmp), capture_output=True, text=True)
         if done.returncode != 0:
             raise BuildUnavailable(f"nvcc failed to build csrc/:\n{done.stderr[-3000:]}")
 
