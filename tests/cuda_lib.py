@@ -75,6 +75,17 @@ def build(out_dir: Path, archs: tuple[str, ...] = ARCHS) -> Build:
 load = library.load
 
 
+def gpu_library() -> ctypes.CDLL:
+    """For the GPU tests: the library the cuda backend loads (built here, or carried prebuilt
+    in LITESERVE_CACHE to a machine without nvcc); the test skips, naming why, without it."""
+    import pytest
+
+    try:
+        return library.library()
+    except library.BuildUnavailable as e:
+        pytest.skip(f"the csrc library is unavailable: {e}")
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 

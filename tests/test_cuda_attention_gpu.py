@@ -27,7 +27,6 @@ import ctypes
 import pytest
 import torch
 
-from runtime.kernels.cuda import library
 from runtime.kv.cache import KVCache
 from tests import cuda_lib
 from tests.cuda_lib import BF16, DECODE_CASES, F16, WRITE_CASES
@@ -40,12 +39,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def lib() -> ctypes.CDLL:
-    """The library the cuda backend loads: built here, or carried prebuilt in LITESERVE_CACHE
-    to a GPU machine without nvcc (`runtime build-kernels`)."""
-    try:
-        return library.library()
-    except library.BuildUnavailable as e:
-        pytest.skip(f"the csrc library is unavailable: {e}")
+    return cuda_lib.gpu_library()
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ import torch
 
 from runtime.artifact import layout
 from runtime.kernels.cuda import gemm_plan as gp
-from runtime.kernels.cuda import library
+from tests import cuda_lib
 
 DTYPES = {torch.float16: 2, torch.bfloat16: 1}  # STORAGE_KINDS codes
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -44,12 +44,7 @@ ROWS = [1, 3, 17, 256]
 
 @pytest.fixture(scope="module")
 def lib() -> ctypes.CDLL:
-    """The library the cuda backend loads: built here, or carried prebuilt in LITESERVE_CACHE
-    to a GPU machine without nvcc (`runtime build-kernels`)."""
-    try:
-        return library.library()
-    except library.BuildUnavailable as e:
-        pytest.skip(f"the csrc library is unavailable: {e}")
+    return cuda_lib.gpu_library()
 
 
 @pytest.fixture(scope="module")

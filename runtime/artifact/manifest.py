@@ -28,7 +28,8 @@ class Producer(_Strict):
     version: str
     command: str
     created: str  # ISO 8601, UTC; the start of the run, so a resumed run writes the same bytes
-    devices: list[str] = Field(default_factory=list)  # that calibrated: "cpu", "cuda:0 (NVIDIA H200)"
+    # the devices that calibrated: "cpu", "cuda:0 (NVIDIA H200)"
+    devices: list[str] = Field(default_factory=list)
     torch: str | None = None  # torch version of the run
     cuda: str | None = None  # torch's CUDA version, when a GPU calibrated
 

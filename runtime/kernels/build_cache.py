@@ -8,6 +8,7 @@ half-written library that a later run would load.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import tempfile
 from collections.abc import Callable
@@ -44,3 +45,15 @@ def cached_build(target: Path, compile_into: Callable[[str], None]) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def load_typed(path: Path, signatures: dict[str, tuple[list, type | None]]) -> ctypes.CDLL:
+    """A built library with its entry points' argument and result types set."""
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise BuildUnavailable(f"cannot load {path}: {e}") from e
+    for name, (args, result) in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, result
+    return lib

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.kernels.build_cache import BuildUnavailable, cache_root, cached_build
+from runtime.kernels.build_cache import BuildUnavailable, cache_root, cached_build, load_typed
 from runtime.kv.format import STORAGE_KINDS
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
@@ -96,15 +96,7 @@ def library() -> ctypes.CDLL:
     """The loaded kernels; raises BuildUnavailable with the reason when they cannot be had."""
     if os.environ.get("LITESERVE_NATIVE") == "0":
         raise BuildUnavailable("disabled by LITESERVE_NATIVE=0")
-    path = build()
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        raise BuildUnavailable(f"cannot load {path}: {e}") from e
-    for name, args in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, None
-    return lib
+    return load_typed(build(), {name: (args, None) for name, args in _SIGNATURES.items()})
 
 
 def load() -> tuple[ctypes.CDLL | None, str]:

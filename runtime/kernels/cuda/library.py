@@ -19,7 +19,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from runtime.kernels.build_cache import BuildUnavailable, cache_root, cached_build
+from runtime.kernels.build_cache import BuildUnavailable, cache_root, cached_build, load_typed
 
 CSRC = Path(__file__).resolve().parents[3] / "csrc"
 ARCHS = ("80", "86", "89", "90")
@@ -154,14 +154,7 @@ def library() -> ctypes.CDLL:
 
 def load(path: Path) -> ctypes.CDLL:
     """A built library with its entry points typed."""
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        raise BuildUnavailable(f"cannot load {path}: {e}") from e
-    for name, (args, result) in SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, result
-    return lib
+    return load_typed(path, SIGNATURES)
 
 
 def check(status: int, kernel: str) -> None:
