@@ -42,7 +42,11 @@ def _engine_options(f):
                 help="KV cache policy (default: the artifact's launch config).",
             ),
             click.option("--session-len", type=int, help="Max prompt + output tokens."),
-            click.option("--cache-block-seq-len", type=int, default=64, show_default=True),
+            click.option(
+                "--cache-block-seq-len",
+                type=int,
+                help="KV block size in tokens (default: the artifact's launch config).",
+            ),
             click.option(
                 "--num-blocks",
                 type=int,
@@ -86,14 +90,24 @@ def _engine_options(f):
     return f
 
 
+def _served(path: Path) -> Path:
+    """An artifact is itself; a quantized Hugging Face checkpoint (AutoAWQ, GPTQ,
+    compressed-tensors) is converted once into the cache, and that conversion is served."""
+    from runtime.artifact.convert import served_artifact
+
+    try:
+        return served_artifact(path)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
+
+
 def _pipeline(artifact: Path, kw: dict):
     from runtime import EngineConfig, pipeline
 
     template = kw.pop("chat_template")
     try:
-        return pipeline(
-            artifact, EngineConfig(**{k: v for k, v in kw.items() if v is not None}), template
-        )
+        config = EngineConfig(**{k: v for k, v in kw.items() if v is not None})
+        return pipeline(_served(artifact), config, template)
     except (ArtifactError, ValueError) as e:
         raise click.ClickException(str(e)) from e
 
@@ -113,7 +127,7 @@ def main(verbose: bool) -> None:
 def verify_cmd(artifact: Path) -> None:
     """Check an artifact's manifest, file sizes and every checksum."""
     try:
-        art = Artifact(artifact, checksums=True)
+        art = Artifact(_served(artifact), checksums=True)
     except ArtifactError as e:
         raise click.ClickException(str(e)) from e
     m = art.manifest
@@ -251,7 +265,14 @@ def plan_cmd(artifact: Path, memory: str, avg_len: int, cache_block_seq_len: int
 @click.option(
     "--model-name", help="The id clients pass as `model` (default: the artifact's directory name)."
 )
-@click.option("--max-batch-size", type=int, default=64, show_default=True)
+@click.option(
+    "--max-batch-size", type=int, help="Sequences per step (default: the artifact's launch config)."
+)
+@click.option(
+    "--max-prefill-token-num",
+    type=int,
+    help="Tokens per step, chunked prefill beyond (default: the artifact's launch config).",
+)
 @click.option(
     "--max-concurrent-requests",
     default=256,

@@ -19,11 +19,12 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 class EngineConfig:
     session_len: int | None = None  # None: the artifact's launch config
     kv_quant: str | None = None  # none/int8/int4; None: the artifact's launch config
-    cache_block_seq_len: int = 64
+    cache_block_seq_len: int | None = None  # None: the artifact's launch config (recipe)
     cache_max_entry_count: float = 0.8  # fraction of free memory (RAM on CPU) for the KV pool
     num_blocks: int | None = None  # explicit pool size, overrides cache_max_entry_count
-    max_batch_size: int = 64
-    max_prefill_token_num: int = 2048  # per-step token budget: chunked prefill beyond it
+    max_batch_size: int | None = None  # None: the artifact's launch config (recipe)
+    # Per-step token budget (chunked prefill beyond it); None: the launch config's.
+    max_prefill_token_num: int | None = None
     enable_prefix_caching: bool = False
     backend: str = "auto"
     dtype: str = "auto"  # activation dtype; auto = the fastest measured for the backend
@@ -45,23 +46,28 @@ class EngineConfig:
             raise bad("device", self.device, "auto, cpu, cuda or cuda:N")
         if self.session_len is not None and self.session_len < 2:
             raise bad("session_len", self.session_len, "an integer >= 2")
-        if self.cache_block_seq_len < 1 or self.cache_block_seq_len % 16:
+        block = self.cache_block_seq_len
+        if block is not None and (block < 1 or block % 16):
             raise bad("cache_block_seq_len", self.cache_block_seq_len, "a positive multiple of 16")
         if not 0 < self.cache_max_entry_count <= 1:
             raise bad("cache_max_entry_count", self.cache_max_entry_count, "a fraction in (0, 1]")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise bad("num_blocks", self.num_blocks, "a positive integer")
-        if self.max_batch_size < 1:
+        if self.max_batch_size is not None and self.max_batch_size < 1:
             raise bad("max_batch_size", self.max_batch_size, "a positive integer")
-        if self.max_prefill_token_num < 16:
+        if self.max_prefill_token_num is not None and self.max_prefill_token_num < 16:
             raise bad("max_prefill_token_num", self.max_prefill_token_num, "an integer >= 16")
 
     def with_launch_defaults(self, launch: Any) -> EngineConfig:
-        """Fill what the user left unset from the artifact's pinned launch config."""
+        """Fill what the user left unset from the artifact's pinned launch config (the
+        recipe's serving fields land there)."""
         return replace(
             self,
             session_len=self.session_len or launch.session_len,
             kv_quant=self.kv_quant or launch.kv_quant,
+            cache_block_seq_len=self.cache_block_seq_len or launch.cache_block_seq_len,
+            max_batch_size=self.max_batch_size or launch.max_batch_size,
+            max_prefill_token_num=self.max_prefill_token_num or launch.max_prefill_tokens,
         )
 
 

@@ -97,8 +97,9 @@ def test_chat_request_parses_and_ignores_unknown_fields():
             "top_logprobs": 20,
             "presence_penalty": 0,
             "frequency_penalty": 0.0,
-            "logit_bias": {"1": 2},  # unknown: ignored
+            "logit_bias": {"1": 2},
             "tools": [],
+            "vendor_extra": 1,  # unknown: ignored
         }
     )
     assert [m.role for m in req.messages] == ["system", "developer", "user", "assistant", "tool"]
@@ -107,7 +108,7 @@ def test_chat_request_parses_and_ignores_unknown_fields():
     assert req.messages[3].template_dict() == {"role": "assistant", "content": "ok", "name": "bot"}
     assert req.messages[2].template_dict() == {"role": "user", "content": "a\nb"}
     assert req.temperature == 0.0 and req.n == MAX_N and req.stream_options.include_usage
-    assert not hasattr(req, "logit_bias")
+    assert req.logit_bias == {"1": 2.0} and not hasattr(req, "vendor_extra")
     assert req.skip_special_tokens is True and req.min_p == 0.0
 
 
@@ -165,8 +166,8 @@ def _error(cls, data: dict) -> tuple[str, str | None]:
         ({"stream_options": {"include_usage": True}}, "stream_options", "stream is true"),
         ({"top_logprobs": 3}, "top_logprobs", "requires logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
-        ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
-        ({"frequency_penalty": -1}, "frequency_penalty", "not supported"),
+        ({"presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+        ({"frequency_penalty": -3}, "frequency_penalty", "greater than or equal to -2"),
         ({"top_k": -2}, "top_k", "greater than or equal to -1"),
         ({"min_p": 1.5}, "min_p", "less than or equal to 1"),
         ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
@@ -273,7 +274,12 @@ KEYS = {
     "stop",
     "ignore_eos",
     "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "skip_special_tokens",
 }
+UNSET = {"presence_penalty": None, "frequency_penalty": None, "logit_bias": None}
 
 
 def test_sampling_fields_defaults_are_none():
@@ -282,7 +288,7 @@ def test_sampling_fields_defaults_are_none():
     assert f == {
         "temperature": None,
         "top_p": None,
-        "top_k": 0,
+        "top_k": None,  # unset: the artifact's default
         "min_p": 0.0,
         "repetition_penalty": None,
         "seed": None,
@@ -290,6 +296,8 @@ def test_sampling_fields_defaults_are_none():
         "stop": (),
         "ignore_eos": False,
         "logprobs": None,
+        "skip_special_tokens": True,
+        **UNSET,
     }
     assert sampling_fields(completion())["max_new_tokens"] == 16
 
@@ -322,6 +330,8 @@ def test_sampling_fields_chat():
         "stop": ("END",),
         "ignore_eos": True,
         "logprobs": 4,
+        "skip_special_tokens": True,
+        **UNSET,
     }
     assert sampling_fields(chat(max_tokens=5))["max_new_tokens"] == 5
     assert sampling_fields(chat(logprobs=True))["logprobs"] == 0  # the sampled token only

@@ -21,6 +21,7 @@ from runtime.config import EngineConfig
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.cuda_graph import DecodeGraphs
 from runtime.engine.detokenizer import IncrementalDetokenizer
+from runtime.engine.grammar import GrammarCompiler
 from runtime.engine.model_runner import ModelRunner
 from runtime.engine.sampler import Sampler, SamplingParams, check_stop, prompt_logprobs
 from runtime.engine.scheduler import Scheduler
@@ -112,6 +113,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.cache, self.blocks, self.ops, self._graphs())
         self.runner.warm_up(self.config.max_prefill_token_num)
         self.sampler = Sampler()
+        self._grammar: GrammarCompiler | None = None
         self._ids = itertools.count()
         self.sequences: dict[int, Sequence] = {}
         log.info(
@@ -180,6 +182,16 @@ class Engine:
     def session_len(self) -> int:
         return self.config.session_len
 
+    @property
+    def grammar(self) -> GrammarCompiler:
+        """The schema compiler, built on first use (its token table takes a fraction of a
+        second for a 50k vocabulary: no reason to make every start pay it)."""
+        if self._grammar is None:
+            self._grammar = GrammarCompiler(
+                self.artifact.path / "tokenizer.json", self.arch.vocab_size, self.eos_ids
+            )
+        return self._grammar
+
     def sampling_params(self, **fields) -> SamplingParams:
         """A request's settings over the artifact's generation defaults (None = the default);
         the one place both the Python API and the server resolve them."""
@@ -216,13 +228,17 @@ class Engine:
                 f"the request needs {needed} KV blocks ({total} tokens) but the pool has "
                 f"{self.blocks.num_blocks}; raise num_blocks or cache_max_entry_count"
             )
+        matcher = None if params.json_schema is None else self.grammar.matcher(params.json_schema)
         seq_id = next(self._ids)
         seq = Sequence(
             seq_id=seq_id,
             prompt_ids=list(prompt_ids),
             params=params,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids),
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, prompt_ids, params.skip_special_tokens
+            ),
             generator=None if params.seed is None else self._generator(params.seed),
+            matcher=matcher,
         )
         self.sequences[seq_id] = seq
         self.scheduler.add(seq)
@@ -284,8 +300,16 @@ class Engine:
         seen = [
             torch.tensor(s.token_ids) if s.params.repetition_penalty != 1.0 else None for s in seqs
         ]
+        outputs = [
+            torch.tensor(s.output_ids)
+            if s.params.presence_penalty or s.params.frequency_penalty
+            else None
+            for s in seqs
+        ]
+        matchers = [s.matcher for s in seqs]
+        masks = None if all(m is None for m in matchers) else self.grammar.fill_masks(matchers)
         tokens, logprobs = self.sampler(
-            rows, [s.params for s in seqs], [s.generator for s in seqs], seen
+            rows, [s.params for s in seqs], [s.generator for s in seqs], seen, outputs, masks
         )
         for seq, token, lp in zip(seqs, tokens.tolist(), logprobs, strict=True):
             self._append(seq, token, lp)
@@ -298,6 +322,10 @@ class Engine:
         seq.text += seq.detokenizer.step(token)
         n_out = len(seq.token_ids) - seq.num_prompt
         reason, cut = check_stop(seq.text, start, token, seq.params, self.eos_ids, n_out)
+        if seq.matcher is not None:
+            seq.matcher.consume_token(token)
+            if reason is None and seq.matcher.is_stopped():  # the grammar is complete
+                reason = "stop"
         if reason is None:
             return
         seq.text = seq.text[:cut] if cut is not None else seq.text + seq.detokenizer.flush()

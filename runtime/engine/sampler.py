@@ -1,4 +1,5 @@
-"""Turning a batch of logits into tokens: penalties, temperature, top-k/top-p/min-p, the draw.
+"""Turning a batch of logits into tokens: grammar masks, logit bias, penalties, temperature,
+top-k/top-p/min-p, the draw.
 
 One call handles a whole decode batch. Everything that can be is vectorised over the batch
 (penalties, temperature, the top-k/top-p/min-p masks from a single sort); only the random draw
@@ -6,7 +7,7 @@ loops over seeded rows, so that a seeded row's token depends on nothing but its 
 and its own logits: the same seeded request gives the same text whatever else is in the batch.
 
 Logprobs are those of the raw model distribution (log_softmax of the incoming logits, before
-penalties and temperature), as vLLM and the OpenAI API report them.
+masks, bias, penalties and temperature), as vLLM and the OpenAI API report them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from runtime.engine.grammar import apply_mask
 
 # Temperatures below this are treated as greedy (vLLM uses the same threshold): dividing by a
 # near-zero temperature only overflows to the same argmax.
@@ -31,6 +34,15 @@ class SamplingParams:
     min_p: float = 0.0
     # HF/vLLM semantics: logits of tokens seen in prompt + output: > 0 divided by it, < 0 times it.
     repetition_penalty: float = 1.0
+    # OpenAI semantics, over the generated tokens only: logit -= count * frequency_penalty
+    # + (count > 0) * presence_penalty.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # Canonical JSON of a schema the output must match (runtime.engine.grammar); None: free.
+    json_schema: str | None = None
+    skip_special_tokens: bool = True
     seed: int | None = None
     max_new_tokens: int = 256
     stop: tuple[str, ...] = ()
@@ -46,6 +58,8 @@ class SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
 
     @property
     def greedy(self) -> bool:
@@ -67,6 +81,12 @@ class SamplingParams:
             raise bad("min_p", "in [0, 1]", self.min_p)
         if not (isinstance(self.repetition_penalty, (int, float)) and self.repetition_penalty > 0):
             raise bad("repetition_penalty", "> 0", self.repetition_penalty)
+        for field in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, field)
+            if not (isinstance(v, (int, float)) and -2 <= v <= 2):
+                raise bad(field, "in [-2, 2]", v)
+        if any(not -100 <= b <= 100 for _, b in self.logit_bias):
+            raise bad("logit_bias", "biases in [-100, 100]", self.logit_bias)
         if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
             raise bad("max_new_tokens", "an integer >= 1", self.max_new_tokens)
         for field in ("logprobs", "prompt_logprobs"):
@@ -123,6 +143,37 @@ def _apply_repetition_penalty(
     logits = logits.clone()
     logits[idx] = torch.where(mask, penalised, sub)
     return logits
+
+
+def _apply_bias_and_penalties(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    outputs: Sequence[torch.Tensor | None],
+) -> torch.Tensor:
+    """logit_bias, presence and frequency penalties as one additive [B, V] term (built with
+    scatter-adds on logits.device), only when some row asks for one."""
+    rows = [
+        i for i, p in enumerate(params) if p.logit_bias or p.presence_penalty or p.frequency_penalty
+    ]
+    if not rows:
+        return logits
+    B, V = logits.shape
+    device = logits.device
+    delta = torch.zeros(B, V, device=device, dtype=logits.dtype)
+    for i in rows:
+        p = params[i]
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias], device=device)
+            vals = torch.tensor([b for _, b in p.logit_bias], device=device, dtype=logits.dtype)
+            keep = ids < V
+            delta[i].index_add_(0, ids[keep], vals[keep])
+        out = outputs[i]
+        if out is not None and out.numel() and (p.presence_penalty or p.frequency_penalty):
+            ids = out.to(device=device, dtype=torch.long).reshape(-1)
+            counts = torch.zeros(V, device=device, dtype=logits.dtype)
+            counts.index_add_(0, ids[ids < V], torch.ones_like(ids[ids < V], dtype=logits.dtype))
+            delta[i] -= counts * p.frequency_penalty + (counts > 0) * p.presence_penalty
+    return logits + delta
 
 
 def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -190,7 +241,12 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         seen: list[torch.Tensor | None],
+        outputs: list[torch.Tensor | None] | None = None,
+        masks: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
+        """outputs: each row's generated tokens (presence/frequency penalties); masks: the
+        bit-packed grammar masks [B, ceil(V / 32)] (runtime.engine.grammar), None if no row
+        is constrained."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
         B = logits.shape[0]
@@ -203,7 +259,9 @@ class Sampler:
         want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_lp = logits[want_lp].log_softmax(dim=-1) if want_lp else None
 
-        x = _apply_repetition_penalty(logits, params, seen)
+        x = logits if masks is None else apply_mask(logits, masks)
+        x = _apply_bias_and_penalties(x, params, outputs or [None] * B)
+        x = _apply_repetition_penalty(x, params, seen)
         tokens = torch.empty(B, dtype=torch.long, device=logits.device)
         greedy = [i for i, p in enumerate(params) if p.greedy]
         sample = [i for i, p in enumerate(params) if not p.greedy]

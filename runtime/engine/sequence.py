@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import llguidance
 import torch
 
 from runtime.engine.detokenizer import IncrementalDetokenizer
@@ -24,6 +25,7 @@ class Sequence:
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None = None
+    matcher: llguidance.LLMatcher | None = None  # the grammar's state (structured output)
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_computed: int = 0  # leading tokens whose KV is in the cache
     num_cached: int = 0  # of the prompt, taken from the prefix cache at admission

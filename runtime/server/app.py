@@ -24,9 +24,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime import __version__
 from runtime.chat_template import ChatTemplate, ChatTemplateError
+from runtime.engine.grammar import GrammarError, schema_key
 from runtime.engine.sampler import SamplingParams, TokenLogprobs
 from runtime.server import protocol as p
 from runtime.server.async_engine import AsyncEngine, StepFailure, Update
+from runtime.server.tools import Delta, ToolCallParser, forced_schema, merge_calls, syntax_for
 
 MAX_SEQUENCES = 1024  # prompts x n in one request: a bound on what one body can ask for
 
@@ -295,8 +297,11 @@ class _State:
                 "start the server with --chat-template FILE",
             )
         messages = [m.template_dict() for m in req.messages]
+        extra = {}
+        if req.tools and req.tool_choice_mode() != "none":  # as transformers passes them
+            extra["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
         try:
-            text = template.render(messages, add_generation_prompt=add_generation_prompt)
+            text = template.render(messages, add_generation_prompt=add_generation_prompt, **extra)
         except ChatTemplateError as e:
             raise ApiError(400, str(e), param="messages") from e
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -309,8 +314,39 @@ class _State:
             req.prompt or "", add_special_tokens=req.add_special_tokens
         ).ids
 
+    def json_schema(self, req) -> str | None:
+        """The compiled schema's key when the output is constrained: a forced tool call's
+        arguments, or response_format; an uncompilable schema is a 400 naming its field."""
+        mode = req.tool_choice_mode() if isinstance(req, p.ChatCompletionRequest) else "none"
+        if mode in ("required", "named"):
+            tools = [t.model_dump() for t in req.tools]
+            named = req.tool_choice.function.name if mode == "named" else None
+            schema, param = forced_schema(tools, named), "tools"
+        elif req.response_format is not None:
+            schema, param = req.response_format.schema(), "response_format"
+        else:
+            return None
+        if schema is None:
+            return None
+        try:
+            self.engine.engine.grammar.check(schema)
+        except GrammarError as e:
+            raise ApiError(400, f"{param}: {e}", param=param) from e
+        return schema_key(schema)
+
+    def tool_parser(self, req) -> ToolCallParser:
+        """How a chat choice's text becomes content and tool_calls (all content without
+        tools; completions never parse)."""
+        if not isinstance(req, p.ChatCompletionRequest):
+            return ToolCallParser("none")
+        mode = req.tool_choice_mode()
+        template = self.settings.chat_template
+        named = req.tool_choice.function.name if mode == "named" else None
+        return ToolCallParser(mode, syntax_for(template.source if template else None), named)
+
     def params(self, req, n_index: int, prompt_len: int) -> SamplingParams:
         fields = {k: v for k, v in p.sampling_fields(req).items() if v is not None}
+        fields["json_schema"] = self.json_schema(req)
         engine = self.engine.engine
         if "max_new_tokens" not in fields:  # OpenAI's default: what the session has left
             room = min(self.session_len, self.capacity_tokens)
@@ -418,13 +454,7 @@ class _State:
         rid = p.new_id("chatcmpl" if chat else "cmpl")
         if chat:
             choices = [
-                {
-                    "index": k,
-                    "message": {"role": "assistant", "content": m.text},
-                    "logprobs": self._chat_logprobs(m.logprobs) if req.logprobs else None,
-                    "finish_reason": _finish(m.finish_reason),
-                }
-                for (k, _, _, _), m in zip(jobs, merged, strict=True)
+                self._chat_choice(req, k, m) for (k, _, _, _), m in zip(jobs, merged, strict=True)
             ]
             body = p.ChatCompletionResponse(
                 id=rid, created=int(time.time()), model=req.model, choices=choices, usage=usage
@@ -444,8 +474,24 @@ class _State:
             )
         return JSONResponse(body.model_dump())
 
+    def _chat_choice(self, req, k: int, m: Update) -> dict:
+        parser = self.tool_parser(req)
+        d = _joined(parser.feed(m.text), parser.finish())
+        calls = merge_calls(_allowed_calls(req, d.tool_calls))
+        return {
+            "index": k,
+            "message": {
+                "role": "assistant",
+                "content": d.content if d.content or not calls else None,
+                "tool_calls": calls or None,
+            },
+            "logprobs": self._chat_logprobs(m.logprobs) if req.logprobs else None,
+            "finish_reason": _chat_finish(req, m.finish_reason, bool(calls)),
+        }
+
     async def _sse(self, req, jobs, streams, chat: bool) -> AsyncIterator[str]:
         rid = p.new_id("chatcmpl" if chat else "cmpl")
+        parsers = [self.tool_parser(req) for _ in jobs]
         created = int(time.time())
         merged = [Update("", [], [], None, 0, 0) for _ in streams]
         echoed: set[int] = set()
@@ -474,7 +520,8 @@ class _State:
                 merged[k] = _merge([merged[k], update])
                 first = k not in echoed
                 echoed.add(k)
-                yield _event(self._chunk(req, rid, created, jobs[k], update, chat, first))
+                chunk = self._chunk(req, rid, created, jobs[k], update, chat, first, parsers[k])
+                yield _event(chunk)
             else:
                 if req.stream_options is not None and req.stream_options.include_usage:
                     cls = p.ChatCompletionChunk if chat else p.CompletionChunk
@@ -489,15 +536,32 @@ class _State:
                     )
         yield "data: [DONE]\n\n"
 
-    def _chunk(self, req, rid: str, created: int, job, u: Update, chat: bool, first: bool) -> dict:
+    def _chunk(
+        self,
+        req,
+        rid: str,
+        created: int,
+        job,
+        u: Update,
+        chat: bool,
+        first: bool,
+        parser: ToolCallParser,
+    ) -> dict:
         k, _, ids, _ = job
         finish = _finish(u.finish_reason) if u.finish_reason else None
         if chat:
+            d = parser.feed(u.text)
+            if finish:
+                d = _joined(d, parser.finish())
+            calls = _allowed_calls(req, d.tool_calls)
+            delta: dict = {"content": d.content} if d.content or not (finish or calls) else {}
+            if calls:
+                delta["tool_calls"] = calls
             choice = {
                 "index": k,
-                "delta": {"content": u.text} if u.text or not finish else {},
+                "delta": delta,
                 "logprobs": self._chat_logprobs(u.logprobs) if req.logprobs else None,
-                "finish_reason": finish,
+                "finish_reason": finish and _chat_finish(req, finish, parser.called),
             }
             return p.ChatCompletionChunk(
                 id=rid, created=created, model=req.model, choices=[choice]
@@ -625,6 +689,24 @@ def _scored_only(req, u: Update) -> Update:
 
 def _finish(reason: str | None) -> str | None:
     return "stop" if reason == "abort" else reason
+
+
+def _chat_finish(req, reason: str | None, called: bool) -> str | None:
+    """OpenAI's reason: "tool_calls" when the model chose to call (auto, required); a named
+    call the request forced ends with "stop"; a cut-short answer stays "length"."""
+    reason = _finish(reason)
+    if called and reason == "stop" and req.tool_choice_mode() in ("auto", "required"):
+        return "tool_calls"
+    return reason
+
+
+def _joined(a: Delta, b: Delta) -> Delta:
+    return Delta(a.content + b.content, a.tool_calls + b.tool_calls)
+
+
+def _allowed_calls(req, calls: list[dict]) -> list[dict]:
+    """parallel_tool_calls=false: the first call only."""
+    return calls if req.parallel_tool_calls else [c for c in calls if c["index"] == 0]
 
 
 def _merge(updates: list[Update]) -> Update:

@@ -2,12 +2,14 @@
 
 Requests ignore unknown fields (OpenAI's server tolerates them, and clients send vendor extras)
 but validate every known field strictly (no "1" for 1, no true for 1), and every error names the
-field, so a client sees which parameter to fix. Responses use OpenAI's exact field names and
-shapes; tests check them against the official openai-python types.
+field, so a client sees which parameter to fix. OpenAI fields the server does not implement are
+refused, never dropped: REFUSED is their one list (a 400 naming the field). Responses use
+OpenAI's exact field names and shapes; tests check them against the official openai-python types.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 import time
@@ -27,6 +29,7 @@ from pydantic import (
     model_serializer,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 MAX_N = 8  # choices per request: each one is a full sequence in the batch
 MAX_STOP = 4  # OpenAI's limit on stop strings
@@ -35,7 +38,30 @@ LOGPROB_FLOOR = -9999.0  # JSON has no -inf; a masked token's logprob is sent as
 
 Role = Literal["system", "user", "assistant", "developer", "tool"]
 # The engine's third reason, "abort", never goes on the wire: no client is left to answer.
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+# OpenAI request fields this server does not implement: name -> (values that change nothing and
+# are accepted, why it is refused). Any other value is a 400 naming the field.
+REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "audio": ((None,), "audio output is not supported"),
+    "modalities": ((None, ["text"]), "only text output is supported"),
+    "functions": ((None,), "the deprecated functions API is not supported; use tools"),
+    "function_call": ((None,), "the deprecated functions API is not supported; use tool_choice"),
+    "prediction": ((None,), "predicted outputs are not supported"),
+    "reasoning_effort": ((None,), "this model has no reasoning mode"),
+    "verbosity": ((None,), "verbosity is not supported"),
+    "web_search_options": ((None,), "web search is not supported"),
+    "moderation": ((None,), "moderation is not supported"),
+    "store": ((None, False), "stored completions are not supported"),
+    "metadata": ((None,), "metadata is only kept with store, which is not supported"),
+    "service_tier": ((None, "auto", "default"), "there is one service tier"),
+    "prompt_cache_key": ((None,), "prompt caching is automatic (--enable-prefix-caching)"),
+    "prompt_cache_options": ((None,), "prompt caching is automatic (--enable-prefix-caching)"),
+    "prompt_cache_retention": ((None,), "prompt caching is automatic (--enable-prefix-caching)"),
+    "safety_identifier": ((None,), "safety identifiers are not recorded"),
+    "best_of": ((None, 1), "best_of is not supported; use n"),
+    "suffix": ((None, ""), "suffix (insertion) is not supported"),
+}
 
 
 def new_id(prefix: str) -> str:
@@ -57,22 +83,54 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+def _refuse_unsupported(data: Any) -> Any:
+    """A 400 naming the first OpenAI field in REFUSED that is set to something that matters."""
+    if isinstance(data, dict):
+        for name, (noops, why) in REFUSED.items():
+            if name in data and not any(data[name] == v for v in noops):
+                raise PydanticCustomError(
+                    "unsupported_field", "{field}: {why}", {"field": name, "why": why}
+                )
+    return data
+
+
 class TextContentPart(_Request):
     type: Literal["text"]
     text: str
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Role
-    content: str | list[TextContentPart]
+    # tool_calls before content: content's check reads it (info.data holds earlier fields).
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    content: str | list[TextContentPart] | None = Field(None, validate_default=True)
     name: str | None = None
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_are_the_assistants(cls, v: list[ToolCall] | None, info: ValidationInfo) -> Any:
+        if v and info.data.get("role") != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return v
 
     @field_validator("content", mode="before")
     @classmethod
     def _text_only(cls, v: Any) -> Any:
         # Checked here, not by the union, so a bad part gets one clear message, not one per
         # union member.
-        if isinstance(v, str):
+        if v is None or isinstance(v, str):
             return v
         if not isinstance(v, list):
             raise ValueError("content must be a string or a list of content parts")
@@ -89,19 +147,102 @@ class ChatMessage(_Request):
                 raise ValueError(f"content part {i} needs a string 'text'")
         return v
 
+    @field_validator("content")
+    @classmethod
+    def _content_or_calls(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None and not info.data.get("tool_calls"):
+            raise ValueError("Field required (only an assistant with tool_calls may omit it)")
+        return v
+
     @property
     def text(self) -> str:
         """The content as one string; text parts are joined with newlines, as vLLM does."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "\n".join(part.text for part in self.content)
 
-    def template_dict(self) -> dict[str, str]:
-        """The message as a chat template expects it: content always a plain string."""
-        out = {"role": self.role, "content": self.text}
+    def template_dict(self) -> dict[str, Any]:
+        """The message as a chat template expects it: content a plain string, tool call
+        arguments as objects (what Hugging Face templates render with tojson)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": _arguments(c)},
+                }
+                for c in self.tool_calls
+            ]
         return out
+
+
+def _arguments(call: ToolCall) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        return call.function.arguments
+
+
+def _check_schema_object(v: dict[str, Any]) -> dict[str, Any]:
+    """Cheap shape checks; the grammar compiler judges the rest (its error is a 400 too)."""
+    if not isinstance(v, dict):
+        raise ValueError("a JSON schema must be an object")
+    return v
+
+
+Schema = Annotated[dict[str, Any], AfterValidator(_check_schema_object)]
+
+
+class JsonSchemaSpec(_Request):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: Schema = Field(alias="schema")
+    strict: bool | None = None  # always strict here: the output is constrained to the schema
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only then")
+        return self
+
+    def schema(self) -> dict[str, Any] | None:
+        """The schema the output must match; None for free text."""
+        if self.type == "json_object":
+            return {"type": "object"}
+        return self.json_schema.schema_ if self.json_schema is not None else None
+
+
+class FunctionSpec(_Request):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: Schema = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(_Request):
@@ -143,9 +284,10 @@ class _SamplingRequest(_Request):
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # what torch's generator takes
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # Accepted so clients that always send them work, but only at their no-op value.
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    response_format: ResponseFormat | None = None
     # vLLM's extensions.
     top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
     min_p: float = Field(0.0, ge=0, le=1)
@@ -163,11 +305,15 @@ class _SamplingRequest(_Request):
             raise ValueError("stream_options is only allowed when stream is true")
         return v
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    _refused = model_validator(mode="before")(_refuse_unsupported)
+
+    @field_validator("logit_bias", mode="before")
     @classmethod
-    def _penalty_unsupported(cls, v: float | None, info: ValidationInfo) -> float | None:
-        if v:
-            raise ValueError(f"{info.field_name} is not supported unless 0; use repetition_penalty")
+    def _bias_keys_are_ids(cls, v: Any) -> Any:
+        if isinstance(v, dict) and not all(isinstance(k, str) and k.isdigit() for k in v):
+            raise ValueError("logit_bias keys must be token ids (strings of digits)")
+        if isinstance(v, dict):  # JSON has no int/float distinction for a bias
+            return {k: float(b) if type(b) is int else b for k, b in v.items()}
         return v
 
 
@@ -177,6 +323,36 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
+        choice, names = self.tool_choice, [t.function.name for t in self.tools or []]
+        if (
+            choice == "required"
+            and not names
+            or (isinstance(choice, NamedToolChoice) and choice.function.name not in names)
+        ):
+            raise PydanticCustomError(
+                "unsupported_field",
+                "{field}: {why}",
+                {"field": "tool_choice", "why": "names no tool in tools"},
+            )
+        if self.response_format is not None and self.tool_choice_mode() in ("required", "named"):
+            raise PydanticCustomError(
+                "unsupported_field",
+                "{field}: {why}",
+                {"field": "response_format", "why": "cannot be combined with a forced tool call"},
+            )
+        return self
+
+    def tool_choice_mode(self) -> str:
+        """none, auto, required or named; OpenAI's default is auto with tools, none without."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or ("auto" if self.tools else "none")
 
     @field_validator("top_logprobs")
     @classmethod
@@ -274,9 +450,13 @@ def sampling_fields(req: ChatCompletionRequest | CompletionRequest) -> dict[str,
     return {
         "temperature": req.temperature,
         "top_p": req.top_p,
-        "top_k": 0 if req.top_k in (None, -1) else req.top_k,
+        "top_k": None if req.top_k is None else max(req.top_k, 0),  # unset: the artifact's
         "min_p": req.min_p,
         "repetition_penalty": req.repetition_penalty,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "logit_bias": {int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
+        "skip_special_tokens": req.skip_special_tokens,
         "seed": req.seed,
         "max_new_tokens": max_new_tokens,
         "stop": (stop,) if isinstance(stop, str) else tuple(stop),
@@ -333,9 +513,31 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatResponseMessage(BaseModel):
+    """content is null when the answer is tool calls alone; tool_calls is sent only when
+    there are some."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatCompletionChoice(BaseModel):
@@ -360,6 +562,9 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    # OpenAI's streamed calls: {"index", "id", "type", "function": {"name", "arguments"}}
+    # first, then {"index", "function": {"arguments": more}}.
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -485,6 +690,8 @@ def _describe(err: dict[str, Any]) -> tuple[str, str | None]:
         detail = (err.get("ctx") or {}).get("error", "")
         return (f"invalid JSON body: {detail}" if detail else "invalid JSON body"), None
     msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+    if err.get("type") == "unsupported_field":  # raised over the whole body; it names its field
+        return msg, (err.get("ctx") or {}).get("field")
     if not loc:
         return ("request body is missing" if err.get("type") == "missing" else msg), None
     path = ".".join(str(part) for part in loc)
