@@ -15,7 +15,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import resource
 import shutil
 import sys
@@ -23,7 +22,6 @@ import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -42,13 +40,14 @@ from lite.compute import (
 )
 from lite.data import CalibrationSet, build_calibration
 from lite.families import LAYER_GROUPS, NO_CLIP, ScaleGroup
-from lite.hf import architecture_from_config, generation_defaults, load_config
+from lite.hf import architecture_from_config, load_config
 from lite.model_card import write_model_card
 from lite.plan import Plan, default_rows, device_rows, make_plan, skeleton
 from lite.quantizer import QuantSpec, quantize
 from lite.sources import Checkpoint, ModelSource, resolve, resolve_plan
 from runtime import __version__
 from runtime.artifact import layout
+from runtime.artifact.hf_config import generation_defaults
 from runtime.artifact.manifest import (
     LaunchConfig,
     Layout,
@@ -62,6 +61,7 @@ from runtime.artifact.writer import (
     publish,
     save_tensors_atomic,
     tensor_entries,
+    utc_now,
     write_json_atomic,
     write_manifest,
     write_shards,
@@ -119,7 +119,7 @@ class RunState:
             return cls(partial, **kept, devices=saved.get("devices", []))
         partial.mkdir(parents=True, exist_ok=True)
         (partial / "layers").mkdir(exist_ok=True)
-        state = cls(partial, fingerprint, _now())
+        state = cls(partial, fingerprint, utc_now())
         state.save()
         return state
 
@@ -163,14 +163,6 @@ class RunState:
                 f"to start over"
             )
         return load_file(str(path))["x"]
-
-
-def _now() -> str:
-    """UTC now, or SOURCE_DATE_EPOCH when set: the reproducible-builds convention, so two
-    separate runs can be compared byte for byte."""
-    epoch = os.environ.get("SOURCE_DATE_EPOCH")
-    when = datetime.fromtimestamp(int(epoch), timezone.utc) if epoch else datetime.now(timezone.utc)
-    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def fingerprint(source: ModelSource, cfg: AwqConfig, calib: CalibrationSet | None) -> str:

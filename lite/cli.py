@@ -151,6 +151,47 @@ def auto_awq_cmd(
         _fail(e)
 
 
+@main.command("convert")
+@click.argument("src")
+@click.option(
+    "--work-dir",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="Where the artifact appears (atomically, when finished).",
+)
+@click.option("--overwrite", is_flag=True, help="Replace an existing artifact at --work-dir.")
+def convert_cmd(src: str, work_dir: Path, overwrite: bool) -> None:
+    """Turn an AutoAWQ (GEMM), GPTQ or compressed-tensors (pack-quantized) int4 checkpoint
+    SRC (a directory or a hub id) into an artifact, without recalibrating."""
+    from lite.sources import resolve
+    from runtime.artifact.convert import convert
+
+    try:
+        source = resolve(src)
+        convert(source.path, work_dir, src, shlex.join(["lite", *sys.argv[1:]]), overwrite)
+    except USER_ERRORS as e:
+        _fail(e)
+    click.echo(f"wrote {work_dir}")
+
+
+@main.command("export")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option(
+    "--format", "fmt", type=click.Choice(["compressed-tensors", "autoawq"]), required=True
+)
+@click.option("--output", required=True, type=click.Path(path_type=Path))
+@click.option("--overwrite", is_flag=True, help="Replace an existing directory at --output.")
+def export_cmd(artifact: Path, fmt: str, output: Path, overwrite: bool) -> None:
+    """Write ARTIFACT as a Hugging Face directory that vLLM and transformers load."""
+    from lite.export import export
+
+    try:
+        export(artifact, fmt, output, overwrite)
+    except USER_ERRORS as e:
+        _fail(e)
+    click.echo(f"wrote {output} ({fmt})")
+
+
 @main.command("tune")
 @click.argument("artifact", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--buckets", help="Row buckets to tune, comma-separated (default: all, 1..512).")

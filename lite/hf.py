@@ -7,29 +7,16 @@ transformers model built from the manifest alone: that round trip proves the man
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from runtime.artifact.hf_config import ROPE_KEYS
+from runtime.artifact.hf_config import as_list as _as_list
 from runtime.artifact.layout import dequantize
-from runtime.artifact.manifest import Architecture, GenerationDefaults, Manifest
+from runtime.artifact.manifest import Architecture, Manifest
 from runtime.artifact.reader import Artifact
-
-_ROPE_KEYS = (
-    "rope_type",
-    "factor",
-    "low_freq_factor",
-    "high_freq_factor",
-    "original_max_position_embeddings",
-)
-
-
-def _as_list(v: int | list[int] | None) -> list[int]:
-    if v is None:
-        return []
-    return [v] if isinstance(v, int) else list(v)
 
 
 def load_config(path: Path) -> PretrainedConfig:
@@ -41,7 +28,7 @@ def load_config(path: Path) -> PretrainedConfig:
 def _rope(config: PretrainedConfig) -> tuple[float, dict | None]:
     params = dict(getattr(config, "rope_parameters", None) or {})
     theta = float(params.pop("rope_theta", getattr(config, "rope_theta", 10000.0)))
-    scaling = {k: params[k] for k in _ROPE_KEYS if k in params}
+    scaling = {k: params[k] for k in ROPE_KEYS if k in params}
     if scaling.get("rope_type", "default") == "default":
         return theta, None
     return theta, scaling
@@ -76,23 +63,6 @@ def architecture_from_config(config: PretrainedConfig, tokenizer_eos: int | None
         bos_token_id=config.bos_token_id,
         eos_token_ids=eos,
         pad_token_id=config.pad_token_id,
-    )
-
-
-def generation_defaults(path: Path, arch: Architecture) -> GenerationDefaults:
-    """The source's generation_config.json where it has one; stop on every end token."""
-    defaults = GenerationDefaults(stop_token_ids=arch.eos_token_ids)
-    gen_path = path / "generation_config.json"
-    if not gen_path.is_file():
-        return defaults
-    gen = json.loads(gen_path.read_text())
-    stops = sorted(set(arch.eos_token_ids) | set(_as_list(gen.get("eos_token_id"))))
-    return GenerationDefaults(
-        temperature=gen.get("temperature", defaults.temperature),
-        top_p=gen.get("top_p", defaults.top_p),
-        top_k=gen.get("top_k", defaults.top_k) or 0,
-        repetition_penalty=gen.get("repetition_penalty", defaults.repetition_penalty),
-        stop_token_ids=stops,
     )
 
 

@@ -12,7 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 FORMAT = "liteserve-artifact"
 # 2: producer.devices/torch/cuda (optional: schema-1 manifests still validate).
-SCHEMA_VERSION = 2
+# 3: source.format/quantization_config and the converted methods (`lite convert`).
+SCHEMA_VERSION = 3
 MANIFEST_FILE = "manifest.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 MODEL_CARD_FILE = "README.md"
@@ -38,6 +39,10 @@ class SourceModel(_Strict):
     id: str
     revision: str | None = None
     files: dict[str, str] = Field(default_factory=dict)  # file name -> sha256
+    # a converted checkpoint's format (autoawq-gemm, gptq, compressed-tensors) and its
+    # quantization_config verbatim, so what was converted can be traced and exported back
+    format: str | None = None
+    quantization_config: dict | None = None
 
 
 class Architecture(_Strict):
@@ -64,7 +69,7 @@ class Architecture(_Strict):
 
 
 class Quantization(_Strict):
-    method: Literal["awq", "rtn"]
+    method: Literal["awq", "rtn", "autoawq", "gptq", "compressed-tensors"]  # last 3: converted
     bits: int
     group_size: int
     symmetric: bool

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 from collections.abc import Iterable
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -22,6 +23,14 @@ from runtime.artifact.manifest import (
 )
 
 MAX_SHARD_BYTES = 2 * 1024**3
+
+
+def utc_now() -> str:
+    """UTC now, or SOURCE_DATE_EPOCH when set: the reproducible-builds convention, so two
+    separate runs can be compared byte for byte."""
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    when = datetime.fromtimestamp(int(epoch), timezone.utc) if epoch else datetime.now(timezone.utc)
+    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def sha256_file(path: Path) -> str:

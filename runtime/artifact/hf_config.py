@@ -1,0 +1,123 @@
+"""A Hugging Face directory's config, tokenizer and chat template, read without transformers.
+
+`runtime serve` converts hub checkpoints on a serving host, which has no transformers; so the
+architecture, generation defaults and tokenizer files are read here from the JSON itself.
+`lite` (which has transformers) uses the same generation defaults and is tested to derive the
+same architecture through transformers' config classes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from runtime.artifact.manifest import CHAT_TEMPLATE_FILE, Architecture, GenerationDefaults
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+ROPE_KEYS = (
+    "rope_type",
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+)
+
+
+def as_list(v: int | list[int] | None) -> list[int]:
+    if v is None:
+        return []
+    return [v] if isinstance(v, int) else list(v)
+
+
+def _rope(config: dict) -> tuple[float, dict | None]:
+    """transformers 5 writes `rope_parameters`; older configs `rope_theta` + `rope_scaling`."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", config.get("rope_theta", 10000.0)))
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    scaling = {k: params[k] for k in ROPE_KEYS if k in params}
+    if scaling.get("rope_type", "default") == "default":
+        return theta, None
+    return theta, scaling
+
+
+def tokenizer_eos(src: Path) -> int | None:
+    """The id of tokenizer_config.json's eos_token, as transformers' tokenizer.eos_token_id."""
+    cfg_path, tok_path = src / "tokenizer_config.json", src / "tokenizer.json"
+    if not (cfg_path.is_file() and tok_path.is_file()):
+        return None
+    eos = json.loads(cfg_path.read_text()).get("eos_token")
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    return Tokenizer.from_file(str(tok_path)).token_to_id(eos) if eos else None
+
+
+def architecture_from_dict(config: dict, eos: int | None) -> Architecture:
+    """The manifest's architecture from config.json, with transformers' defaults."""
+    family = config["model_type"]
+    heads = config["num_attention_heads"]
+    theta, scaling = _rope(config)
+    eos_ids = as_list(config.get("eos_token_id"))
+    if eos is not None and eos not in eos_ids:
+        eos_ids.append(eos)
+    use_window = config.get("use_sliding_window", True)
+    return Architecture(
+        family=family,
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_layers=config["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        hidden_act=config.get("hidden_act", "silu"),
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=config.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        attention_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
+        qk_norm=family == "qwen3",
+        sliding_window=config.get("sliding_window") if use_window else None,
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        pad_token_id=config.get("pad_token_id"),
+    )
+
+
+def generation_defaults(path: Path, arch: Architecture) -> GenerationDefaults:
+    """The source's generation_config.json where it has one; stop on every end token."""
+    defaults = GenerationDefaults(stop_token_ids=arch.eos_token_ids)
+    gen_path = path / "generation_config.json"
+    if not gen_path.is_file():
+        return defaults
+    gen = json.loads(gen_path.read_text())
+    stops = sorted(set(arch.eos_token_ids) | set(as_list(gen.get("eos_token_id"))))
+    return GenerationDefaults(
+        temperature=gen.get("temperature", defaults.temperature),
+        top_p=gen.get("top_p", defaults.top_p),
+        top_k=gen.get("top_k", defaults.top_k) or 0,
+        repetition_penalty=gen.get("repetition_penalty", defaults.repetition_penalty),
+        stop_token_ids=stops,
+    )
+
+
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    """The tokenizer files and the chat template, as `tokenizer.save_pretrained` leaves them:
+    chat_template.jinja verbatim, or the template from tokenizer_config.json written out."""
+    if not (src / "tokenizer.json").is_file():
+        raise ValueError(f"{src} has no tokenizer.json (a fast tokenizer is needed to serve)")
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+    template = src / CHAT_TEMPLATE_FILE
+    if template.is_file():
+        shutil.copyfile(template, dst / CHAT_TEMPLATE_FILE)
+        return
+    cfg_path = src / "tokenizer_config.json"
+    inline = json.loads(cfg_path.read_text()).get("chat_template") if cfg_path.is_file() else None
+    if isinstance(inline, str):
+        (dst / CHAT_TEMPLATE_FILE).write_text(inline)
