@@ -1,0 +1,304 @@
+"""Structured output and tool calls end to end: a real uvicorn on 127.0.0.1, the official
+openai client, output checked with the jsonschema package.
+
+Fast tests run the tiny RTN artifact (a random model: only the grammar makes its output JSON, so
+a missing mask fails them); the `slow` ones run SmolLM2-135M-Instruct, converted here with RTN.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+import torch
+from click.testing import CliRunner
+
+from lite.cli import main as lite_main
+from runtime.engine.grammar import GrammarCompiler, GrammarError, apply_mask, schema_key
+from tests.test_server import MODEL, engine_config, serve
+
+# Bounded everywhere, so even a random model finishes well within max_tokens.
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 3},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 10},
+                "zip": {"type": "integer", "minimum": 10000, "maximum": 99999},
+            },
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "role", "tags", "address"],
+    "additionalProperties": False,
+}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "unit": {"enum": ["c", "f"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK = [{"role": "user", "content": "Describe a person as JSON."}]
+
+
+@pytest.fixture(scope="module")
+def client(rtn_artifact: Path) -> Iterator[openai.OpenAI]:
+    s = serve(rtn_artifact, config=engine_config())
+    yield openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+    s.stop()
+
+
+# ---- the grammar on its own ----
+
+
+def test_mask_allows_exactly_what_the_matcher_allows(rtn_artifact: Path) -> None:
+    compiler = GrammarCompiler(rtn_artifact / "tokenizer.json", 520, eos_ids=[2])
+    key = schema_key(PERSON)
+    matcher = compiler.matcher(key)
+    masks = compiler.fill_masks([None, matcher])
+    logits = apply_mask(torch.zeros(2, 520), masks)
+    assert torch.isfinite(logits[0]).all()  # an unconstrained row loses nothing
+    allowed = torch.isfinite(logits[1]).nonzero().flatten().tolist()
+    assert allowed and not torch.isfinite(logits[1, 512:]).any()  # past the tokenizer: never
+    for token in range(512):
+        probe = compiler.matcher(key)
+        assert probe.try_consume_tokens([token]) == (1 if token in allowed else 0), token
+
+
+def test_a_schema_compiles_once(rtn_artifact: Path) -> None:
+    compiler = GrammarCompiler(rtn_artifact / "tokenizer.json", 512, eos_ids=[2])
+    compiler.check(PERSON)
+    compiler.check(json.loads(json.dumps(PERSON)))  # equal, not identical: the same entry
+    assert len(compiler._cache) == 1
+    assert compiler.matcher(schema_key(PERSON)) is not compiler.matcher(schema_key(PERSON))
+
+
+def test_invalid_schema_is_a_grammar_error(rtn_artifact: Path) -> None:
+    compiler = GrammarCompiler(rtn_artifact / "tokenizer.json", 512, eos_ids=[2])
+    with pytest.raises(GrammarError, match="nope"):
+        compiler.check({"type": "object", "properties": {"a": {"$ref": "#/nope"}}})
+
+
+# ---- the server, tiny model ----
+
+
+def _person(text: str) -> dict[str, Any]:
+    value = json.loads(text)
+    jsonschema.validate(value, PERSON)
+    return value
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_json_schema_chat_validates_at_temperature_1(client: openai.OpenAI, seed: int) -> None:
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        temperature=1.0,
+        seed=seed,
+        max_tokens=200,
+        response_format=FORMAT,
+    )
+    assert r.choices[0].finish_reason == "stop"
+    _person(r.choices[0].message.content)
+
+
+def test_json_schema_stream_reassembles_to_the_same_text(client: openai.OpenAI) -> None:
+    args = dict(model=MODEL, messages=ASK, temperature=1.0, seed=7, max_tokens=200)
+    whole = client.chat.completions.create(**args, response_format=FORMAT)
+    chunks = client.chat.completions.create(**args, response_format=FORMAT, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    _person(text)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_object_on_completions(client: openai.OpenAI, stream: bool) -> None:
+    args = dict(model=MODEL, prompt="JSON:", temperature=1.0, seed=3, max_tokens=300, stream=stream)
+    fmt = {"response_format": {"type": "json_object"}}
+    r = client.completions.create(**args, extra_body=fmt)
+    text = "".join(c.choices[0].text for c in r if c.choices) if stream else r.choices[0].text
+    assert isinstance(json.loads(text), dict)
+
+
+def test_json_schema_on_completions(client: openai.OpenAI) -> None:
+    r = client.completions.create(
+        model=MODEL, prompt="x", temperature=1.0, seed=5, max_tokens=200,
+        extra_body={"response_format": FORMAT},
+    )  # fmt: skip
+    _person(r.choices[0].text)
+
+
+@pytest.mark.parametrize(
+    "fmt,needle",
+    [
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/no"}}}, "no"),
+        ({"type": "json_schema"}, "json_schema is required"),
+        ({"type": "yaml"}, "response_format.type"),
+    ],
+)
+def test_bad_response_format_is_a_400_and_the_server_serves_on(
+    client: openai.OpenAI, fmt: dict, needle: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt)
+    assert needle in e.value.body["message"]
+    assert e.value.body["param"].startswith("response_format")
+    ok = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2)
+    assert ok.choices[0].message.content is not None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_named_tool_choice(client: openai.OpenAI, stream: bool) -> None:
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice=choice, temperature=1.0,
+        seed=11, max_tokens=100, stream=stream,
+    )  # fmt: skip
+    calls, finish = _calls(r, stream)
+    assert finish == "stop" and [c["name"] for c in calls] == ["get_weather"]
+    jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER["function"]["parameters"])
+    assert calls[0]["id"].startswith("call_")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_tool_choice(client: openai.OpenAI, stream: bool) -> None:
+    r = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=1.0,
+        seed=12, max_tokens=300, stream=stream,
+    )  # fmt: skip
+    calls, finish = _calls(r, stream)
+    assert finish == "tool_calls" and calls and {c["name"] for c in calls} == {"get_weather"}
+    for c in calls:
+        jsonschema.validate(json.loads(c["arguments"]), WEATHER["function"]["parameters"])
+
+
+def _calls(r: Any, stream: bool) -> tuple[list[dict[str, str]], str]:
+    """(name, arguments, id) per call and the finish reason, from a response or a stream."""
+    if not stream:
+        m = r.choices[0]
+        calls = [
+            {"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+            for c in m.message.tool_calls
+        ]
+        return calls, m.finish_reason
+    calls: dict[int, dict[str, str]] = {}
+    finish = ""
+    for chunk in r:
+        choice = chunk.choices[0]
+        finish = choice.finish_reason or finish
+        for d in choice.delta.tool_calls or []:
+            c = calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": ""})
+            c["arguments"] += d.function.arguments or ""
+    return [calls[i] for i in sorted(calls)], finish
+
+
+def test_tool_round_trip_renders_through_the_template(client: openai.OpenAI) -> None:
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'},
+    }
+    messages = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 3}'},
+    ]
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER], max_tokens=3, temperature=0
+    )
+    assert r.choices[0].message.tool_calls is None or r.choices[0].finish_reason == "tool_calls"
+    with pytest.raises(openai.BadRequestError) as e:  # content may be missing only with calls
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user"}])
+    assert e.value.body["param"] == "messages.0.content"
+
+
+def test_tool_choice_must_name_a_tool(client: openai.OpenAI) -> None:
+    choice = {"type": "function", "function": {"name": "other"}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=[WEATHER], tool_choice=choice
+        )
+    assert e.value.body["param"] == "tool_choice"
+
+
+# ---- SmolLM2 ----
+
+
+@pytest.fixture(scope="module")
+def smol_client(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    out = tmp_path_factory.mktemp("smol") / "rtn"
+    args = ["auto_awq", str(smollm2), "--work-dir", str(out), "--w-group-size", "64"]
+    result = CliRunner().invoke(lite_main, [*args, "--calib-samples", "0", "--quiet"])
+    assert result.exit_code == 0, result.output
+    s = serve(out, config=engine_config(dtype="auto", num_blocks=600))
+    yield openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=600)
+    s.stop()
+
+
+SMOL_SEEDS = 20
+
+
+@pytest.mark.slow
+def test_smollm2_nested_schema_validates_in_every_seeded_request(
+    smol_client: openai.OpenAI,
+) -> None:
+    """The issue's check: 20 of 20 at temperature 1.0, sent together (one batch)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ask(seed: int) -> str:
+        r = smol_client.chat.completions.create(
+            model=MODEL, messages=ASK, temperature=1.0, seed=seed, max_tokens=300,
+            response_format=FORMAT,
+        )  # fmt: skip
+        return r.choices[0].message.content
+
+    with ThreadPoolExecutor(SMOL_SEEDS) as pool:
+        texts = list(pool.map(ask, range(SMOL_SEEDS)))
+    for text in texts:
+        _person(text)
+
+
+@pytest.mark.slow
+def test_smollm2_json_mode_and_tools(smol_client: openai.OpenAI) -> None:
+    for stream in (False, True):
+        r = smol_client.chat.completions.create(
+            model=MODEL, messages=ASK, temperature=1.0, seed=1, max_tokens=300, stream=stream,
+            response_format={"type": "json_object"},
+        )  # fmt: skip
+        text = (
+            "".join(c.choices[0].delta.content or "" for c in r if c.choices)
+            if stream
+            else r.choices[0].message.content
+        )
+        assert isinstance(json.loads(text), dict)
+        r = smol_client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
+            tools=[WEATHER], tool_choice="required", temperature=1.0, seed=2, max_tokens=200,
+            stream=stream,
+        )  # fmt: skip
+        calls, _ = _calls(r, stream)
+        for c in calls:
+            jsonschema.validate(json.loads(c["arguments"]), WEATHER["function"]["parameters"])
+        assert calls
