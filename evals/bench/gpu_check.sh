@@ -13,7 +13,7 @@
 # fastapi, pydantic, uvicorn...) and .tok/ (the 49152-token SmolLM2 tokenizer), which travel with
 # the checkout; this script installs the wheels into /tmp/site unless it runs the project's own
 # .venv. For the test modules that need hypothesis or openai, carry those too:
-#   EXTRA_WHEELS="hypothesis sortedcontainers openai httpx2 httpcore2 jiter truststore" \
+#   EXTRA_WHEELS="llguidance hypothesis sortedcontainers openai httpx2 httpcore2 jiter truststore" \
 #     bash ../shared/gpu/prepare-device.sh
 # The interpreter is $PYTHON, else .venv/bin/python if there is one, else python3; the checkout
 # goes first on PYTHONPATH either way.
