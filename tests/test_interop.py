@@ -405,3 +405,23 @@ def test_runtime_serves_a_checkpoint_through_the_cache(
     assert served_artifact(src) == converted[0]
     pipe = pipeline(served_artifact(src), EngineConfig(kv_quant="none", num_blocks=16))
     assert pipe(["def f(x):"], GenerationConfig(max_new_tokens=4, temperature=0))[0].token_ids
+
+
+def test_transformers_loads_a_symmetric_compressed_tensors_export(tiny_models, tmp_path) -> None:
+    """transformers (through compressed-tensors) runs the exported directory as it runs
+    llm-compressor's output, with the artifact's logits. Symmetric: with compressed-tensors
+    0.20 and transformers 5.24, transformers allocates asymmetric zero points unpacked [N, G]
+    while the package's own compressor (and vLLM) write them packed [N/8, G] (docs/interop.md)."""
+    from transformers import AutoModelForCausalLM
+
+    from lite.hf import load_dequantized
+
+    make_checkpoint(tiny_models["llama"], tmp_path / "src", "gptq", 32, True)
+    convert(tmp_path / "src", tmp_path / "art")
+    export(tmp_path / "art", "compressed-tensors", tmp_path / "ct")
+    ids = torch.tensor([[5, 17, 99, 200, 3, 42]])
+    with torch.no_grad():
+        want = load_dequantized(Artifact(tmp_path / "art"))(input_ids=ids).logits
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "ct", dtype=torch.float32)
+        got = model(input_ids=ids).logits
+    assert torch.allclose(got, want, atol=1e-4), float((got - want).abs().max())

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 import torch
 
 from runtime.artifact.layout import GROUP_SIZES
+from runtime.artifact.layout import nibbles_to_words as words
+from runtime.artifact.layout import words_to_nibbles as nibbles
 
 BITS = 4
-_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 # AutoAWQ GEMM: nibble p of a word holds column 8c + AWQ_ORDER[p].
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _AWQ_INVERSE = tuple(AWQ_ORDER.index(j) for j in range(8))
@@ -62,20 +63,6 @@ class SourceFormat:
         if self.group_size is None:
             return max(GROUP_SIZES)
         return max(g for g in GROUP_SIZES if self.group_size % g == 0)
-
-
-def nibbles(words: torch.Tensor) -> torch.Tensor:
-    """int32 [...] -> uint8 [..., 8]; nibble p is bits 4p..4p+3 (little-endian)."""
-    return ((words.unsqueeze(-1) >> _SHIFTS.to(words.device)) & 0xF).to(torch.uint8)
-
-
-def words(nib: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., 8] -> int32 [...]: the inverse of `nibbles` (wrapping to signed)."""
-    word = torch.zeros(nib.shape[:-1], dtype=torch.int64, device=nib.device)
-    for p in range(8):
-        word |= nib[..., p].to(torch.int64) << (4 * p)
-    word -= (word >= (1 << 31)).to(torch.int64) << 32
-    return word.to(torch.int32)
 
 
 def _awq_unpack(packed: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,164 @@
+"""`lite convert` on a Llama-3-8B-shaped random AutoAWQ (GEMM) checkpoint: seconds and peak RSS
+against the time to read and write the checkpoint's bytes once.
+
+The checkpoint has AutoAWQ's tensor names, shapes and dtypes (qweight int32 [K, N/8], qzeros
+int32 [K/128, N/8], scales fp16 [K/128, N]) filled with random bits: conversion does the same
+work whatever the codes are. Run:
+
+    python evals/bench/convert.py --root /tmp/convert-bench [--layers 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, models
+
+LLAMA3_8B = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": False,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}
+GROUP = 128
+LAYERS_PER_SHARD = 4
+
+
+def _linears(c: dict) -> dict[str, tuple[int, int]]:
+    """Linear name -> (N, K)."""
+    h, i, kv = c["hidden_size"], c["intermediate_size"], c["num_key_value_heads"] * c["head_dim"]
+    return {
+        "self_attn.q_proj": (h, h),
+        "self_attn.k_proj": (kv, h),
+        "self_attn.v_proj": (kv, h),
+        "self_attn.o_proj": (h, h),
+        "mlp.gate_proj": (i, h),
+        "mlp.up_proj": (i, h),
+        "mlp.down_proj": (h, i),
+    }
+
+
+def _awq_linear(n: int, k: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    bits = torch.iinfo(torch.int32)
+    return {
+        "qweight": torch.randint(bits.min, bits.max, (k, n // 8), dtype=torch.int32, generator=g),
+        "qzeros": torch.randint(
+            bits.min, bits.max, (k // GROUP, n // 8), dtype=torch.int32, generator=g
+        ),
+        "scales": (torch.rand(k // GROUP, n, generator=g) * 0.01 + 1e-3).half(),
+    }
+
+
+def make_checkpoint(out: Path, layers: int) -> None:
+    """Write the random checkpoint (sharded with an index, as the hub's are)."""
+    config = {**LLAMA3_8B, "num_hidden_layers": layers}
+    config["quantization_config"] = {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": GROUP,
+        "zero_point": True,
+        "version": "gemm",
+    }
+    out.mkdir(parents=True)
+    g = torch.Generator().manual_seed(0)
+    h, v = config["hidden_size"], config["vocab_size"]
+    weight_map: dict[str, str] = {}
+
+    def shard(tensors: dict[str, torch.Tensor]) -> None:
+        name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+        save_file(tensors, str(out / name))
+        weight_map.update(dict.fromkeys(tensors, name))
+
+    shard({"model.embed_tokens.weight": torch.randn(v, h, generator=g).half()})
+    for first in range(0, layers, LAYERS_PER_SHARD):
+        tensors = {}
+        for i in range(first, min(first + LAYERS_PER_SHARD, layers)):
+            p = f"model.layers.{i}."
+            for lin, (n, k) in _linears(config).items():
+                tensors.update({f"{p}{lin}.{s}": t for s, t in _awq_linear(n, k, g).items()})
+            tensors[p + "input_layernorm.weight"] = torch.ones(h, dtype=torch.float16)
+            tensors[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.float16)
+        shard(tensors)
+    shard(
+        {
+            "model.norm.weight": torch.ones(h, dtype=torch.float16),
+            "lm_head.weight": torch.randn(v, h, generator=g).half(),
+        }
+    )
+    index = {"metadata": {}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    (out / "config.json").write_text(json.dumps(config))
+    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2}
+    Tokenizer(models.WordLevel(vocab, unk_token="<unk>")).save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+
+
+def copy_once(src: Path, dst: Path) -> float:
+    """Seconds to read every byte of the checkpoint and write it once (then fsync)."""
+    dst.mkdir()
+    started = time.perf_counter()
+    for f in sorted(src.iterdir()):
+        shutil.copyfile(f, dst / f.name)
+    os.sync()
+    seconds = time.perf_counter() - started
+    shutil.rmtree(dst)
+    return seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--root", type=Path, required=True)
+    ap.add_argument("--layers", type=int, default=32)
+    args = ap.parse_args()
+    src, art = args.root / "awq-src", args.root / "art"
+    if not src.exists():
+        make_checkpoint(src, args.layers)
+    shutil.rmtree(art, ignore_errors=True)
+    size = sum(f.stat().st_size for f in src.iterdir())
+    copy_s = copy_once(src, args.root / "copy")
+    lite = Path(sys.executable).with_name("lite")
+    started = time.perf_counter()
+    subprocess.run([str(lite), "convert", str(src), "--work-dir", str(art)], check=True)
+    os.sync()
+    convert_s = time.perf_counter() - started
+    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024**2
+    print(
+        json.dumps(
+            {
+                "layers": args.layers,
+                "source_gib": round(size / 1024**3, 2),
+                "read_write_once_s": round(copy_s, 1),
+                "convert_s": round(convert_s, 1),
+                "ratio": round(convert_s / copy_s, 2),
+                "convert_peak_rss_gib": round(rss, 2),
+                "load_average": os.getloadavg(),
+                "cpus": os.cpu_count(),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
