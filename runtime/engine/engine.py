@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,6 +115,7 @@ class Engine:
         self.runner.warm_up(self.config.max_prefill_token_num)
         self.sampler = Sampler()
         self._grammar: GrammarCompiler | None = None
+        self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="liteserve-masks")
         self._ids = itertools.count()
         self.sequences: dict[int, Sequence] = {}
         log.info(
@@ -264,6 +266,12 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
+        sampling = [
+            seq
+            for seq, n in zip(batch.seqs, batch.num_tokens, strict=True)
+            if seq.num_computed + n == len(seq.token_ids)
+        ]
+        masks = self._masks(sampling)  # computed while the model runs
         last_logits, chunk_logits = self.runner.run(batch)
         ready = []
         for i, (seq, n, chunk) in enumerate(
@@ -276,8 +284,17 @@ class Engine:
             if seq.num_computed == len(seq.token_ids):
                 ready.append((i, seq))
         if ready:
-            self._sample(last_logits, ready)
+            self._sample(last_logits, ready, masks.result() if masks is not None else None)
         return [seq for _, seq in ready]
+
+    def _masks(self, seqs: list[Sequence]) -> Future[torch.Tensor] | None:
+        """The grammar masks of the rows this step samples, started on a worker thread before
+        the model runs: llguidance computes them without the GIL, so on a machine with cores
+        to spare they cost the step nothing. None when no row is constrained."""
+        matchers = [s.matcher for s in seqs]
+        if all(m is None for m in matchers):
+            return None
+        return self._mask_worker.submit(self.grammar.fill_masks, matchers)
 
     def _prompt_logprobs(self, seq: Sequence, chunk: torch.Tensor, n: int) -> None:
         # A sequence preempted during its prompt recomputes rows it has already recorded.
@@ -294,7 +311,12 @@ class Engine:
         ids = torch.tensor(seq.token_ids[first : first + m + 1])
         seq.prompt_logprobs.extend(prompt_logprobs(logits, ids, seq.params.prompt_logprobs))
 
-    def _sample(self, logits: torch.Tensor, ready: list[tuple[int, Sequence]]) -> None:
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        ready: list[tuple[int, Sequence]],
+        masks: torch.Tensor | None = None,
+    ) -> None:
         rows = logits[[i for i, _ in ready]]
         seqs = [seq for _, seq in ready]
         seen = [
@@ -306,8 +328,6 @@ class Engine:
             else None
             for s in seqs
         ]
-        matchers = [s.matcher for s in seqs]
-        masks = None if all(m is None for m in matchers) else self.grammar.fill_masks(matchers)
         tokens, logprobs = self.sampler(
             rows, [s.params for s in seqs], [s.generator for s in seqs], seen, outputs, masks
         )
