@@ -195,5 +195,8 @@ def test_refused_field_over_http_and_the_server_serves_on(client: openai.OpenAI)
         client.chat.completions.create(model=MODEL, messages=MSGS, extra_body={"best_of": 3})
     assert e.value.status_code == 400 and e.value.body["param"] == "best_of"
     assert e.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=MSGS, logit_bias={"999999": 1})
+    assert e.value.body["param"] == "logit_bias" and "outside the vocabulary" in str(e.value)
     r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=2, store=False)
     assert r.choices[0].message.content is not None

@@ -346,6 +346,7 @@ class _State:
 
     def params(self, req, n_index: int, prompt_len: int) -> SamplingParams:
         fields = {k: v for k, v in p.sampling_fields(req).items() if v is not None}
+        self.check_ids(list(fields.get("logit_bias", {})), "logit_bias")
         fields["json_schema"] = self.json_schema(req)
         engine = self.engine.engine
         if "max_new_tokens" not in fields:  # OpenAI's default: what the session has left
