@@ -5,7 +5,8 @@ as chat is: mostly short, a long tail; text from Python's own pydoc topics) is s
 streaming /v1/chat/completions from a closed-loop client at each concurrency level (1, 2, 4,
 8, 16, 32 by default). Per level and server: TTFT, inter-token latency and end-to-end latency
 at p50 and p99, request and output-token throughput; per server, the knee (the first level
-past which a doubling adds less than 10% output throughput; null if none). Writes a JSON file and a PNG.
+past which a doubling adds less than 10% output throughput; null if none). Writes a JSON file
+and a PNG.
 
 Each server is either started by this script from a command (``{port}`` is replaced by a free
 port; it is stopped afterwards) or reached at a URL. The baseline is any OpenAI-compatible
