@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from lite.hf import config_from_architecture
+from runtime.artifact.convert import INDEX_FILE
 from runtime.artifact.formats import SYMMETRIC_ZERO, awq_pack, ct_pack_rows
 from runtime.artifact.hf_config import TOKENIZER_FILES
 from runtime.artifact.layout import unpack_qparams, unpack_qweight
@@ -26,8 +27,7 @@ from runtime.artifact.reader import Artifact
 from runtime.artifact.writer import publish, write_json_atomic, write_shards
 
 FORMATS = ("compressed-tensors", "autoawq")
-INDEX_FILE = "model.safetensors.index.json"
-# |-z*s - b| within two fp16 ulps of b (one rounding of b, one of recomputing it).
+# |-z*s - b| within 2^-10 of |b|: b is -z*s from the fp32 scale, rounded to fp16 once.
 _REL_TOL = 2.0**-10
 
 
