@@ -302,3 +302,38 @@ def test_smollm2_json_mode_and_tools(smol_client: openai.OpenAI) -> None:
         for c in calls:
             jsonschema.validate(json.loads(c["arguments"]), WEATHER["function"]["parameters"])
         assert calls
+
+
+TOOL_TEMPLATE = (
+    "{% if tools %}TOOLS {{ tools | tojson }}\n{% endif %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+    "{% for c in m.tool_calls or [] %} CALL {{ c.function.name }} "
+    "{{ c.function.arguments | tojson }}{% endfor %}\n{% endfor %}"
+)
+
+
+@pytest.mark.parametrize("choice", ["auto", "none"])
+def test_tools_reach_the_template_as_transformers_passes_them(
+    rtn_artifact: Path, monkeypatch: pytest.MonkeyPatch, choice: str
+) -> None:
+    from runtime.chat_template import ChatTemplate
+    from runtime.server.protocol import ChatCompletionRequest
+
+    s = serve(rtn_artifact, config=engine_config())
+    try:
+        state = s.state
+        monkeypatch.setattr(state.settings, "chat_template", ChatTemplate(TOOL_TEMPLATE, {}))
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+        req = ChatCompletionRequest.model_validate(
+            {
+                "model": MODEL,
+                "messages": [*ASK, {"role": "assistant", "tool_calls": [call]}],
+                "tools": [WEATHER],
+                "tool_choice": choice,
+            }
+        )
+        text = state.tokenizer.decode(state.encode_chat(req), skip_special_tokens=False)
+    finally:
+        s.stop()
+    assert ("get_weather" in text) == (choice == "auto")  # tool_choice none hides them
+    assert 'CALL f {"a": 1}' in text  # arguments reach the template as an object
