@@ -168,7 +168,8 @@ def convert_cmd(src: str, work_dir: Path, overwrite: bool) -> None:
 
     try:
         source = resolve(src)
-        convert(source.path, work_dir, src, shlex.join(["lite", *sys.argv[1:]]), overwrite)
+        command = shlex.join(["lite", *sys.argv[1:]])
+        convert(source.path, work_dir, src, command, overwrite, source.files, source.revision)
     except USER_ERRORS as e:
         _fail(e)
     click.echo(f"wrote {work_dir}")

@@ -425,3 +425,17 @@ def test_transformers_loads_a_symmetric_compressed_tensors_export(tiny_models, t
         model = AutoModelForCausalLM.from_pretrained(tmp_path / "ct", dtype=torch.float32)
         got = model(input_ids=ids).logits
     assert torch.allclose(got, want, atol=1e-4), float((got - want).abs().max())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "autoawq"])
+def test_smollm2_export_then_convert(fmt, smollm2: Path, tmp_path: Path) -> None:
+    """The real model (round-to-nearest at the recipe's group size 64, as calibration does not
+    change the format): exported, converted back, the same weights."""
+    art = tmp_path / "art"
+    args = ["auto_awq", str(smollm2), "--work-dir", str(art), "--quiet"]
+    result = CliRunner().invoke(lite_main, [*args, "--calib-samples", "0", "--w-group-size", "64"])
+    assert result.exit_code == 0, result.output
+    export(art, fmt, tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "back")
+    assert_same_weights(artifact_weights(tmp_path / "back"), artifact_weights(art), exact=False)

@@ -218,7 +218,12 @@ def source_files(src: Path) -> dict[str, str]:
 
 
 def write_converted(
-    src: Path, out: Path, source_id: str, command: str, files: dict[str, str] | None = None
+    src: Path,
+    out: Path,
+    source_id: str,
+    command: str,
+    files: dict[str, str] | None = None,
+    revision: str | None = None,
 ) -> None:
     """Fill the empty directory `out` with the artifact of the checkpoint at `src`."""
     config = read_config(src)
@@ -253,6 +258,7 @@ def write_converted(
         ),
         source=SourceModel(
             id=source_id,
+            revision=revision,
             files=files if files is not None else source_files(src),
             format=fmt.name,
             quantization_config=fmt.config,
@@ -307,16 +313,23 @@ def _write_card(out: Path, m: Manifest) -> None:
 
 
 def convert(
-    src: Path, target: Path, source_id: str, command: str = "", overwrite: bool = False
+    src: Path,
+    target: Path,
+    source_id: str,
+    command: str = "",
+    overwrite: bool = False,
+    files: dict[str, str] | None = None,
+    revision: str | None = None,
 ) -> Path:
     """Convert into a staging directory beside `target`, then publish it with one rename; on
-    any error the staging directory is removed and `target` is untouched."""
+    any error the staging directory is removed and `target` is untouched. `files` (name ->
+    sha256) when the caller has hashed the source already: hashing 5 GB twice costs seconds."""
     if target.exists() and not overwrite:
         raise FileExistsError(f"{target} already exists; pass --overwrite to replace it")
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.convert-", dir=target.parent))
     try:
-        write_converted(src, staging, source_id, command)
+        write_converted(src, staging, source_id, command, files, revision)
         publish(staging, target, overwrite)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
