@@ -21,7 +21,6 @@ from runtime.artifact.layout import words_to_nibbles as nibbles
 BITS = 4
 # AutoAWQ GEMM: nibble p of a word holds column 8c + AWQ_ORDER[p].
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-_AWQ_INVERSE = tuple(AWQ_ORDER.index(j) for j in range(8))
 SYMMETRIC_ZERO = 1 << (BITS - 1)  # 8: a symmetric int4 code q - 8 is the signed value
 
 Getter = Callable[[str], torch.Tensor]
@@ -66,8 +65,10 @@ class SourceFormat:
 
 
 def _awq_unpack(packed: torch.Tensor) -> torch.Tensor:
-    """[R, C/8] in AWQ's nibble order -> uint8 [R, C]."""
-    return nibbles(packed)[..., list(_AWQ_INVERSE)].reshape(packed.shape[0], -1)
+    """[R, C/8] in AWQ's nibble order -> uint8 [R, C]. Nibble p = 4a + b holds column
+    2b + a of its 8, so the order is undone by swapping those two index digits."""
+    r, c8 = packed.shape
+    return nibbles(packed).reshape(r, c8, 2, 4).transpose(-1, -2).reshape(r, c8 * 8)
 
 
 def awq_pack(values: torch.Tensor) -> torch.Tensor:
@@ -101,7 +102,7 @@ def _read_awq(get: Getter, prefix: str, fmt: SourceFormat) -> QuantizedLinear:
     _check_shape(qzeros, (groups, n // 8), prefix + ".qzeros")
     _check_shape(scales, (groups, n), prefix + ".scales")
     return QuantizedLinear(
-        q=_awq_unpack(qweight).t().contiguous(),
+        q=_awq_unpack(qweight).t(),  # a view: the layout packs B = q^T, contiguous here
         scale=scales.t().contiguous(),
         zero=_awq_unpack(qzeros).t().to(torch.int32).contiguous(),
         group_size=fmt.group_size,
@@ -133,7 +134,7 @@ def _read_gptq(get: Getter, prefix: str, fmt: SourceFormat) -> QuantizedLinear:
             f"it cannot be represented in 4 bits"
         )
     return QuantizedLinear(
-        q=q.t().contiguous(),
+        q=q.t(),  # a view, as for AWQ
         scale=scales.t().contiguous(),
         zero=zero.t().contiguous(),
         group_size=fmt.group_size,
