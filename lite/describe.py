@@ -52,6 +52,7 @@ def describe(path: Path, checksums: bool) -> dict:
             "tokens_sha256": q.calib_tokens_sha256,
         },
         "fallbacks": q.fallbacks,
+        "converted_from": m.source.format,  # None unless `lite convert` made it
         "launch": m.launch.model_dump(),
         "chat_template_head": template.splitlines()[:3] if template else None,
         "verified": "checksums" if checksums else "sizes",
@@ -62,6 +63,8 @@ def describe(path: Path, checksums: bool) -> dict:
 def render(f: dict) -> str:
     c = f["calibration"]
     calib = f"{c['dataset']} {c['samples']}x{c['seqlen']}" if c["dataset"] else "none (RTN)"
+    if f["converted_from"]:  # calibrated (or not) by the tool that made the checkpoint
+        calib = f"by the source's tool: converted from {f['converted_from']}"
     launch = ", ".join(f"{k}={v}" for k, v in f["launch"].items() if k != "kernels")
     rows = [
         ("model", f["model"]),

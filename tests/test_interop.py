@@ -239,6 +239,8 @@ def test_convert_gives_the_same_weights(fmt, gs, sym, tiny_models, tmp_path: Pat
     assert_same_weights(artifact_weights(tmp_path / "art"), ref, exact=sym)
     m = Artifact(tmp_path / "art").manifest
     assert m.source.quantization_config == quantization_config(fmt, gs, sym)
+    shown = CliRunner().invoke(lite_main, ["inspect", str(tmp_path / "art")]).output
+    assert f"converted from {m.source.format}" in shown
     assert (tmp_path / "art" / "chat_template.jinja").read_text() == (
         tiny_models["llama"] / "chat_template.jinja"
     ).read_text()
