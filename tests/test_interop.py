@@ -441,3 +441,17 @@ def test_smollm2_export_then_convert(fmt, smollm2: Path, tmp_path: Path) -> None
     export(art, fmt, tmp_path / "hf")
     convert(tmp_path / "hf", tmp_path / "back")
     assert_same_weights(artifact_weights(tmp_path / "back"), artifact_weights(art), exact=False)
+
+
+def test_streamed_tensor_file_reads_back(tmp_path: Path) -> None:
+    """The chunked writer the embedding goes through makes a file safetensors reads as the
+    tensor; chunks that do not cover the shape are an error and leave no file."""
+    from runtime.artifact.writer import write_streamed
+
+    t = torch.randn(37, 24, dtype=torch.float32)
+    path = tmp_path / "x.safetensors"
+    write_streamed(path, "w", [37, 24], torch.bfloat16, (t[i : i + 10] for i in range(0, 37, 10)))
+    assert torch.equal(load_file(str(path))["w"], t.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="bytes of data"):
+        write_streamed(tmp_path / "y.safetensors", "w", [37, 24], torch.float16, [t[:30]])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.safetensors"]

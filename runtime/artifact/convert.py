@@ -15,7 +15,6 @@ import json
 import logging
 import shutil
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -50,6 +49,7 @@ from runtime.artifact.writer import (
     utc_now,
     write_manifest,
     write_shards,
+    write_streamed,
 )
 from runtime.cache import cache_root, cached_entry
 from runtime.model.llama import FUSED_LINEARS
@@ -63,6 +63,7 @@ CONVERT_SHARD_BYTES = 512 * 1024**2
 _STORED_16BIT = {"F16": "float16", "BF16": "bfloat16"}
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 GLOBALS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+ROW_CHUNK = 4096  # rows of an embedding per read and write: 32 MiB at hidden 4096 in fp16
 
 
 class ConvertError(ValueError):
@@ -103,6 +104,15 @@ class Shards:
         """The tensor as stored; KeyError when the checkpoint has none by that name."""
         with safe_open(str(self.where[name]), framework="pt") as f:
             return f.get_tensor(name)
+
+    def shape(self, name: str) -> list[int]:
+        with safe_open(str(self.where[name]), framework="pt") as f:
+            return list(f.get_slice(name).get_shape())
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows start..stop of a tensor, reading only those bytes."""
+        with safe_open(str(self.where[name]), framework="pt") as f:
+            return f.get_slice(name)[start:stop]
 
     def dtype(self, name: str) -> str:
         with safe_open(str(self.where[name]), framework="pt") as f:
@@ -201,12 +211,19 @@ def _logical_shape(shards: Shards, fmt: SourceFormat, name: str) -> tuple[int, i
     return int(n), int(k)
 
 
-def _globals(shards: Shards, tied: bool, dtype: torch.dtype) -> Iterator[dict[str, torch.Tensor]]:
-    """One group per tensor: the embedding alone can be the largest thing held."""
+def _stream_globals(shards: Shards, out: Path, tied: bool, dtype: torch.dtype) -> dict[str, str]:
+    """Embedding, final norm and lm_head, each into its own shard in row chunks: with a 128k
+    vocabulary the embedding alone is 1 GiB, several decoder layers' worth."""
+    where: dict[str, str] = {}
     for name in GLOBALS:
         if name == "lm_head.weight" and tied:
             continue
-        yield {name: shards.get(name).to(dtype)}
+        file = f"model-{len(where) + 1:05d}.safetensors"
+        shape = shards.shape(name)
+        chunks = (shards.rows(name, i, i + ROW_CHUNK) for i in range(0, shape[0], ROW_CHUNK))
+        write_streamed(out / file, name, shape, dtype, chunks)
+        where[name] = file
+    return where
 
 
 def source_files(src: Path) -> dict[str, str]:
@@ -244,12 +261,9 @@ def write_converted(
     arch = architecture_from_dict(config, tokenizer_eos(src))
     n_layers = arch.num_layers
 
-    def groups() -> Iterator[dict[str, torch.Tensor]]:
-        yield from _globals(shards, arch.tie_word_embeddings, dtype)
-        for i in range(n_layers):
-            yield _layer(shards, fmt, i, gs, dtype)
-
-    where = write_shards(out, groups(), CONVERT_SHARD_BYTES)
+    where = _stream_globals(shards, out, arch.tie_word_embeddings, dtype)
+    layers = (_layer(shards, fmt, i, gs, dtype) for i in range(n_layers))
+    where.update(write_shards(out, layers, CONVERT_SHARD_BYTES, first=len(where) + 1))
     copy_tokenizer(src, out)
     logical, padded = _linear_shapes(shards, fmt, n_layers, gs)
     manifest = Manifest(

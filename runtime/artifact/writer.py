@@ -55,9 +55,13 @@ def write_json_atomic(obj: object, path: Path) -> None:
 
 
 def write_shards(
-    out_dir: Path, groups: Iterable[dict[str, torch.Tensor]], max_bytes: int = MAX_SHARD_BYTES
+    out_dir: Path,
+    groups: Iterable[dict[str, torch.Tensor]],
+    max_bytes: int = MAX_SHARD_BYTES,
+    first: int = 1,
 ) -> dict[str, str]:
-    """Write tensor groups (a group, e.g. one layer, never straddles shards); name -> file."""
+    """Write tensor groups (a group, e.g. one layer, never straddles shards); name -> file.
+    Shards are numbered from `first`, after any the caller wrote itself."""
     where: dict[str, str] = {}
     shard: dict[str, torch.Tensor] = {}
     size = 0
@@ -65,7 +69,7 @@ def write_shards(
     def flush() -> None:
         nonlocal shard, size
         if shard:
-            name = f"model-{len(set(where.values())) + 1:05d}.safetensors"
+            name = f"model-{len(set(where.values())) + first:05d}.safetensors"
             save_file({k: v.contiguous() for k, v in shard.items()}, str(out_dir / name))
             where.update(dict.fromkeys(shard, name))
         shard, size = {}, 0
@@ -78,6 +82,33 @@ def write_shards(
         size += group_bytes
     flush()
     return where
+
+
+_SAFETENSORS_DTYPES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32"}
+
+
+def write_streamed(
+    path: Path, name: str, shape: list[int], dtype: torch.dtype, chunks: Iterable[torch.Tensor]
+) -> None:
+    """One tensor written to a safetensors file from row chunks, so a 1 GiB embedding is never
+    whole in memory. The header (JSON, space-padded to 8 bytes, after its little-endian u64
+    length) is known from the shape alone; the chunks must cover the rows in order."""
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    entry = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": shape, "data_offsets": [0, nbytes]}
+    header = json.dumps({name: entry}, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    tmp = path.with_name(path.name + ".tmp")
+    written = 0
+    with open(tmp, "wb") as f:
+        f.write(len(header).to_bytes(8, "little") + header)
+        for chunk in chunks:
+            data = chunk.to(dtype).contiguous().view(torch.uint8).numpy()
+            f.write(data)
+            written += data.nbytes
+    if written != nbytes:
+        tmp.unlink()
+        raise ValueError(f"{path}: {name} got {written} bytes of data, its shape needs {nbytes}")
+    os.replace(tmp, path)
 
 
 def tensor_entries(
