@@ -14,7 +14,10 @@ server, llama.cpp's for instance:
 
     python evals/bench/serving.py --artifact ART \\
         --baseline-cmd "/path/venv/bin/python -m llama_cpp.server --model M.gguf \\
-            --n_threads 2 --port {port}" --out evals/bench/serving-results
+            --n_threads 2 --interrupt_requests False --port {port}" --out serving-results
+
+(llama-cpp-python's server otherwise cuts a running stream off when the next request arrives,
+so every concurrent level but the first would fail there.)
 
 Output tokens are counted as the server reports them (usage in the final chunk) when it does,
 else as content chunks; both servers are asked to ignore EOS, and a server that does not honour
