@@ -9,9 +9,16 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import httpx2
 import pytest
 import torch
 from click.testing import CliRunner
@@ -455,3 +462,41 @@ def test_streamed_tensor_file_reads_back(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="bytes of data"):
         write_streamed(tmp_path / "y.safetensors", "w", [37, 24], torch.float16, [t[:30]])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.safetensors"]
+
+
+def test_runtime_serve_src_answers_over_http(tiny_models, tmp_path: Path) -> None:
+    """`runtime serve SRC` on a GPTQ checkpoint, as a real process: it logs the conversion,
+    comes up, and completes a request with the converted model."""
+    src = tmp_path / "src"
+    make_checkpoint(tiny_models["mistral"], src, "gptq", 32, True)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "runtime", "serve", str(src), "--server-port", str(port)]
+    cmd += ["--num-blocks", "16", "--session-len", "256", "--kv-quant", "none"]
+    env = {**os.environ, "LITESERVE_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx2.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx2.TransportError:
+                time.sleep(0.2)
+        body = {"model": "src", "prompt": "def f(x):", "max_tokens": 4, "temperature": 0}
+        reply = httpx2.post(url + "/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    log = proc.stdout.read().decode()
+    assert "converting" in log and str(tmp_path / "cache" / "converted") in log, log
