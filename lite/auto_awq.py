@@ -47,6 +47,7 @@ from lite.quantizer import QuantSpec, quantize
 from lite.sources import Checkpoint, ModelSource, resolve, resolve_plan
 from runtime import __version__
 from runtime.artifact import layout
+from runtime.artifact.convert import DTYPES, STORED_16BIT
 from runtime.artifact.hf_config import generation_defaults
 from runtime.artifact.manifest import (
     LaunchConfig,
@@ -66,9 +67,6 @@ from runtime.artifact.writer import (
     write_manifest,
     write_shards,
 )
-
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-SOURCE_16BIT = {"F16": "float16", "BF16": "bfloat16"}  # safetensors' names
 
 
 class AwqFallbackWarning(UserWarning):
@@ -391,7 +389,7 @@ def storage_dtype(requested: str, ckpt: Checkpoint) -> str:
     lm_head are stored bit for bit; float16 for a 32-bit source."""
     if requested != "auto":
         return requested
-    return SOURCE_16BIT.get(ckpt.stored_dtype("model.embed_tokens.weight"), "float16")
+    return STORED_16BIT.get(ckpt.stored_dtype("model.embed_tokens.weight"), "float16")
 
 
 def _calibration(cfg: AwqConfig, tokenizer) -> CalibrationSet | None:

@@ -60,8 +60,8 @@ LINEARS = tuple(n for names in FUSED_LINEARS.values() for n in names)
 INDEX_FILE = "model.safetensors.index.json"
 # Smaller than the writer's 2 GiB default: a shard is buffered whole before it is written.
 CONVERT_SHARD_BYTES = 512 * 1024**2
-_STORED_16BIT = {"F16": "float16", "BF16": "bfloat16"}
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+STORED_16BIT = {"F16": "float16", "BF16": "bfloat16"}  # safetensors' names -> manifest dtype
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 GLOBALS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
 ROW_CHUNK = 4096  # rows of an embedding per read and write: 32 MiB at hidden 4096 in fp16
 
@@ -149,13 +149,15 @@ def _plan(shards: Shards, fmt: SourceFormat, config: dict) -> None:
             f"{shards.src}: quantized tensors outside the decoder linears ({extra[:3]}); "
             f"the artifact keeps them in 16 bits: not supported"
         )
-    if "model.embed_tokens.weight" not in shards.where:
-        raise ConvertError(f"{shards.src}: model.embed_tokens.weight is missing")
+    tied = bool(config.get("tie_word_embeddings", False))
+    for name in GLOBALS:
+        if name not in shards.where and not (tied and name == "lm_head.weight"):
+            raise ConvertError(f"{shards.src}: {name} is missing from the checkpoint")
 
 
 def _storage_dtype(shards: Shards) -> str:
     """The source's own 16-bit dtype for the unquantized tensors, float16 for a 32-bit one."""
-    return _STORED_16BIT.get(shards.dtype("model.embed_tokens.weight"), "float16")
+    return STORED_16BIT.get(shards.dtype("model.embed_tokens.weight"), "float16")
 
 
 def pack_linear(lin: QuantizedLinear, gs: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,7 +191,8 @@ def _layer(
 
 
 def _linear_shapes(shards: Shards, fmt: SourceFormat, n_layers: int, gs: int) -> tuple[dict, dict]:
-    """Logical [N, K] and padded [Np, Kp] of every linear, from its scales (no unpacking)."""
+    """Logical [N, K] and padded [Np, Kp] of every linear, from the shapes in the shard
+    headers (no unpacking)."""
     logical, padded = {}, {}
     for i in range(n_layers):
         for lin in LINEARS:
@@ -257,7 +260,7 @@ def write_converted(
     _plan(shards, fmt, config)
     gs = fmt.artifact_group_size()
     dtype_name = _storage_dtype(shards)
-    dtype = _DTYPES[dtype_name]
+    dtype = DTYPES[dtype_name]
     arch = architecture_from_dict(config, tokenizer_eos(src))
     n_layers = arch.num_layers
 
