@@ -3,6 +3,7 @@ the same thing, so commands from shell history keep working."""
 
 from __future__ import annotations
 
+import errno
 import json
 import shlex
 import sys
@@ -18,6 +19,14 @@ USER_ERRORS = (ValueError, ArtifactError, FileExistsError, PermissionError, File
 
 def _fail(e: Exception) -> None:
     raise click.ClickException(str(e)) from e
+
+
+def _disk_full(e: Exception) -> bool:
+    """ENOSPC from Python's writes, or safetensors' own error (its Rust writer reports the OS
+    error in its message only)."""
+    if isinstance(e, OSError):
+        return e.errno == errno.ENOSPC
+    return "No space left on device" in str(e)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -149,6 +158,14 @@ def auto_awq_cmd(
             tune(work_dir, progress=click.echo)
     except USER_ERRORS as e:
         _fail(e)
+    except Exception as e:
+        if not _disk_full(e):
+            raise
+        raise click.ClickException(
+            f"no space left on the device while writing {work_dir} ({e}); the previous "
+            "artifact, if any, is unchanged and finished layers are kept in the .partial "
+            "directory: free some space (or choose another --work-dir) and rerun"
+        ) from e
 
 
 @main.command("convert")

@@ -112,7 +112,9 @@ def test_a_full_disk_while_replacing_an_artifact_leaves_the_old_one(
 
     again = _quantize(tiny_model, art, "--w-group-size", "32", "--overwrite")
     assert again.exit_code != 0
-    assert "No space left on device" in str(again.exception)  # safetensors' or Python's error
+    assert again.exit_code == 1, again.output  # a clear error, not a traceback
+    assert "no space left on the device while writing" in again.output
+    assert "previous artifact, if any, is unchanged" in again.output
 
     assert snapshot(art) == before  # not one byte of the old artifact changed
     Artifact(art, checksums=True)  # and it still verifies as a whole
