@@ -172,3 +172,55 @@ def smollm2() -> Path:
 @pytest.fixture(autouse=True)
 def _quiet_threads() -> None:
     torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def wait_healthy(proc, url: str, timeout: float) -> None:
+    """Until a `runtime serve` subprocess answers /health with 200; fails with its output if
+    it exits first, or when `timeout` seconds pass."""
+    import time
+
+    import httpx2
+
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, proc.stdout.read().decode()
+        assert time.monotonic() < deadline, "the server did not come up"
+        try:
+            if httpx2.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx2.TransportError:
+            time.sleep(0.1)
+
+
+def make_llama3_rope_model(tokenizer_dir: Path, out: Path) -> Path:
+    """The tiny Llama with Llama-3.1-style rope scaling (short original context, so the
+    scaling changes every position's rotation)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=512,
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        rope_parameters=rope,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
+    return out

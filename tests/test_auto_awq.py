@@ -17,6 +17,7 @@ from click.testing import CliRunner
 
 from lite.cli import main
 from runtime.artifact.reader import Artifact
+from tests.conftest import make_llama3_rope_model
 
 FAST = ["--calib-samples", "8", "--calib-seqlen", "64", "--w-group-size", "64", "--quiet"]
 
@@ -445,36 +446,6 @@ def _qwen2_with_biases(base: Path, out: Path) -> Path:
     return out
 
 
-def _llama3_rope(tokenizer_dir: Path, out: Path) -> Path:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(0)
-    rope = {
-        "rope_type": "llama3",
-        "rope_theta": 500000.0,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64,
-    }
-    config = AutoConfig.for_model(
-        "llama",
-        vocab_size=512,
-        hidden_size=96,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
-        rope_parameters=rope,
-        tie_word_embeddings=False,
-    )
-    AutoModelForCausalLM.from_config(config).save_pretrained(out)
-    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
-    return out
-
-
 def _calibration_forward(model_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
     """The last decoder layer's outputs as calibration computes them: each layer read from
     the shards on its own, rotary from the config, 2 samples per chunk."""
@@ -506,7 +477,7 @@ def test_calibration_forward_matches_transformers(
     if family == "qwen2-biases":
         model_dir = _qwen2_with_biases(tiny_models["qwen2"], tmp_path / family)
     elif family == "llama3-rope":
-        model_dir = _llama3_rope(tokenizer_dir, tmp_path / family)
+        model_dir = make_llama3_rope_model(tokenizer_dir, tmp_path / family)
     else:
         model_dir = tiny_models[family]
     tokens = torch.randint(3, 512, (3, 96), generator=torch.Generator().manual_seed(0))

@@ -16,6 +16,7 @@ from runtime import EngineConfig, GenerationConfig, pipeline
 from runtime.artifact.reader import Artifact, ArtifactError
 from runtime.engine.engine import Engine
 from runtime.engine.sampler import SamplingParams
+from tests.conftest import make_llama3_rope_model
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -261,35 +262,9 @@ def test_bad_input(artifacts: dict[str, Path], tmp_path: Path) -> None:
 
 def test_llama3_rope_scaling_matches_transformers(tokenizer_dir: Path, tmp_path: Path) -> None:
     """Llama-3.1-style frequency scaling, from the config through the manifest to the rotary."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     from lite.hf import load_dequantized
 
-    torch.manual_seed(0)
-    rope = {
-        "rope_type": "llama3",
-        "rope_theta": 500000.0,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64,
-    }
-    config = AutoConfig.for_model(
-        "llama",
-        vocab_size=512,
-        hidden_size=96,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
-        rope_parameters=rope,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
-    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp_path / "m")
+    make_llama3_rope_model(tokenizer_dir, tmp_path / "m")
     art = tmp_path / "art"
     r = CliRunner().invoke(
         lite_main,

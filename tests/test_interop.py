@@ -15,7 +15,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx2
@@ -28,6 +27,7 @@ from lite.cli import main as lite_main
 from runtime.artifact.layout import dequantize
 from runtime.artifact.reader import Artifact
 from runtime.cli import main as runtime_main
+from tests.conftest import wait_healthy
 
 LINEARS = (
     "self_attn.q_proj",
@@ -478,15 +478,7 @@ def test_runtime_serve_src_answers_over_http(tiny_models, tmp_path: Path) -> Non
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx2.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx2.TransportError:
-                time.sleep(0.2)
+        wait_healthy(proc, url, 120)
         body = {"model": "src", "prompt": "def f(x):", "max_tokens": 4, "temperature": 0}
         reply = httpx2.post(url + "/v1/completions", json=body, timeout=60)
         assert reply.status_code == 200, reply.text

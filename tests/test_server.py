@@ -37,7 +37,7 @@ from runtime.cli import main as runtime_main
 from runtime.engine.engine import Engine
 from runtime.engine.sampler import SamplingParams
 from runtime.server.serve import build_app
-from tests.conftest import make_tiny_model
+from tests.conftest import make_tiny_model, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny"
@@ -916,15 +916,8 @@ def test_sigterm_drains_in_flight_and_exits_0(artifact: Path) -> None:
         finished.set()
 
     try:
+        wait_healthy(proc, url, 60)
         deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx2.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx2.TransportError:
-                time.sleep(0.1)
         reader = threading.Thread(target=consume, daemon=True)
         reader.start()
         while len(events) < 3:
