@@ -33,8 +33,8 @@ FLAGS = [
     "-fPIC",
     "-cudart",
     "static",  # no libcudart to find at load time: any torch build, any machine
-    "--threads",
-    "0",  # one host thread per target architecture
+    # no --threads: nvcc 13's parallel per-architecture compile raced on its nvlink temporaries
+    # (a CI build failed reading tmpxft_*_dlink.reg.c), and gave no speed-up on 2 cores
 ]
 
 
