@@ -184,9 +184,9 @@ def convert_cmd(src: str, work_dir: Path, overwrite: bool) -> None:
     from runtime.artifact.convert import convert
 
     try:
-        source = resolve(src)
+        source = resolve(src, hash_files=False)  # convert hashes them while it works
         command = shlex.join(["lite", *sys.argv[1:]])
-        convert(source.path, work_dir, src, command, overwrite, source.files, source.revision)
+        convert(source.path, work_dir, src, command, overwrite, revision=source.revision)
     except USER_ERRORS as e:
         _fail(e)
     click.echo(f"wrote {work_dir}")

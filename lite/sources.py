@@ -41,18 +41,20 @@ class ModelSource:
     files: dict[str, str] = field(default_factory=dict)  # the user's original files -> sha256
 
 
-def resolve(spec: str) -> ModelSource:
+def resolve(spec: str, hash_files: bool = True) -> ModelSource:
+    """`hash_files=False` leaves a directory's `files` empty, for a caller that hashes them
+    itself while it reads them."""
     if spec in ALIASES:
         return _from_gguf(_alias_file(spec), spec)
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return _from_gguf(path, spec)
     if path.is_dir():
-        return _from_dir(path, spec)
+        return _from_dir(path, spec, hash_files)
     if path.exists():
         raise SourceError(f"{spec} is neither a model directory nor a .gguf file")
     _check_hub_id(spec)
-    return _from_hub(spec)
+    return _from_hub(spec, hash_files)
 
 
 def resolve_plan(spec: str) -> tuple[Path, ModelSource | None]:
@@ -125,7 +127,7 @@ def _alias_file(alias: str) -> Path:
     return path
 
 
-def _from_dir(path: Path, spec: str) -> ModelSource:
+def _from_dir(path: Path, spec: str, hash_files: bool = True) -> ModelSource:
     config_path = path / "config.json"
     if not config_path.is_file():
         ggufs = sorted(path.glob("*.gguf"))
@@ -143,11 +145,11 @@ def _from_dir(path: Path, spec: str) -> ModelSource:
             else ""
         )
         raise SourceError(f"{path} has no *.safetensors weights{extra}")
-    hashed = [config_path, *shards]
+    hashed = [config_path, *shards] if hash_files else []
     return ModelSource(id=spec, path=path, files={p.name: sha256_file(p) for p in hashed})
 
 
-def _from_hub(repo_id: str) -> ModelSource:
+def _from_hub(repo_id: str, hash_files: bool = True) -> ModelSource:
     try:
         from huggingface_hub import snapshot_download
 
@@ -158,7 +160,7 @@ def _from_hub(repo_id: str) -> ModelSource:
             f"offline, give a local model directory, a .gguf file, or one of: "
             f"{', '.join(ALIASES)}"
         ) from e
-    source = _from_dir(Path(local), repo_id)
+    source = _from_dir(Path(local), repo_id, hash_files)
     source.revision = Path(local).name
     return source
 

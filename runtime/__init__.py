@@ -1,8 +1,24 @@
-"""runtime: loads liteserve artifacts and serves them. Never imports lite."""
+"""runtime: loads liteserve artifacts and serves them. Never imports lite.
+
+The public names load on first use (PEP 562): `lite convert`, `runtime verify` and the CLIs'
+--help need the artifact modules only, and the engine's imports (llguidance pulls in
+torch._dynamo) cost seconds at every start.
+"""
+
+import importlib
 
 __version__ = "0.1.0"
 
-from runtime.config import EngineConfig  # noqa: E402
-from runtime.pipeline import GenerationConfig, pipeline  # noqa: E402
+_LAZY = {
+    "EngineConfig": "runtime.config",
+    "GenerationConfig": "runtime.api",
+    "pipeline": "runtime.api",
+}
 
 __all__ = ["EngineConfig", "GenerationConfig", "__version__", "pipeline"]
+
+
+def __getattr__(name: str) -> object:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'runtime' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)

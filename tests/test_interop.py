@@ -464,6 +464,48 @@ def test_streamed_tensor_file_reads_back(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.safetensors"]
 
 
+def test_tensor_files_carry_their_checksums(tmp_path: Path, monkeypatch) -> None:
+    """The hand-written shard writer: safetensors reads every dtype back (and transformers'
+    `format` metadata is there), the checksum it returns is the file's, and a failure half
+    way leaves no file behind."""
+    from safetensors import safe_open
+
+    from runtime.artifact import writer
+    from runtime.artifact.writer import sha256_file, write_tensors
+
+    g = torch.Generator().manual_seed(3)
+    tensors = {
+        "a.qweight": torch.randint(-(2**31), 2**31 - 1, (5, 8), dtype=torch.int32, generator=g),
+        "a.qparams": torch.randn(2, 8, 2, generator=g).half(),
+        "b.weight": torch.randn(7, generator=g).to(torch.bfloat16),
+        "c": torch.randn(3, 3, generator=g),
+        "scalar": torch.tensor(2.5),
+    }
+    path = tmp_path / "x.safetensors"
+    entry = write_tensors(path, tensors)
+    back = load_file(str(path))
+    assert back.keys() == tensors.keys()
+    assert all(torch.equal(back[n], t) for n, t in tensors.items())
+    assert (entry.sha256, entry.size) == (sha256_file(path), path.stat().st_size)
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+
+    data = writer._data
+    calls = []
+
+    def fails_third(t: torch.Tensor) -> memoryview:
+        calls.append(t)
+        if len(calls) == 3:
+            raise OSError("the disk went away")
+        return data(t)
+
+    monkeypatch.setattr(writer, "_data", fails_third)
+    with pytest.raises(OSError, match="went away"):
+        write_tensors(tmp_path / "y.safetensors", tensors)
+    assert len(calls) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.safetensors"]
+
+
 def test_runtime_serve_src_answers_over_http(tiny_models, tmp_path: Path) -> None:
     """`runtime serve SRC` on a GPTQ checkpoint, as a real process: it logs the conversion,
     comes up, and completes a request with the converted model."""

@@ -15,6 +15,7 @@ import json
 import logging
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -35,6 +36,7 @@ from runtime.artifact.manifest import (
     FAMILIES,
     MANIFEST_FILE,
     MODEL_CARD_FILE,
+    FileEntry,
     Layout,
     Manifest,
     Producer,
@@ -52,6 +54,7 @@ from runtime.artifact.writer import (
     write_streamed,
 )
 from runtime.cache import cache_root, cached_entry
+from runtime.kernels.repack import repack_codes
 from runtime.model.llama import FUSED_LINEARS
 
 log = logging.getLogger("liteserve")
@@ -162,10 +165,13 @@ def _storage_dtype(shards: Shards) -> str:
 
 def pack_linear(lin: QuantizedLinear, gs: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes and (s, -z*s) in the artifact layout, the source's groups repeated to `gs`."""
-    k = lin.q.shape[1]
+    n, k = lin.shape
     scale = _expand(lin.scale.float(), lin.group_size, gs, k)
     zero = _expand(lin.zero, lin.group_size, gs, k)
-    return layout.pack_qweight(lin.q, gs), layout.pack_qparams(scale, zero, gs, k)
+    qweight = repack_codes(lin.words, lin.codes.locate, n, k, gs)
+    if qweight is None:
+        qweight = layout.pack_qweight(lin.q, gs)
+    return qweight, layout.pack_qparams(scale, zero, gs, k)
 
 
 def _layer(
@@ -214,7 +220,9 @@ def _logical_shape(shards: Shards, fmt: SourceFormat, name: str) -> tuple[int, i
     return int(n), int(k)
 
 
-def _stream_globals(shards: Shards, out: Path, tied: bool, dtype: torch.dtype) -> dict[str, str]:
+def _stream_globals(
+    shards: Shards, out: Path, tied: bool, dtype: torch.dtype, checksums: dict[str, FileEntry]
+) -> dict[str, str]:
     """Embedding, final norm and lm_head, each into its own shard in row chunks: with a 128k
     vocabulary the embedding alone is 1 GiB, several decoder layers' worth."""
     where: dict[str, str] = {}
@@ -224,7 +232,7 @@ def _stream_globals(shards: Shards, out: Path, tied: bool, dtype: torch.dtype) -
         file = f"model-{len(where) + 1:05d}.safetensors"
         shape = shards.shape(name)
         chunks = (shards.rows(name, i, i + ROW_CHUNK) for i in range(0, shape[0], ROW_CHUNK))
-        write_streamed(out / file, name, shape, dtype, chunks)
+        checksums[file] = write_streamed(out / file, name, shape, dtype, chunks)
         where[name] = file
     return where
 
@@ -264,9 +272,15 @@ def write_converted(
     arch = architecture_from_dict(config, tokenizer_eos(src))
     n_layers = arch.num_layers
 
-    where = _stream_globals(shards, out, arch.tie_word_embeddings, dtype)
-    layers = (_layer(shards, fmt, i, gs, dtype) for i in range(n_layers))
-    where.update(write_shards(out, layers, CONVERT_SHARD_BYTES, first=len(where) + 1))
+    with ThreadPoolExecutor(1) as pool:
+        # hashlib and the repacker release the GIL: the source's 5 GB are hashed meanwhile
+        source_hashes = pool.submit(source_files, src) if files is None else None
+        checksums: dict[str, FileEntry] = {}
+        where = _stream_globals(shards, out, arch.tie_word_embeddings, dtype, checksums)
+        layers = (_layer(shards, fmt, i, gs, dtype) for i in range(n_layers))
+        first = len(where) + 1
+        where.update(write_shards(out, layers, CONVERT_SHARD_BYTES, first, checksums))
+        files = files if source_hashes is None else source_hashes.result()
     copy_tokenizer(src, out)
     logical, padded = _linear_shapes(shards, fmt, n_layers, gs)
     manifest = Manifest(
@@ -276,7 +290,7 @@ def write_converted(
         source=SourceModel(
             id=source_id,
             revision=revision,
-            files=files if files is not None else source_files(src),
+            files=files,
             format=fmt.name,
             quantization_config=fmt.config,
         ),
@@ -290,7 +304,7 @@ def write_converted(
         ),
         dtype=dtype_name,
         tensors=tensor_entries(out, where, logical, padded),
-        files=file_entries(out),
+        files=file_entries(out, checksums),
         generation=generation_defaults(src, arch),
     )
     write_manifest(out, manifest)

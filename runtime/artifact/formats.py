@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -21,6 +22,7 @@ from runtime.artifact.layout import words_to_nibbles as nibbles
 BITS = 4
 # AutoAWQ GEMM: nibble p of a word holds column 8c + AWQ_ORDER[p].
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+AWQ_NIBBLE = tuple(AWQ_ORDER.index(c) for c in range(8))  # column 8c + j sits in nibble [j]
 SYMMETRIC_ZERO = 1 << (BITS - 1)  # 8: a symmetric int4 code q - 8 is the signed value
 
 Getter = Callable[[str], torch.Tensor]
@@ -31,14 +33,32 @@ class FormatError(ValueError):
 
 
 @dataclass(frozen=True)
-class QuantizedLinear:
-    """One linear in natural order: w[n, k] = (q[n, k] - zero[n, g]) * scale[n, g],
-    g = k // group_size (group_size None: one group per row, i.e. per channel)."""
+class CodeLayout:
+    """Where a format keeps code (k, n) of an [N, K] linear in its int32 words, said twice:
+    `unpack` (torch, all codes at once: the reference and fallback) and `locate` (code ->
+    word index and bit shift, which runtime/kernels/repack.py turns into one gather)."""
 
-    q: torch.Tensor  # uint8 [N, K]
+    unpack: Callable[[torch.Tensor, int, int], torch.Tensor]  # (words, N, K) -> uint8 [N, K]
+    locate: Callable[[torch.Tensor, torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class QuantizedLinear:
+    """One linear: w[n, k] = (q[n, k] - zero[n, g]) * scale[n, g], g = k // group_size
+    (group_size None: one group per row, i.e. per channel). The codes stay in the source's
+    words until `q` is asked for: unpacking them all is the slow way to convert."""
+
+    words: torch.Tensor  # int32, as the checkpoint stores them
+    codes: CodeLayout
+    shape: tuple[int, int]  # (N, K)
     scale: torch.Tensor  # float [N, G]
     zero: torch.Tensor  # int32 [N, G]
     group_size: int | None
+
+    @cached_property
+    def q(self) -> torch.Tensor:
+        """uint8 [N, K], values 0..15."""
+        return self.codes.unpack(self.words, *self.shape)
 
 
 @dataclass(frozen=True)
@@ -90,9 +110,26 @@ def _ct_unpack_rows(packed: torch.Tensor, cols: int) -> torch.Tensor:
     return nibbles(packed).reshape(packed.shape[0], -1)[:, :cols]
 
 
+def _ct_locate(k: torch.Tensor, n: torch.Tensor, n_dim: int, k_dim: int):
+    """weight_packed [N, ceil(K/8)]: code (k, n) is nibble k % 8 of word (n, k // 8)."""
+    return n * -(-k_dim // 8) + k // 8, 4 * (k % 8)
+
+
+CT_CODES = CodeLayout(lambda words, n, k: _ct_unpack_rows(words, k).contiguous(), _ct_locate)
+
+
 def _check_shape(t: torch.Tensor, shape: tuple[int, ...], name: str) -> None:
     if tuple(t.shape) != shape:
         raise FormatError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
+
+
+def _awq_locate(k: torch.Tensor, n: torch.Tensor, n_dim: int, k_dim: int):
+    """qweight [K, N/8]: code (k, n) is nibble AWQ_NIBBLE[n % 8] of word (k, n // 8)."""
+    return k * (n_dim // 8) + n // 8, 4 * torch.tensor(AWQ_NIBBLE)[n % 8]
+
+
+# q^T is a view: the layout packs B = q^T, which is contiguous here
+AWQ_CODES = CodeLayout(lambda words, n, k: _awq_unpack(words).t(), _awq_locate)
 
 
 def _read_awq(get: Getter, prefix: str, fmt: SourceFormat) -> QuantizedLinear:
@@ -102,11 +139,25 @@ def _read_awq(get: Getter, prefix: str, fmt: SourceFormat) -> QuantizedLinear:
     _check_shape(qzeros, (groups, n // 8), prefix + ".qzeros")
     _check_shape(scales, (groups, n), prefix + ".scales")
     return QuantizedLinear(
-        q=_awq_unpack(qweight).t(),  # a view: the layout packs B = q^T, contiguous here
+        words=qweight,
+        codes=AWQ_CODES,
+        shape=(n, k),
         scale=scales.t().contiguous(),
         zero=_awq_unpack(qzeros).t().to(torch.int32).contiguous(),
         group_size=fmt.group_size,
     )
+
+
+def _gptq_unpack(words: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """qweight [K/8, N]: nibble j of row r is k = 8r + j. q^T is a view, as for AWQ."""
+    return nibbles(words).permute(0, 2, 1).reshape(k, n).t()
+
+
+def _gptq_locate(k: torch.Tensor, n: torch.Tensor, n_dim: int, k_dim: int):
+    return (k // 8) * n_dim + n, 4 * (k % 8)
+
+
+GPTQ_CODES = CodeLayout(_gptq_unpack, _gptq_locate)
 
 
 def _read_gptq(get: Getter, prefix: str, fmt: SourceFormat) -> QuantizedLinear:
@@ -126,7 +177,6 @@ def _read_gptq(get: Getter, prefix: str, fmt: SourceFormat) -> QuantizedLinear:
                 f"{prefix}.g_idx is not k // group_size: the checkpoint reorders input channels "
                 f"(act-order), which the artifact's contiguous groups cannot express"
             )
-    q = nibbles(qweight).permute(0, 2, 1).reshape(k, n)  # nibble j of row r is k = 8r + j
     zero = nibbles(qzeros).reshape(groups, n).to(torch.int32) + fmt.zero_offset
     if int(zero.max()) > 15:
         raise FormatError(
@@ -134,7 +184,9 @@ def _read_gptq(get: Getter, prefix: str, fmt: SourceFormat) -> QuantizedLinear:
             f"it cannot be represented in 4 bits"
         )
     return QuantizedLinear(
-        q=q.t(),  # a view, as for AWQ
+        words=qweight,
+        codes=GPTQ_CODES,
+        shape=(n, k),
         scale=scales.t().contiguous(),
         zero=zero.t().contiguous(),
         group_size=fmt.group_size,
@@ -154,7 +206,9 @@ def _read_ct(get: Getter, prefix: str, fmt: SourceFormat) -> QuantizedLinear:
         _check_shape(packed_zero, (-(-n // 8), groups), prefix + ".weight_zero_point")
         zero = _ct_unpack_rows(packed_zero.t().contiguous(), n).t().to(torch.int32)
     return QuantizedLinear(
-        q=_ct_unpack_rows(packed, k).contiguous(),
+        words=packed,
+        codes=CT_CODES,
+        shape=(n, k),
         scale=scale,
         zero=zero.contiguous(),
         group_size=fmt.group_size,

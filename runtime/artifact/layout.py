@@ -211,3 +211,11 @@ def dequantize(
     q = unpack_qweight(qweight, n, k).to(torch.float32)
     group = torch.arange(k, device=qweight.device) // group_size
     return q * s.to(torch.float32)[:, group] + b.to(torch.float32)[:, group]
+
+
+def tile_order() -> tuple[torch.Tensor, torch.Tensor]:
+    """(k, n) inside a 16 x 16 tile of the code that nibble p of word t holds, each [32, 8]:
+    the layout's permutation read as a table, for kernels that pack from other formats."""
+    index = torch.arange(TILE * TILE).reshape(1, 2, 2, 2, 2, 1, 2, 2, 2, 2).permute(_PACK_PERM)
+    index = index.reshape(_WORDS_PER_TILE, _NIBBLES_PER_WORD)
+    return index // TILE, index % TILE

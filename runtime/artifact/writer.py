@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -54,14 +55,98 @@ def write_json_atomic(obj: object, path: Path) -> None:
     os.replace(tmp, path)
 
 
+class _HashingFile:
+    """A file written front to back under a temporary name, its sha256 taken on the way by a
+    second thread while this one writes (both release the GIL): checksumming 5 GB of shards
+    by reading them back, or in line with the writes, costs seconds."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.tmp = path, path.with_name(path.name + ".tmp")
+        self.file = open(self.tmp, "wb")  # noqa: SIM115 (closed by commit or discard)
+        self.digest, self.size = hashlib.sha256(), 0
+        self.hasher = ThreadPoolExecutor(1)  # one worker: the updates run in write order
+        self.pending: list[Future] = []
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.pending.append(self.hasher.submit(self.digest.update, data))
+        self.file.write(data)
+        self.size += len(data)
+
+    def _close(self) -> None:
+        self.file.close()
+        for update in self.pending:
+            update.result()
+        self.hasher.shutdown()
+
+    def commit(self) -> FileEntry:
+        self._close()
+        os.replace(self.tmp, self.path)
+        return FileEntry(sha256=self.digest.hexdigest(), size=self.size)
+
+    def discard(self) -> None:
+        self._close()
+        self.tmp.unlink(missing_ok=True)
+
+
+_SAFETENSORS_DTYPES = {
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float32: "F32",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.uint8: "U8",
+}
+
+
+def _header(entries: dict[str, tuple[torch.dtype, list[int]]]) -> tuple[bytes, int]:
+    """safetensors' header for tensors stored back to back in this order (its little-endian
+    u64 length, then JSON space-padded to 8 bytes), and the data's total size. Written by
+    hand because safetensors' own writer takes whole tensors and returns no checksum."""
+    index: dict[str, dict] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, (dtype, shape) in entries.items():
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        index[name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    header = json.dumps(index, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    return len(header).to_bytes(8, "little") + header, offset
+
+
+def _data(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> FileEntry:
+    """A safetensors file (widest dtypes first, so every tensor is aligned to its element
+    size), written atomically; its checksum."""
+    order = sorted(tensors, key=lambda n: (-tensors[n].dtype.itemsize, n))
+    header, _ = _header({n: (tensors[n].dtype, list(tensors[n].shape)) for n in order})
+    out = _HashingFile(path)
+    try:
+        out.write(header)
+        for name in order:
+            out.write(_data(tensors[name]))
+    except BaseException:
+        out.discard()
+        raise
+    return out.commit()
+
+
 def write_shards(
     out_dir: Path,
     groups: Iterable[dict[str, torch.Tensor]],
     max_bytes: int = MAX_SHARD_BYTES,
     first: int = 1,
+    checksums: dict[str, FileEntry] | None = None,
 ) -> dict[str, str]:
     """Write tensor groups (a group, e.g. one layer, never straddles shards); name -> file.
-    Shards are numbered from `first`, after any the caller wrote itself."""
+    Shards are numbered from `first`, after any the caller wrote itself; each shard's
+    checksum goes into `checksums` when given (for file_entries)."""
     where: dict[str, str] = {}
     shard: dict[str, torch.Tensor] = {}
     size = 0
@@ -70,7 +155,9 @@ def write_shards(
         nonlocal shard, size
         if shard:
             name = f"model-{len(set(where.values())) + first:05d}.safetensors"
-            save_file({k: v.contiguous() for k, v in shard.items()}, str(out_dir / name))
+            entry = write_tensors(out_dir / name, shard)
+            if checksums is not None:
+                checksums[name] = entry
             where.update(dict.fromkeys(shard, name))
         shard, size = {}, 0
 
@@ -84,31 +171,26 @@ def write_shards(
     return where
 
 
-_SAFETENSORS_DTYPES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32"}
-
-
 def write_streamed(
     path: Path, name: str, shape: list[int], dtype: torch.dtype, chunks: Iterable[torch.Tensor]
-) -> None:
+) -> FileEntry:
     """One tensor written to a safetensors file from row chunks, so a 1 GiB embedding is never
-    whole in memory. The header (JSON, space-padded to 8 bytes, after its little-endian u64
-    length) is known from the shape alone; the chunks must cover the rows in order."""
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    entry = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": shape, "data_offsets": [0, nbytes]}
-    header = json.dumps({name: entry}, separators=(",", ":")).encode()
-    header += b" " * (-len(header) % 8)
-    tmp = path.with_name(path.name + ".tmp")
-    written = 0
-    with open(tmp, "wb") as f:
-        f.write(len(header).to_bytes(8, "little") + header)
+    whole in memory; the chunks must cover the rows in order. Its checksum."""
+    header, nbytes = _header({name: (dtype, shape)})
+    out = _HashingFile(path)
+    try:
+        out.write(header)
         for chunk in chunks:
-            data = chunk.to(dtype).contiguous().view(torch.uint8).numpy()
-            f.write(data)
-            written += data.nbytes
-    if written != nbytes:
-        tmp.unlink()
-        raise ValueError(f"{path}: {name} got {written} bytes of data, its shape needs {nbytes}")
-    os.replace(tmp, path)
+            out.write(_data(chunk.to(dtype)))
+        if out.size != len(header) + nbytes:
+            raise ValueError(
+                f"{path}: {name} got {out.size - len(header)} bytes of data, its shape needs "
+                f"{nbytes}"
+            )
+    except BaseException:
+        out.discard()
+        raise
+    return out.commit()
 
 
 def tensor_entries(
@@ -136,10 +218,12 @@ def tensor_entries(
     return dict(sorted(entries.items()))
 
 
-def file_entries(out_dir: Path) -> dict[str, FileEntry]:
-    """Checksums of every file but the manifest and the model card (which lite eval extends)."""
+def file_entries(out_dir: Path, known: dict[str, FileEntry] | None = None) -> dict[str, FileEntry]:
+    """Checksums of every file but the manifest and the model card (which lite eval extends);
+    those `known` from writing them are taken as they are."""
+    known = known or {}
     return {
-        p.name: FileEntry(sha256=sha256_file(p), size=p.stat().st_size)
+        p.name: known.get(p.name) or FileEntry(sha256=sha256_file(p), size=p.stat().st_size)
         for p in sorted(out_dir.iterdir())
         if p.is_file() and p.name not in (MANIFEST_FILE, MODEL_CARD_FILE)
     }

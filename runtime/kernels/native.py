@@ -1,6 +1,7 @@
-"""Build and load the C decode kernels (cpu_decode.c) for the CPU backend.
+"""Build and load the C files beside this one: the CPU backend's decode kernels
+(cpu_decode.c) and the int4 repacker of checkpoint conversion (repack.c).
 
-The library is compiled once per machine with the system C compiler (``$CC``, else ``cc``)
+A library is compiled once per machine with the system C compiler (``$CC``, else ``cc``)
 and cached under ``$LITESERVE_CACHE`` (default ``~/.cache/liteserve``), keyed by the source,
 the compiler and the CPU's features, since ``-march=native`` code only runs where it was built.
 It links the OpenMP runtime that torch has already loaded, so both share one thread pool.
@@ -65,39 +66,46 @@ def _compiler() -> str:
     return cc
 
 
-def _compile(cc: str, flags: list[str], out: str) -> subprocess.CompletedProcess:
+def _compile(cc: str, source: Path, flags: list[str], out: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [cc, *flags, str(SOURCE), "-o", out, "-lm"], capture_output=True, text=True
+        [cc, *flags, str(source), "-o", out, "-lm"], capture_output=True, text=True
     )
 
 
-def build() -> Path:
-    """The compiled library's path, compiling it first if this machine has no cached copy."""
+def build(source: Path = SOURCE) -> Path:
+    """The compiled library of a C file beside this one (the decode kernels by default),
+    compiling it first if this machine has no cached copy."""
     cc = _compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode() + _cpu_features().encode()
+        source.read_bytes() + " ".join(FLAGS).encode() + version.encode() + _cpu_features().encode()
     ).hexdigest()[:16]
-    target = cache_dir() / f"cpu_decode-{key}.so"
+    target = cache_dir() / f"{source.stem}-{key}.so"
 
     def compile_into(tmp: str) -> None:
-        done = _compile(cc, FLAGS, tmp)
+        done = _compile(cc, source, FLAGS, tmp)
         if done.returncode != 0 and "-fopenmp" in FLAGS:
             # a compiler without OpenMP (Apple's clang) still gives single-threaded kernels
-            serial = _compile(cc, [f for f in FLAGS if f != "-fopenmp"], tmp)
+            serial = _compile(cc, source, [f for f in FLAGS if f != "-fopenmp"], tmp)
             done = done if serial.returncode != 0 else serial
         if done.returncode != 0:
-            raise BuildUnavailable(f"{cc} failed to build {SOURCE.name}:\n{done.stderr[-2000:]}")
+            raise BuildUnavailable(f"{cc} failed to build {source.name}:\n{done.stderr[-2000:]}")
 
     return cached_build(target, compile_into)
 
 
-@functools.cache
-def library() -> ctypes.CDLL:
-    """The loaded kernels; raises BuildUnavailable with the reason when they cannot be had."""
+def load_native(source: Path, signatures: dict[str, list]) -> ctypes.CDLL:
+    """A C file's library with its entry points typed (all return void); raises
+    BuildUnavailable with the reason when it cannot be had."""
     if os.environ.get("LITESERVE_NATIVE") == "0":
         raise BuildUnavailable("disabled by LITESERVE_NATIVE=0")
-    return load_typed(build(), {name: (args, None) for name, args in _SIGNATURES.items()})
+    return load_typed(build(source), {name: (args, None) for name, args in signatures.items()})
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The loaded decode kernels."""
+    return load_native(SOURCE, _SIGNATURES)
 
 
 def load() -> tuple[ctypes.CDLL | None, str]:

@@ -6,7 +6,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from runtime.pipeline import Pipeline
+from runtime.api import Pipeline
 from runtime.server.app import ServerSettings, create_app
 from runtime.server.async_engine import AsyncEngine
 from runtime.server.metrics import Metrics
