@@ -5,7 +5,10 @@ The checkpoint has AutoAWQ's tensor names, shapes and dtypes (qweight int32 [K, 
 int32 [K/128, N/8], scales fp16 [K/128, N]) filled with random bits: conversion does the same
 work whatever the codes are. Run:
 
-    python evals/bench/convert.py --root /tmp/convert-bench [--layers 32]
+    python evals/bench/convert.py --root /tmp/convert-bench [--layers 32] [--repeat 3]
+
+The copy and the conversion alternate `--repeat` times and the medians are compared: on a
+shared VM disk one write of 5 GB varies by 2x from run to run.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -127,31 +131,41 @@ def copy_once(src: Path, dst: Path) -> float:
     return seconds
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--root", type=Path, required=True)
-    ap.add_argument("--layers", type=int, default=32)
-    args = ap.parse_args()
-    src, art = args.root / "awq-src", args.root / "art"
-    if not src.exists():
-        make_checkpoint(src, args.layers)
+def convert_once(src: Path, art: Path) -> float:
+    """Seconds of `lite convert` as a user runs it (a new process, imports included), then
+    fsync of what it wrote."""
     shutil.rmtree(art, ignore_errors=True)
-    size = sum(f.stat().st_size for f in src.iterdir())
-    copy_s = copy_once(src, args.root / "copy")
     lite = Path(sys.executable).with_name("lite")
     started = time.perf_counter()
     subprocess.run([str(lite), "convert", str(src), "--work-dir", str(art)], check=True)
     os.sync()
-    convert_s = time.perf_counter() - started
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--root", type=Path, required=True)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    src, art = args.root / "awq-src", args.root / "art"
+    if not src.exists():
+        make_checkpoint(src, args.layers)
+    size = sum(f.stat().st_size for f in src.iterdir())
+    copies, converts = [], []
+    for _ in range(args.repeat):
+        copies.append(copy_once(src, args.root / "copy"))
+        converts.append(convert_once(src, art))
+    copy_s, convert_s = statistics.median(copies), statistics.median(converts)
     rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024**2
     print(
         json.dumps(
             {
                 "layers": args.layers,
                 "source_gib": round(size / 1024**3, 2),
-                "read_write_once_s": round(copy_s, 1),
-                "convert_s": round(convert_s, 1),
-                "ratio": round(convert_s / copy_s, 2),
+                "read_write_once_s": [round(s, 1) for s in copies],
+                "convert_s": [round(s, 1) for s in converts],
+                "ratio_of_medians": round(convert_s / copy_s, 2),
                 "convert_peak_rss_gib": round(rss, 2),
                 "load_average": os.getloadavg(),
                 "cpus": os.cpu_count(),
