@@ -313,6 +313,39 @@ def test_export_then_convert_round_trips(fmt, gs32_artifact: Path, tmp_path: Pat
     assert_same_weights(artifact_weights(tmp_path / "back"), want, exact=False)
 
 
+def unpack_awq(words: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_awq's loop, from the same documentation: [R, C/8] -> [R, C]."""
+    wide = words.to(torch.int64) & 0xFFFFFFFF
+    out = torch.zeros(words.shape[0], words.shape[1] * 8, dtype=torch.int64)
+    for c in range(words.shape[1]):
+        for i in range(8):
+            out[:, 8 * c + AWQ_ORDER[i]] = (wide[:, c] >> (4 * i)) & 0xF
+    return out
+
+
+def test_autoawq_export_reads_as_the_format_says(gs32_artifact: Path, tmp_path: Path) -> None:
+    """The AutoAWQ export read by the test's own unpacker (not runtime/artifact/formats.py):
+    (q - z) * s per group of 32 gives the artifact's weights, with the config AutoAWQ and
+    transformers read (transformers' AWQ loader itself needs gptqmodel, a CUDA build)."""
+    export(gs32_artifact, "autoawq", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())["quantization_config"]
+    promised = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True}
+    assert {key: config.get(key) for key in promised} == promised
+    assert config.get("version", "gemm") == "gemm"
+    tensors = {}
+    for shard in (tmp_path / "hf").glob("*.safetensors"):
+        tensors.update(load_file(str(shard)))
+    want = artifact_weights(gs32_artifact)
+    for prefix, w in want.items():
+        q = unpack_awq(tensors[prefix + ".qweight"]).t()  # [N, K]
+        z = unpack_awq(tensors[prefix + ".qzeros"]).t()  # [N, G]
+        scales = tensors[prefix + ".scales"].t()
+        assert scales.dtype == torch.float16
+        got = dequant(q, scales, z, 32)
+        diff = (got - w).abs().max().item()
+        assert diff <= 2**-11 * w.abs().max().item() * 4, (prefix, diff)
+
+
 @pytest.mark.parametrize("fmt", ["compressed-tensors", "autoawq"])
 def test_export_refuses_partial_groups(fmt, rtn_artifact: Path, tmp_path: Path) -> None:
     """The tiny model's K = 96 with group size 128: neither format has partial groups."""
