@@ -20,7 +20,8 @@ def _packed(n: int, k: int, gs: int, seed: int) -> tuple[torch.Tensor, torch.Ten
 
 @pytest.mark.parametrize("path", ["torch", "c"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 3, 17, 64])  # both sides of the int4-kernel crossover
+# both sides of the int4-kernel crossover; 17, 45 and 67 are padded to a bucket
+@pytest.mark.parametrize("rows", [1, 3, 17, 45, 64, 67])
 @pytest.mark.parametrize(
     ("ns", "k", "gs"), [((70,), 100, 32), ((96, 32, 32), 160, 64), ((200,), 576, 128)]
 )
@@ -38,6 +39,16 @@ def test_int4_linear_matches_reference_dequantize(path, dtype, rows, ns, k, gs) 
     assert got.shape == ref.shape
     rel = float((got - ref).norm() / ref.norm())
     assert rel < (1e-5 if dtype == torch.float32 else 2e-2), rel
+
+
+def test_row_buckets_are_few_and_tight() -> None:
+    """torch's GEMMs meet at most 4 row counts an octave (each costs it megabytes of kernels
+    for good), never more than 25% padding, and every count up to 8 as it is."""
+    buckets = [cpu.bucket_rows(m) for m in range(1, 4097)]
+    assert all(b >= m and b <= 1.25 * m for m, b in zip(range(1, 4097), buckets, strict=True))
+    assert buckets[:8] == list(range(1, 9))
+    assert buckets == sorted(buckets)
+    assert len(set(buckets)) == 8 + 4 * 9  # 9..16, ..., 2049..4096: four each
 
 
 @pytest.mark.parametrize("path", ["torch", "c"])

@@ -114,10 +114,24 @@ def int4_linear(x: torch.Tensor, w: CpuInt4Weight, lib: ctypes.CDLL | None = Non
         x = torch.nn.functional.pad(x, (0, w.kp - x.shape[-1]))
     if lib is not None and x.shape[0] <= INT4_C_MAX_ROWS.get(x.dtype, 0) and w.nibbles is not None:
         return _c_int4_linear(lib, x, w)
-    if x.shape[0] > INT4_KERNEL_MAX_ROWS.get(x.dtype, 0):
-        return x @ dequantize_dense(w).T
+    m = x.shape[0]
+    x = torch.nn.functional.pad(x, (0, 0, 0, bucket_rows(m) - m))
+    if m > INT4_KERNEL_MAX_ROWS.get(x.dtype, 0):
+        return (x @ dequantize_dense(w).T)[:m]
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.packed, w.group_size, w.scales_zeros)
-    return y if y.shape[1] == w.n else y[:, : w.n]
+    return y[:m, : w.n]
+
+
+def bucket_rows(m: int) -> int:
+    """The row count torch's GEMMs run at: m up to 8, then rounded up to 4 steps an octave
+    (at most 25% padding rows). torch keeps per-shape kernels for every distinct row count it
+    has seen, about 2-3 MB each for good (oneDNN primitives and brgemm kernels; measured in
+    evals/bench/RESULTS.md, soak), so a server meeting every prompt length grew without bound;
+    with buckets it meets at most 4 shapes an octave."""
+    if m <= 8:
+        return m
+    step = 1 << (m.bit_length() - 3)
+    return -(-m // step) * step
 
 
 def _c_int4_linear(lib: ctypes.CDLL, x: torch.Tensor, w: CpuInt4Weight) -> torch.Tensor:
