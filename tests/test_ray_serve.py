@@ -1,0 +1,180 @@
+"""Replicas on Ray Serve (runtime/server/cluster.py): a real local Ray cluster, two engine
+replicas of the tiny artifact on the CPU behind the ingress on Ray Serve's HTTP proxy, and the
+official openai client.
+
+- two families of prompts, each sharing a different long system prompt, sent in turn: each
+  family lands on one replica, the two families on different replicas, and the replicas'
+  own metrics (scraped through the ingress, labelled by replica) count prefix-cache hits;
+- killing one replica's actor: the service keeps answering (the ingress retries on the other
+  replica), Ray Serve starts a replacement, and the replacement serves requests.
+
+Skipped where Ray Serve is not installed (`pip install liteserve[cluster]`); CI installs it.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip(
+    "ray", reason="Ray Serve is not installed: pip install liteserve[cluster]"
+)
+serve = pytest.importorskip("ray.serve", reason="pip install liteserve[cluster]")
+
+import httpx2  # noqa: E402
+import openai  # noqa: E402
+
+from runtime.server import cluster  # noqa: E402
+
+APP = "lstest"
+MODEL = "tiny"
+ENGINE_KW = dict(
+    kv_quant="none",
+    num_blocks=160,
+    cache_block_seq_len=16,
+    session_len=1024,
+    dtype="float32",
+    backend="cpu",
+    enable_prefix_caching=True,
+    max_batch_size=8,
+)
+# two long shared prefixes (3 routing blocks of 256 characters each, many KV blocks)
+FAMILY = {
+    "alpha": "You answer questions about rivers. " * 24,
+    "beta": "Reply only with numbers, never words. " * 22,
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def service(rtn_artifact: Path):
+    """(base url, openai client) of a two-replica deployment on a local Ray cluster."""
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    port = _free_port()
+    try:
+        app = cluster.build_application(
+            rtn_artifact, ENGINE_KW, MODEL, replicas=2, replica_cpus=1, max_ongoing_requests=16
+        )
+        cluster.start(app, "127.0.0.1", port, name=APP)
+        url = f"http://127.0.0.1:{port}"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        yield url, client
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def chat(client: openai.OpenAI, family: str | None, question: str) -> tuple[str, str]:
+    """(replica that served it, answer text); a family's long system prompt first, if any."""
+    system = [{"role": "system", "content": FAMILY[family]}] if family else []
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=[*system, {"role": "user", "content": question}],
+        max_tokens=4,
+        temperature=0,
+    )
+    completion = raw.parse()
+    assert completion.choices[0].message.content is not None
+    return raw.headers[cluster.REPLICA_HEADER], completion.choices[0].message.content
+
+
+def scrape(url: str) -> dict[tuple[str, str], float]:
+    """(metric sample name, replica or reason) -> value from the ingress's /metrics."""
+    text = httpx2.get(url + "/metrics", timeout=30).text
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^(liteserve:\w+)\{(.*)\} (\S+)$", line)
+        if m:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+            key = labels.get("replica") or labels.get("reason", "")
+            out[(m.group(1), key)] = float(m.group(3))
+    return out
+
+
+def engine_replicas() -> list[str]:
+    """Ids of the engine replicas whose actors are alive (named actors, from Ray's GCS)."""
+    prefix = f"SERVE_REPLICA::{APP}#{cluster.ENGINE}#"
+    return sorted(
+        a["name"].removeprefix(prefix)
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(prefix)
+    )
+
+
+def test_families_land_on_one_replica_each(service) -> None:
+    url, client = service
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    before = scrape(url)
+    served = {"alpha": set(), "beta": set()}
+    for i in range(4):
+        for family in served:
+            replica, _ = chat(client, family, f"Question {i}?")
+            served[family].add(replica)
+    assert all(len(s) == 1 for s in served.values()), served
+    (a,), (b,) = served.values()
+    assert a != b, "the two families should spread over the two replicas"
+
+    after = scrape(url)
+    for replica in (a, b):
+        hits = after[("liteserve:prefix_cache_hits_total", replica)]
+        assert hits - before.get(("liteserve:prefix_cache_hits_total", replica), 0) >= 3 * 10
+    # the first request of each family had no known prefix; the other six followed it
+    assert after[("liteserve:router_requests_total", "affinity")] >= 6
+    assert after[("liteserve:router_requests_total", "new")] >= 2
+
+    # a stream relays through the ingress as OpenAI's SSE
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=5,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+    # errors keep OpenAI's shape through the ingress
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(
+            model="nope", messages=[{"role": "user", "content": "x"}], max_tokens=1
+        )
+
+
+def test_killed_replica_is_replaced_and_service_keeps_answering(service) -> None:
+    url, client = service
+    victim, _ = chat(client, "alpha", "Before?")
+    survivors = set(engine_replicas()) - {victim}
+    assert len(survivors) == 1, (victim, engine_replicas())
+
+    actor = ray.get_actor(f"SERVE_REPLICA::{APP}#{cluster.ENGINE}#{victim}", namespace="serve")
+    ray.kill(actor, no_restart=True)
+    for i in range(3):  # at once: the other replica answers
+        replica, _ = chat(client, "alpha", f"During {i}?")
+        assert replica in survivors
+
+    deadline = time.monotonic() + 90
+    while True:
+        running = engine_replicas()
+        if len(running) == 2 and victim not in running:
+            break
+        assert time.monotonic() < deadline, f"no replacement replica: {running}"
+        time.sleep(1)
+    (replacement,) = set(running) - survivors
+    seen = set()
+    deadline = time.monotonic() + 60
+    while replacement not in seen:
+        # a prompt with no known prefix goes to the least loaded replica, ties to the one
+        # owning the fewest prefixes: the replacement
+        assert time.monotonic() < deadline, f"the replacement {replacement} got nothing: {seen}"
+        replica, _ = chat(client, None, f"After {len(seen)}?")
+        seen.add(replica)
+    assert set(scrape(url)) >= {("liteserve:prefix_cache_queries_total", replacement)}
