@@ -194,12 +194,13 @@ class EngineReplica:
         )
 
     async def http(self, req: ProxiedRequest) -> AsyncIterator[dict]:
-        async for message in asgi_call(self.app, req):
-            if message["type"] == "http.response.start":
-                headers = list(message.get("headers", []))
-                headers.append((REPLICA_HEADER.encode(), self.replica.encode()))
-                message = {**message, "headers": headers}
-            yield message
+        async with contextlib.aclosing(asgi_call(self.app, req)) as messages:
+            async for message in messages:
+                if message["type"] == "http.response.start":
+                    headers = list(message.get("headers", []))
+                    headers.append((REPLICA_HEADER.encode(), self.replica.encode()))
+                    message = {**message, "headers": headers}
+                yield message
 
     async def metrics_text(self, req: ProxiedRequest) -> str:
         from prometheus_client import generate_latest
@@ -209,7 +210,8 @@ class EngineReplica:
     def check_health(self) -> None:
         """Ray Serve calls this periodically; raising makes it replace the replica."""
         engine = self.state.engine
-        if not engine.alive or not engine._thread.is_alive():
+        thread = getattr(engine, "_thread", None)
+        if not engine.alive or (thread is not None and not thread.is_alive()):
             raise RuntimeError(f"replica {self.replica}: the engine thread is not running")
 
     def __del__(self) -> None:  # Ray Serve calls it when it stops the replica gracefully
@@ -396,15 +398,16 @@ def _build_ray_classes() -> None:
             "/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
         )
         async def relay(self, path: str, request: Request) -> Response:
-            body = b""
+            buf = bytearray()
             async for chunk in request.stream():
-                body += chunk
-                if len(body) > self.max_body_bytes:
+                buf += chunk
+                if len(buf) > self.max_body_bytes:
                     return _error(
                         413,
                         f"request body over {self.max_body_bytes} bytes",
                         "invalid_request_error",
                     )
+            body = bytes(buf)
             prefix: list = []
             if request.method == "POST" and body:
                 with contextlib.suppress(ValueError, UnicodeDecodeError):
