@@ -8,27 +8,30 @@ official openai client.
 - killing one replica's actor: the service keeps answering (the ingress retries on the other
   replica), Ray Serve starts a replacement, and the replacement serves requests.
 
-Skipped where Ray Serve is not installed (`pip install liteserve[cluster]`); CI installs it.
+The Ray tests are skipped where Ray Serve is not installed (`pip install liteserve[cluster]`);
+CI installs it. The relay and the metrics merge are tested without Ray.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
 import socket
 import time
 from pathlib import Path
 
+import httpx2
+import openai
 import pytest
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
 
-ray = pytest.importorskip(
-    "ray", reason="Ray Serve is not installed: pip install liteserve[cluster]"
+from runtime.server import cluster
+
+needs_ray = pytest.mark.skipif(
+    not cluster.ray_available(), reason="Ray Serve is not installed: pip install liteserve[cluster]"
 )
-serve = pytest.importorskip("ray.serve", reason="pip install liteserve[cluster]")
-
-import httpx2  # noqa: E402
-import openai  # noqa: E402
-
-from runtime.server import cluster  # noqa: E402
 
 APP = "lstest"
 MODEL = "tiny"
@@ -55,9 +58,72 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# ---- the pieces that need no Ray ----
+
+
+def test_asgi_call_relays_messages_and_reports_a_disconnect() -> None:
+    app = FastAPI()
+    closed = asyncio.Event()
+
+    @app.post("/echo")
+    async def echo(body: dict) -> dict:
+        return {"got": body}
+
+    @app.get("/stream")
+    async def stream() -> StreamingResponse:
+        async def events():
+            try:
+                for i in range(10_000):
+                    yield f"data: {i}\n\n"
+                    await asyncio.sleep(0.001)
+            finally:
+                closed.set()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def run() -> None:
+        req = cluster.ProxiedRequest(
+            "POST", "/echo", b"", [(b"content-type", b"application/json")], b'{"a": 1}'
+        )
+        start, body = [m async for m in cluster.asgi_call(app, req)]
+        assert start["status"] == 200 and body["body"] == b'{"got":{"a":1}}'
+        (start, _) = [m async for m in cluster.asgi_call(app, cluster.ProxiedRequest("GET", "/x"))]
+        assert start["status"] == 404
+        # the consumer leaves after three events: the app's stream is closed
+        calls = cluster.asgi_call(app, cluster.ProxiedRequest("GET", "/stream"))
+        async with contextlib.aclosing(calls) as messages:
+            async for m in messages:
+                if m.get("body") == b"data: 2\n\n":
+                    break
+        await asyncio.wait_for(closed.wait(), 5)
+
+    asyncio.run(run())
+
+
+def test_merged_metrics_carry_a_replica_label() -> None:
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    texts = {}
+    for replica, n in (("r1", 3), ("r0", 5)):
+        registry = CollectorRegistry()
+        Counter("liteserve:prefix_cache_hits", "Hits", registry=registry).inc(n)
+        texts[replica] = generate_latest(registry).decode()
+    out = cluster.merge_metrics(texts, "prefix", {"affinity": 7, "new": 2}).decode()
+    assert out.count("# TYPE liteserve:prefix_cache_hits_total") == 1  # one family, 2 samples
+    assert 'liteserve:prefix_cache_hits_total{replica="r0"} 5.0' in out
+    assert 'liteserve:prefix_cache_hits_total{replica="r1"} 3.0' in out
+    assert 'liteserve:router_requests_total{policy="prefix",reason="affinity"} 7.0' in out
+
+
+# ---- on a local Ray cluster ----
+
+
 @pytest.fixture(scope="module")
 def service(rtn_artifact: Path):
     """(base url, openai client) of a two-replica deployment on a local Ray cluster."""
+    import ray
+    from ray import serve
+
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     port = _free_port()
     try:
@@ -102,6 +168,8 @@ def scrape(url: str) -> dict[tuple[str, str], float]:
 
 def engine_replicas() -> list[str]:
     """Ids of the engine replicas whose actors are alive (named actors, from Ray's GCS)."""
+    import ray
+
     prefix = f"SERVE_REPLICA::{APP}#{cluster.ENGINE}#"
     return sorted(
         a["name"].removeprefix(prefix)
@@ -110,6 +178,7 @@ def engine_replicas() -> list[str]:
     )
 
 
+@needs_ray
 def test_families_land_on_one_replica_each(service) -> None:
     url, client = service
     assert [m.id for m in client.models.list().data] == [MODEL]
@@ -149,7 +218,10 @@ def test_families_land_on_one_replica_each(service) -> None:
         )
 
 
+@needs_ray
 def test_killed_replica_is_replaced_and_service_keeps_answering(service) -> None:
+    import ray
+
     url, client = service
     victim, _ = chat(client, "alpha", "Before?")
     survivors = set(engine_replicas()) - {victim}

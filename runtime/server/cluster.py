@@ -492,7 +492,7 @@ def build_application(
     engine_kw: dict,
     model_name: str,
     *,
-    replicas: int = 2,
+    replicas: int | None = None,
     min_replicas: int | None = None,
     max_replicas: int | None = None,
     target_ongoing_requests: float = 8,
@@ -514,6 +514,9 @@ def build_application(
 
     if routing not in POLICIES:
         raise ValueError(f"routing={routing!r}: expected one of {POLICIES}")
+    autoscaled = min_replicas is not None or max_replicas is not None
+    if replicas is None:
+        replicas = max(min_replicas or 1, 1) if autoscaled else 2
     if replicas < 1:
         raise ValueError(f"replicas={replicas}: expected at least 1")
     if replica_gpus is None:
@@ -525,6 +528,13 @@ def build_application(
 
             on_gpu = torch.cuda.is_available()
         replica_gpus = float(engine_kw.get("tp") or 1) if on_gpu else 0.0
+    engine_kw = {k: v for k, v in engine_kw.items() if v is not None}
+    most = max(replicas, max_replicas or 0)
+    if not replica_gpus and engine_kw.get("num_blocks") is None and most > 1:
+        # CPU replicas on one host would each size their KV pool from the same free RAM
+        share = engine_kw.get("cache_max_entry_count", 0.8) / most
+        log.warning("CPU replicas: each sizes its KV pool from 1/%d of free memory", most)
+        engine_kw["cache_max_entry_count"] = share
     options: dict[str, Any] = dict(
         name=ENGINE,
         max_ongoing_requests=max_ongoing_requests,
@@ -537,7 +547,7 @@ def build_application(
         health_check_timeout_s=30,
         graceful_shutdown_timeout_s=grace,
     )
-    if min_replicas is not None or max_replicas is not None:
+    if autoscaled:
         lo = min_replicas if min_replicas is not None else 1
         hi = max_replicas if max_replicas is not None else max(replicas, lo)
         if not 0 <= lo <= hi or hi < 1:
@@ -557,7 +567,7 @@ def build_application(
     return ingress.bind(
         engine.bind(
             str(artifact),
-            {k: v for k, v in engine_kw.items() if v is not None},
+            engine_kw,
             model_name,
             tuple(api_keys),
             max_concurrent_requests,
@@ -603,6 +613,9 @@ def serve_replicas(
     from ray import serve
 
     engine_kw = dict(engine_kw)
+    if app_kw.get("routing", "prefix") == "prefix" and not engine_kw.get("enable_prefix_caching"):
+        log.warning("prefix-affinity routing: turning on prefix caching in the replicas")
+        engine_kw["enable_prefix_caching"] = True
     template = engine_kw.pop("chat_template", None)
     if template is not None:
         app_kw.setdefault("chat_template", template)
@@ -629,7 +642,7 @@ def serve_replicas(
 def _replica_count(app_kw: dict) -> str:
     lo, hi = app_kw.get("min_replicas"), app_kw.get("max_replicas")
     if lo is None and hi is None:
-        return str(app_kw.get("replicas", 2))
+        return str(app_kw.get("replicas") or 2)
     return f"{lo if lo is not None else 1}..{hi if hi is not None else '?'} (autoscaled)"
 
 
