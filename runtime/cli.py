@@ -80,6 +80,22 @@ def _engine_options(f):
                 "profiling, or to save the graphs' memory; no effect on a CPU).",
             ),
             click.option(
+                "--tp",
+                type=click.IntRange(min=1),
+                default=1,
+                show_default=True,
+                help="Tensor-parallel ranks: one process each (one GPU each, or sharing the "
+                "CPU), every rank holding its slice of the weights and of the KV heads.",
+            ),
+            click.option(
+                "--tp-timeout",
+                type=float,
+                default=60.0,
+                show_default=True,
+                help="Seconds a rank waits in a collective before the engine fails (a rank "
+                "that died is seen at once; this catches one that is stuck).",
+            ),
+            click.option(
                 "--chat-template",
                 type=click.Path(exists=True, dir_okay=False, path_type=Path),
                 help="Override the artifact's chat template.",
@@ -237,16 +253,23 @@ def chat_cmd(
 @click.option("--memory", required=True, help="Memory for the server, e.g. 24GiB.")
 @click.option("--avg-len", default=4000, show_default=True, help="Average tokens per sequence.")
 @click.option("--cache-block-seq-len", default=64, show_default=True)
-def plan_cmd(artifact: Path, memory: str, avg_len: int, cache_block_seq_len: int) -> None:
+@click.option(
+    "--tp",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Tensor-parallel ranks: --memory is then each rank's (each GPU's).",
+)
+def plan_cmd(artifact: Path, memory: str, avg_len: int, cache_block_seq_len: int, tp: int) -> None:
     """How many tokens and sequences fit, for each KV policy, side by side."""
     from runtime.plan import plan, render
 
     try:
         art = Artifact(artifact, checksums=False)
-    except ArtifactError as e:
+        rows = plan(art, parse_bytes(memory), avg_len, cache_block_seq_len, tp)
+    except (ArtifactError, ValueError) as e:
         raise click.ClickException(str(e)) from e
-    rows = plan(art, parse_bytes(memory), avg_len, cache_block_seq_len)
-    click.echo(render(rows, art, parse_bytes(memory), avg_len))
+    click.echo(render(rows, art, parse_bytes(memory), avg_len, tp))
 
 
 @main.command("serve")
@@ -327,13 +350,23 @@ def serve_cmd(
     # uvicorn re-raises the signal it stopped on once it has drained and shut down: a SIGTERM
     # that stopped the server gracefully must end the process with status 0, not by the signal.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(
-        app,
-        host=server_name,
-        port=server_port,
-        timeout_graceful_shutdown=grace,
-        log_level="warning",
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=server_name,
+            port=server_port,
+            timeout_graceful_shutdown=grace,
+            log_level="warning",
+        )
     )
+    if engine.workers is not None:  # a tensor-parallel rank that dies ends the server
+        engine.workers.on_failure.append(lambda _: setattr(server, "should_exit", True))
+    try:
+        server.run()
+    finally:
+        engine.close()
+    if engine.workers is not None and engine.workers.failure is not None:
+        raise click.ClickException(f"stopped: {engine.workers.failure}")
 
 
 @main.command("check")

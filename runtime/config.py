@@ -31,6 +31,8 @@ class EngineConfig:
     device: str = "auto"  # auto, cpu, cuda or cuda:N; auto = the backend's (the current GPU)
     enforce_eager: bool = False  # no CUDA graphs: every decode step runs eagerly
     verify_checksums: bool = True
+    tp: int = 1  # tensor-parallel ranks, one process each (1: this process alone, no collectives)
+    tp_timeout: float = 60.0  # seconds a rank waits in a collective before the engine fails
 
     def validate(self) -> None:
         def bad(name: str, value: Any, allowed: str) -> ValueError:
@@ -55,6 +57,10 @@ class EngineConfig:
             raise bad("num_blocks", self.num_blocks, "a positive integer")
         if self.max_batch_size is not None and self.max_batch_size < 1:
             raise bad("max_batch_size", self.max_batch_size, "a positive integer")
+        if self.tp < 1:
+            raise bad("tp", self.tp, "a positive integer")
+        if self.tp_timeout <= 0:
+            raise bad("tp_timeout", self.tp_timeout, "a positive number of seconds")
         if self.max_prefill_token_num is not None and self.max_prefill_token_num < 16:
             raise bad("max_prefill_token_num", self.max_prefill_token_num, "an integer >= 16")
 

@@ -1,4 +1,8 @@
-"""`runtime plan`: capacity arithmetic for an artifact, per KV policy, before deploying it."""
+"""`runtime plan`: capacity arithmetic for an artifact, per KV policy, before deploying it.
+
+With --tp N the memory given is each rank's (each GPU's): a rank holds its slice of the
+weights and the KV heads of its attention heads, and the pool of every rank has the same
+number of blocks, so the rank with the least room left sets the capacity."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.artifact.reader import Artifact
+from runtime.distributed.shard import plan_shards
 from runtime.kv.format import KV_QUANT, KVSpec
 
 
@@ -25,13 +30,33 @@ def weight_bytes(art: Artifact) -> int:
     return sum(f.size for name, f in art.manifest.files.items() if name.endswith(".safetensors"))
 
 
-def plan(art: Artifact, memory: int, avg_len: int, block_size: int) -> list[PlanRow]:
+@dataclass(frozen=True)
+class RankMemory:
+    rank: int
+    weights: int  # bytes of the artifact's tensors the rank holds
+    kv_heads: int
+
+
+def ranks(art: Artifact, tp: int) -> list[RankMemory]:
+    """Each rank's weights and KV heads (one rank: the whole artifact)."""
     a = art.manifest.architecture
-    kv_memory = max(memory - weight_bytes(art), 0)
+    if tp == 1:
+        return [RankMemory(0, weight_bytes(art), a.num_kv_heads)]
+    shards = plan_shards(a, art.manifest.quantization.group_size, tp)
+    return [RankMemory(s.rank, s.stored_bytes(art), s.num_kv_heads) for s in shards]
+
+
+def plan(art: Artifact, memory: int, avg_len: int, block_size: int, tp: int = 1) -> list[PlanRow]:
+    """`memory` is each rank's; the byte columns are the fullest rank's."""
+    a = art.manifest.architecture
     rows = []
     for kv in KV_QUANT:
-        spec = KVSpec(a.num_layers, a.num_kv_heads, a.head_dim, block_size, kv, torch.float16)
-        blocks = kv_memory // spec.bytes_per_block()
+        specs = [
+            (r, KVSpec(a.num_layers, r.kv_heads, a.head_dim, block_size, kv, torch.float16))
+            for r in ranks(art, tp)
+        ]
+        blocks = min(max(memory - r.weights, 0) // spec.bytes_per_block() for r, spec in specs)
+        spec = max((spec for _, spec in specs), key=lambda s: s.bytes_per_block())
         per_seq = -(-avg_len // block_size)
         rows.append(
             PlanRow(
@@ -46,13 +71,19 @@ def plan(art: Artifact, memory: int, avg_len: int, block_size: int) -> list[Plan
     return rows
 
 
-def render(rows: list[PlanRow], art: Artifact, memory: int, avg_len: int) -> str:
-    w = weight_bytes(art)
+def render(rows: list[PlanRow], art: Artifact, memory: int, avg_len: int, tp: int = 1) -> str:
+    a = art.manifest.architecture
     lines = [
-        f"{art.manifest.source.id}: {art.manifest.architecture.num_layers} layers, "
-        f"{art.manifest.architecture.num_kv_heads} KV heads x {art.manifest.architecture.head_dim}",
-        f"memory {memory / 2**30:.2f} GiB - weights {w / 2**30:.2f} GiB = KV pool "
-        f"{max(memory - w, 0) / 2**30:.2f} GiB; sequences of {avg_len} tokens",
+        f"{art.manifest.source.id}: {a.num_layers} layers, {a.num_kv_heads} KV heads x {a.head_dim}"
+    ]
+    for r in ranks(art, tp):
+        who, heads = (f"rank {r.rank}: ", f" for {r.kv_heads} KV heads") if tp > 1 else ("", "")
+        lines.append(
+            f"{who}memory {memory / 2**30:.2f} GiB - weights {r.weights / 2**30:.2f} GiB = KV "
+            f"pool {max(memory - r.weights, 0) / 2**30:.2f} GiB{heads}; sequences of {avg_len} "
+            "tokens"
+        )
+    lines += [
         "",
         f"{'kv':<6} {'bytes/token':>12} {'bytes/block':>12} {'blocks':>10} {'tokens':>12} "
         f"{'sequences':>10}",

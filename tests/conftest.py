@@ -105,6 +105,8 @@ def make_tiny_model(
     hidden: int = 96,
     seed: int = 0,
     head_dim: int = 16,
+    kv_heads: int = 2,
+    intermediate: int = 160,
 ) -> Path:
     """hidden 96 and intermediate 160 are not multiples of 64: K padding is always exercised.
     6 query heads of head_dim over 2 KV heads (head_dim 64 is a shape the csrc decode attention
@@ -116,10 +118,10 @@ def make_tiny_model(
         family,
         vocab_size=512,
         hidden_size=hidden,
-        intermediate_size=160,
+        intermediate_size=intermediate,
         num_hidden_layers=layers,
         num_attention_heads=6,
-        num_key_value_heads=2,
+        num_key_value_heads=kv_heads,
         head_dim=head_dim,
         max_position_embeddings=1024,
         tie_word_embeddings=family != "mistral",

@@ -9,6 +9,7 @@ import torch
 from pydantic import ValidationError
 from safetensors import safe_open
 
+from runtime.artifact.layout import TILE
 from runtime.artifact.manifest import (
     CHAT_TEMPLATE_FILE,
     FORMAT,
@@ -16,7 +17,11 @@ from runtime.artifact.manifest import (
     SCHEMA_VERSION,
     Manifest,
 )
-from runtime.artifact.writer import sha256_file
+from runtime.artifact.writer import _SAFETENSORS_DTYPES, sha256_file
+
+Range = tuple[int, int | None]  # [start, stop) of a tensor's dimension; None runs to the end
+Span = tuple[int, int]  # [start, stop) of a linear's logical columns or rows
+_ITEMSIZE = {name: dtype.itemsize for dtype, name in _SAFETENSORS_DTYPES.items()}
 
 
 class ArtifactError(Exception):
@@ -74,6 +79,22 @@ def verify_files(root: Path, manifest: Manifest, checksums: bool = True) -> None
             raise ArtifactError(f"{root}: tensor {name} points at unlisted file {tensor.file}")
 
 
+def linear_slices(
+    n: int, k: int, group_size: int, cols: Span | None, rows: Span | None
+) -> tuple[tuple[Range, Range], tuple[Range, Range]]:
+    """The (rows, cols) of qweight and of qparams that hold a linear's output columns
+    [n0, n1) and input rows [k0, k1): the layout's sharding (docs/artifact-layout.md, section
+    8), cut straight out of the packed tensors, no unpacking. n0 must be a multiple of 64 and
+    k0 of the group size (a tensor-parallel plan guarantees it); a slice ending at N or K runs
+    to the padded end."""
+    (n0, n1), (k0, k1) = cols or (0, n), rows or (0, k)
+    qcols = (2 * n0, 2 * n1 if n1 < n else None)  # two int32 words per column
+    pcols = (n0, n1 if n1 < n else None)
+    qrows = (k0 // TILE, k1 // TILE if k1 < k else None)
+    prows = (k0 // group_size, k1 // group_size if k1 < k else None)
+    return (qrows, qcols), (prows, pcols)
+
+
 class Artifact:
     """An opened, verified artifact; tensors are read lazily, one at a time."""
 
@@ -82,18 +103,50 @@ class Artifact:
         self.manifest = read_manifest(self.path)
         verify_files(self.path, self.manifest, checksums=checksums)
 
-    def tensor(self, name: str) -> torch.Tensor:
+    def tensor(
+        self, name: str, rows: Range | None = None, cols: Range | None = None
+    ) -> torch.Tensor:
+        """The whole tensor, or only rows [r0, r1) and/or columns [c0, c1) of it (a stop of
+        None runs to the end): safetensors reads just that slice from the file, so a
+        tensor-parallel rank never holds the rest."""
         entry = self.manifest.tensors.get(name)
         if entry is None:
             raise ArtifactError(f"{self.path}: no tensor named {name}")
         with safe_open(str(self.path / entry.file), framework="pt") as f:
-            t = f.get_tensor(name)
-        if list(t.shape) != entry.shape:
-            raise ArtifactError(
-                f"{self.path / entry.file}: tensor {name} has shape {list(t.shape)}, "
-                f"the manifest says {entry.shape}"
-            )
-        return t
+            part = f.get_slice(name)
+            shape = list(part.get_shape())
+            if shape != entry.shape:
+                raise ArtifactError(
+                    f"{self.path / entry.file}: tensor {name} has shape {shape}, "
+                    f"the manifest says {entry.shape}"
+                )
+            if rows is None and cols is None:
+                return f.get_tensor(name)
+            r, c = slice(*(rows or (None, None))), slice(*(cols or (None, None)))
+            return part[r] if len(shape) == 1 else part[r, c]
+
+    def linear(
+        self, name: str, cols: Span | None = None, rows: Span | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """(qweight, qparams, n, k) of a quantized linear, or of its output columns [n0, n1)
+        and/or input rows [k0, k1) only (see linear_slices)."""
+        n, k = self.manifest.tensors[f"{name}.qweight"].logical_shape
+        (n0, n1), (k0, k1) = cols or (0, n), rows or (0, k)
+        qweight, qparams = linear_slices(n, k, self.manifest.quantization.group_size, cols, rows)
+        return (
+            self.tensor(f"{name}.qweight", *qweight),
+            self.tensor(f"{name}.qparams", *qparams),
+            n1 - n0,
+            k1 - k0,
+        )
+
+    def nbytes(self, name: str, rows: Range | None = None, cols: Range | None = None) -> int:
+        """Bytes of a tensor, or of a slice as `tensor` reads it, from the manifest alone."""
+        entry = self.manifest.tensors[name]
+        size = _ITEMSIZE[entry.dtype]
+        for dim, span in zip(entry.shape, (rows, cols, None), strict=False):
+            size *= len(range(dim)[slice(*(span or (None, None)))])
+        return size
 
     def has(self, name: str) -> bool:
         return name in self.manifest.tensors

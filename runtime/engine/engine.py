@@ -12,6 +12,7 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 import torch
@@ -19,6 +20,8 @@ from tokenizers import Tokenizer
 
 from runtime.artifact.reader import Artifact
 from runtime.config import EngineConfig
+from runtime.distributed.group import RankFailure, TPGroup
+from runtime.distributed.shard import Shard
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.cuda_graph import DecodeGraphs
 from runtime.engine.detokenizer import IncrementalDetokenizer
@@ -31,6 +34,9 @@ from runtime.kernels.ops import Backend, select_backend
 from runtime.kv.cache import KVCache
 from runtime.kv.format import KVSpec
 from runtime.model.llama import LlamaModel
+
+if TYPE_CHECKING:
+    from runtime.distributed.worker import Workers
 
 log = logging.getLogger("liteserve")
 
@@ -68,6 +74,68 @@ def auto_dtype(backend: Backend) -> torch.dtype:
     return torch.bfloat16 if backend.device.type == "cuda" else torch.float16
 
 
+@dataclass
+class Rank:
+    """What each rank builds for itself: its kernels, activation dtype, model (or slice of it
+    under tensor parallelism) and KV pool (its KV heads)."""
+
+    ops: Backend
+    dtype: torch.dtype
+    model: LlamaModel
+    kv_spec: KVSpec
+    cache: KVCache
+
+
+def load_rank(
+    artifact: Artifact,
+    config: EngineConfig,
+    device: str,
+    shard: Shard | None = None,
+    group: TPGroup | None = None,
+) -> Rank:
+    """Backend, model and pool from a config with the artifact's launch defaults filled in:
+    the one loading path of the engine's process and of every tensor-parallel worker."""
+    manifest = artifact.manifest
+    requested = manifest.launch.backend if config.backend == "auto" else config.backend
+    ops = select_backend(requested, manifest.launch.kernels, device)
+    dtype = auto_dtype(ops) if config.dtype == "auto" else _DTYPES[config.dtype]
+    if dtype not in ops.dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in ops.dtypes)
+        raise ValueError(
+            f"backend {ops.name} runs {names} activations, not "
+            f"{str(dtype).removeprefix('torch.')}; choose one of those as dtype"
+        )
+    model = LlamaModel(artifact, dtype, config.session_len, ops, shard, group)
+    arch = manifest.architecture
+    spec = KVSpec(
+        num_layers=arch.num_layers,
+        num_kv_heads=arch.num_kv_heads if shard is None else shard.num_kv_heads,
+        head_dim=arch.head_dim,
+        block_size=config.cache_block_seq_len,
+        kv_quant=config.kv_quant,
+        dtype=dtype,
+    )
+    spec.validate()
+    num_blocks = config.num_blocks or _blocks_from_memory(spec, config, ops.device)
+    if group is not None:  # every rank's pool holds the blocks rank 0's block manager hands out
+        num_blocks = group.min(num_blocks)
+    return Rank(ops, dtype, model, spec, KVCache(spec, num_blocks, ops.device))
+
+
+def _blocks_from_memory(spec: KVSpec, config: EngineConfig, device: torch.device) -> int:
+    """cache_max_entry_count of the memory free now, but never more than a full batch of
+    full sessions could use, nor less than one session. Tensor-parallel ranks on the CPU
+    share the host's memory: each takes its share."""
+    if device.type == "cuda":
+        available = torch.cuda.mem_get_info(device)[0]
+    else:
+        available = psutil.virtual_memory().available // config.tp
+    free = available * config.cache_max_entry_count
+    per_session = -(-config.session_len // spec.block_size)
+    useful = per_session * config.max_batch_size
+    return max(min(KVCache.num_blocks_for(spec, int(free)), useful), per_session)
+
+
 class Engine:
     def __init__(self, artifact: str | Path, config: EngineConfig | None = None) -> None:
         config = config or EngineConfig()
@@ -77,42 +145,20 @@ class Engine:
         self.config = config.with_launch_defaults(manifest.launch)
         self.config.validate()
         self.arch = manifest.architecture
-        requested = self.config.backend
-        self.ops = select_backend(
-            manifest.launch.backend if requested == "auto" else requested,
-            manifest.launch.kernels,
-            self.config.device,
-        )
-        self.backend = self.ops.name
-        self.dtype = auto_dtype(self.ops) if config.dtype == "auto" else _DTYPES[config.dtype]
-        if self.dtype not in self.ops.dtypes:
-            names = ", ".join(str(d).removeprefix("torch.") for d in self.ops.dtypes)
-            raise ValueError(
-                f"backend {self.backend} runs {names} activations, not "
-                f"{str(self.dtype).removeprefix('torch.')}; choose one of those as dtype"
-            )
-        self.model = LlamaModel(self.artifact, self.dtype, self.config.session_len, self.ops)
-        self.tokenizer = Tokenizer.from_file(str(self.artifact.path / "tokenizer.json"))
-        self.eos_ids = tuple(manifest.generation.stop_token_ids or self.arch.eos_token_ids)
-        self.kv_spec = KVSpec(
-            num_layers=self.arch.num_layers,
-            num_kv_heads=self.arch.num_kv_heads,
-            head_dim=self.arch.head_dim,
-            block_size=self.config.cache_block_seq_len,
-            kv_quant=self.config.kv_quant,
-            dtype=self.dtype,
-        )
-        self.kv_spec.validate()
-        num_blocks = self.config.num_blocks or self._blocks_from_memory()
-        self.cache = KVCache(self.kv_spec, num_blocks, self.ops.device)
-        self.blocks = BlockManager(
-            num_blocks, self.kv_spec.block_size, self.config.enable_prefix_caching
-        )
-        self.scheduler = Scheduler(
-            self.blocks, self.config.max_batch_size, self.config.max_prefill_token_num
-        )
-        self.runner = ModelRunner(self.model, self.cache, self.blocks, self.ops, self._graphs())
-        self.runner.warm_up(self.config.max_prefill_token_num)
+        self.workers: Workers | None = None
+        shard = group = None
+        device = self.config.device
+        if self.config.tp > 1:
+            from runtime.distributed.worker import Workers
+
+            self.workers = Workers.start(self.artifact, self.config)
+            shard, group, device = self.workers.shard, self.workers.group, self.workers.device
+        try:
+            self._load(device, shard, group)
+        except Exception as e:
+            if self.workers is None:
+                raise
+            raise self.workers.abort(e) from e
         self.sampler = Sampler()
         self._grammar: GrammarCompiler | None = None
         self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="liteserve-masks")
@@ -126,15 +172,36 @@ class Engine:
             str(self.dtype).removeprefix("torch."),
             self.config.kv_quant,
             self.kv_spec.bytes_per_token(),
-            num_blocks,
+            self.cache.num_blocks,
             self.kv_spec.block_size,
-            num_blocks * self.kv_spec.block_size,
+            self.cache.num_blocks * self.kv_spec.block_size,
         )
+
+    def _load(self, device: str, shard: Shard | None, group: TPGroup | None) -> None:
+        """This rank's model and pool, the block manager, scheduler and runner, warmed up."""
+        manifest = self.artifact.manifest
+        rank = load_rank(self.artifact, self.config, device, shard, group)
+        self.ops, self.dtype, self.model = rank.ops, rank.dtype, rank.model
+        self.kv_spec, self.cache = rank.kv_spec, rank.cache
+        self.backend = self.ops.name
+        self.tokenizer = Tokenizer.from_file(str(self.artifact.path / "tokenizer.json"))
+        self.eos_ids = tuple(manifest.generation.stop_token_ids or self.arch.eos_token_ids)
+        self.blocks = BlockManager(
+            self.cache.num_blocks, self.kv_spec.block_size, self.config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.blocks, self.config.max_batch_size, self.config.max_prefill_token_num
+        )
+        self.runner = ModelRunner(
+            self.model, self.cache, self.blocks, self.ops, self._graphs(), self.workers
+        )
+        self.runner.warm_up(self.config.max_prefill_token_num)
 
     def _graphs(self) -> DecodeGraphs | None:
         """Decode steps from static buffers, captured as CUDA graphs on a GPU, unless the
-        backend cannot or the user asked for eager steps (--enforce-eager)."""
-        if not self.ops.graphs or self.config.enforce_eager:
+        backend cannot or the user asked for eager steps (--enforce-eager). Not under tensor
+        parallelism yet: the graphs would have to capture the collectives too."""
+        if not self.ops.graphs or self.config.enforce_eager or self.workers is not None:
             return None
         graphs = DecodeGraphs(
             self.model,
@@ -147,19 +214,11 @@ class Engine:
         graphs.capture()
         return graphs
 
-    def _blocks_from_memory(self) -> int:
-        """cache_max_entry_count of the memory free now, but never more than a full batch of
-        full sessions could use, nor less than one session."""
-        device = self.ops.device
-        available = (
-            torch.cuda.mem_get_info(device)[0]
-            if device.type == "cuda"
-            else psutil.virtual_memory().available
-        )
-        free = available * self.config.cache_max_entry_count
-        per_session = -(-self.config.session_len // self.kv_spec.block_size)
-        useful = per_session * self.config.max_batch_size
-        return max(min(KVCache.num_blocks_for(self.kv_spec, int(free)), useful), per_session)
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do without them); the engine cannot
+        step after this."""
+        if self.workers is not None:
+            self.workers.stop()
 
     def pool_stats(self) -> PoolStats:
         b, sched = self.blocks, self.scheduler
@@ -272,7 +331,10 @@ class Engine:
             if seq.num_computed + n == len(seq.token_ids)
         ]
         masks = self._masks(sampling)  # computed while the model runs
-        last_logits, chunk_logits = self.runner.run(batch)
+        try:
+            last_logits, chunk_logits = self.runner.run(batch)
+        except RankFailure as e:  # only under TP: name the rank that died, if one did
+            raise self.workers.failed(e) from e
         ready = []
         for i, (seq, n, chunk) in enumerate(
             zip(batch.seqs, batch.num_tokens, chunk_logits, strict=True)

@@ -2,10 +2,14 @@
 
 The backend turns the host-side step into device tensors (its own metadata); all-decode steps
 replay a CUDA graph where the backend supports them. Logits stay on the device: the sampler
-runs there and only sampled ids and asked-for logprobs cross to the host.
+runs there and only sampled ids and asked-for logprobs cross to the host. Under tensor
+parallelism every step (warm-up ones too) is first sent to the other ranks, which run their
+slices of the same forward.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +21,9 @@ from runtime.kv.cache import KVCache
 from runtime.model.context import step_context
 from runtime.model.llama import LlamaModel
 
+if TYPE_CHECKING:
+    from runtime.distributed.worker import Workers
+
 
 class ModelRunner:
     def __init__(
@@ -26,6 +33,7 @@ class ModelRunner:
         blocks: BlockManager,
         ops: Backend,
         graphs: DecodeGraphs | None = None,
+        workers: Workers | None = None,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -33,6 +41,7 @@ class ModelRunner:
         self.ops = ops
         self.block_size = cache.spec.block_size
         self.graphs = graphs
+        self.workers = workers
 
     def inputs(self, batch: Batch) -> tuple[StepInputs, list[tuple[int, int] | None]]:
         """The step on the host, and for each sequence that asked for prompt logprobs the
@@ -73,8 +82,14 @@ class ModelRunner:
             step = StepInputs(
                 [0] * n, list(range(n)), list(range(n)), [table], [n], [n], [n - 1], bs
             )
-            with step_context(self.ops.prepare_step(step), self.cache):
-                self.model()
+            self.forward(step)
+
+    def forward(self, step: StepInputs) -> torch.Tensor:
+        """The model over one step, eagerly (every rank's slice of it under TP)."""
+        if self.workers is not None:
+            self.workers.send(step)
+        with step_context(self.ops.prepare_step(step), self.cache):
+            return self.model()
 
     def run(self, batch: Batch) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """Logits of each sequence's last new token ([B, V], float32, on the device), and for
@@ -83,7 +98,6 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.holds(step):
             logits = self.graphs.run(step)
         else:
-            with step_context(self.ops.prepare_step(step), self.cache):
-                logits = self.model()
+            logits = self.forward(step)
         last = logits[: len(batch.seqs)]
         return last, [None if c is None else logits[c[0] : c[0] + c[1]] for c in chunks]

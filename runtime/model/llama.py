@@ -4,6 +4,12 @@ Built from the manifest's architecture and the artifact's tensors only; no trans
 modeling code. A forward takes the step's new tokens of every sequence concatenated ([T]),
 reads the step metadata from the StepContext, writes K/V into the paged pool and attends over
 it, and returns logits only for the rows the step asked for.
+
+Under tensor parallelism (a Shard and a TPGroup given) each rank builds only its slice, Megatron
+style: q/k/v and gate/up column-parallel (the rank's heads and MLP channels), o and down
+row-parallel with one all-reduce each, the embedding and lm_head split by vocabulary (one
+all-reduce after the lookup, the logits gathered on rank 0). Without a shard nothing of this
+runs: no collective, no extra copy.
 """
 
 from __future__ import annotations
@@ -12,7 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from runtime.artifact.manifest import Architecture
-from runtime.artifact.reader import Artifact
+from runtime.artifact.reader import Artifact, Span
+from runtime.distributed.group import TPGroup
+from runtime.distributed.shard import Shard
 from runtime.kernels.ops import Backend
 from runtime.model.context import get_context
 from runtime.model.rotary import Rotary, apply_rotary
@@ -34,20 +42,28 @@ FUSED_LINEARS = {
 
 
 class Linear:
-    """A quantized linear (several artifact linears fused along N where they share an input)."""
+    """A quantized linear (several artifact linears fused along N where they share an input).
+
+    Under TP each rank keeps its shard's slice of each: output columns (column-parallel) or
+    input channels (row-parallel: a partial sum the caller all-reduces)."""
 
     def __init__(
-        self, artifact: Artifact, names: list[str], dtype: torch.dtype, ops: Backend
+        self,
+        artifact: Artifact,
+        names: list[str],
+        dtype: torch.dtype,
+        ops: Backend,
+        shard: Shard | None = None,
     ) -> None:
         self.ops = ops
         parts, biases, self.splits = [], [], []
         for name in names:
-            n, k = artifact.manifest.tensors[f"{name}.qweight"].logical_shape
+            cols, rows = (None, None) if shard is None else shard.linear(name)
+            qw, qp, n, k = artifact.linear(name, cols, rows)
             self.splits.append(n)
-            qw, qp = artifact.tensor(f"{name}.qweight"), artifact.tensor(f"{name}.qparams")
             parts.append((qw, qp, n))
-            if artifact.has(f"{name}.bias"):
-                biases.append(artifact.tensor(f"{name}.bias").to(ops.device, dtype))
+            if artifact.has(f"{name}.bias") and (shard is None or shard.keeps_bias(name)):
+                biases.append(artifact.tensor(f"{name}.bias", cols).to(ops.device, dtype))
         gs = artifact.manifest.quantization.group_size
         self.weight = ops.prepare_int4(parts, k, gs, dtype)
         self.bias = torch.cat(biases) if biases else None
@@ -59,15 +75,25 @@ class Linear:
 
 class Layer:
     def __init__(
-        self, art: Artifact, i: int, arch: Architecture, dtype: torch.dtype, ops: Backend
+        self,
+        art: Artifact,
+        i: int,
+        arch: Architecture,
+        dtype: torch.dtype,
+        ops: Backend,
+        shard: Shard | None = None,
+        group: TPGroup | None = None,
     ) -> None:
         p = f"model.layers.{i}."
         self.ops = ops
+        self.group = group
         self.index = i
         self.heads, self.kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.eps = arch.rms_norm_eps
+        if shard is not None:
+            self.heads, self.kv_heads = shard.num_heads, shard.num_kv_heads
         self.qkv, self.o, self.gate_up, self.down = (
-            Linear(art, [p + name for name in names], dtype, ops)
+            Linear(art, [p + name for name in names], dtype, ops, shard)
             for names in FUSED_LINEARS.values()
         )
         self.input_norm = art.tensor(p + "input_layernorm.weight").to(ops.device, dtype)
@@ -79,6 +105,10 @@ class Layer:
         self.act = _ACTS[arch.hidden_act]
         self.scale = self.head_dim**-0.5
         self.sliding_window = arch.sliding_window
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of a row-parallel linear's partial output (itself without TP)."""
+        return x if self.group is None else self.group.all_reduce(x)
 
     def attention(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         ctx = get_context()
@@ -95,41 +125,89 @@ class Layer:
         kv = ctx.cache.layer(self.index)
         self.ops.kv_write(kv, k, v, ctx.step.slot_mapping)
         o = self.ops.attention(q, kv, ctx.step.attn, self.scale, self.sliding_window)
-        return self.o(o.reshape(t, -1))
+        return self.reduce(self.o(o.reshape(t, -1)))
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         norm = self.ops.rms_norm
         x = x + self.attention(norm(x, self.input_norm, self.eps), rope)
         gate, up = self.gate_up(norm(x, self.post_norm, self.eps)).chunk(2, dim=-1)
-        return x + self.down(self.act(gate) * up)
+        return x + self.reduce(self.down(self.act(gate) * up))
 
 
 class LlamaModel:
     def __init__(
-        self, artifact: Artifact, dtype: torch.dtype, max_positions: int, ops: Backend
+        self,
+        artifact: Artifact,
+        dtype: torch.dtype,
+        max_positions: int,
+        ops: Backend,
+        shard: Shard | None = None,
+        group: TPGroup | None = None,
     ) -> None:
         arch = artifact.manifest.architecture
         self.arch, self.dtype, self.ops = arch, dtype, ops
+        self.shard, self.group = shard, group
+        vocab = None if shard is None else shard.vocab
 
-        def dense(name: str) -> torch.Tensor:
-            return artifact.tensor(name).to(ops.device, dtype)
+        def dense(name: str, rows: Span | None = None) -> torch.Tensor:
+            return artifact.tensor(name, rows).to(ops.device, dtype)
 
-        self.embed = dense("model.embed_tokens.weight")
-        self.lm_head = self.embed if arch.tie_word_embeddings else dense("lm_head.weight")
+        self.embed = dense("model.embed_tokens.weight", vocab)
+        self.lm_head = self.embed if arch.tie_word_embeddings else dense("lm_head.weight", vocab)
         self.norm = dense("model.norm.weight")
-        self.layers = [Layer(artifact, i, arch, dtype, ops) for i in range(arch.num_layers)]
+        self.layers = [
+            Layer(artifact, i, arch, dtype, ops, shard, group) for i in range(arch.num_layers)
+        ]
         self.rotary = Rotary(
             arch.head_dim, arch.rope_theta, arch.rope_scaling, max_positions, dtype, ops.device
         )
 
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' rows; under TP each rank looks up the ids in its vocabulary slice and
+        the all-reduce adds the one rank that has each row to the zeros of the others (exact
+        in any dtype)."""
+        if self.group is None:
+            return self.embed[ids]
+        local = ids - self.shard.vocab[0]
+        mine = (local >= 0) & (local < self.embed.shape[0])
+        x = self.embed[local.clamp(0, self.embed.shape[0] - 1)] * mine[:, None]
+        return self.group.all_reduce(x)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights this process holds (the backend's forms of them, every tensor
+        counted once): what a tensor-parallel rank saves is measured here."""
+        seen: dict[int, int] = {}
+        _tensors([self.embed, self.lm_head, self.norm, self.layers], seen)
+        return sum(seen.values())
+
     @torch.inference_mode()
-    def __call__(self) -> torch.Tensor:
-        """Float32 logits of the step's logits_indices rows (the context holds the step)."""
+    def __call__(self) -> torch.Tensor | None:
+        """Float32 logits of the step's logits_indices rows (the context holds the step);
+        under TP only rank 0 gets them (None elsewhere)."""
         step = get_context().step
-        x = self.embed[step.input_ids]
+        x = self.embedding(step.input_ids)
         rope = self.rotary.tables(step.positions)
         for layer in self.layers:
             x = layer(x, rope)
         x = x[step.logits_indices]
         x = self.ops.rms_norm(x, self.norm, self.arch.rms_norm_eps)
-        return self.ops.logits(x, self.lm_head)
+        logits = self.ops.logits(x, self.lm_head)
+        return (
+            logits
+            if self.group is None
+            else self.group.gather_vocab(logits, self.shard.vocab_rows, self.arch.vocab_size)
+        )
+
+
+def _tensors(obj: object, seen: dict[int, int]) -> None:
+    """Every weight tensor reachable from obj's attributes, lists and dicts, by storage."""
+    if isinstance(obj, torch.Tensor):
+        seen[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            _tensors(value, seen)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            _tensors(value, seen)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, (Backend, TPGroup)):
+        _tensors(vars(obj), seen)
