@@ -108,6 +108,10 @@ class Pipeline:
             if not seq.finished:
                 self.engine.abort(seq.seq_id)
 
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (EngineConfig(tp=N)); nothing to do with one."""
+        self.engine.close()
+
 
 def pipeline(
     artifact: str | Path, config: EngineConfig | None = None, chat_template: Path | None = None

@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from runtime.artifact.reader import Artifact, ArtifactError
+from runtime.distributed.group import RankFailure
 
 _UNITS = {
     "": 1,
@@ -202,7 +203,7 @@ def generate_cmd(
     try:
         for chunk in pipe.stream(request, gen):
             click.echo(chunk.text, nl=False)
-    except ValueError as e:
+    except (ValueError, RankFailure) as e:
         raise click.ClickException(str(e)) from e
     click.echo()
 
@@ -243,6 +244,8 @@ def chat_cmd(
             click.echo(f"\nerror: {e}", err=True)
             history.pop()
             continue
+        except RankFailure as e:  # a tensor-parallel rank died: no turn can run any more
+            raise click.ClickException(str(e)) from e
         click.echo()
         history.append({"role": "assistant", "content": "".join(reply)})
         sys.stdout.flush()
@@ -393,7 +396,7 @@ def check_cmd(artifact: Path, max_new_tokens: int, **kw) -> None:
     click.echo(f"tokens    {ids}")
     try:
         r = pipe(messages, GenerationConfig(max_new_tokens=max_new_tokens, temperature=0))[0]
-    except ValueError as e:  # e.g. max_new_tokens past session_len
+    except (ValueError, RankFailure) as e:  # e.g. max_new_tokens past session_len
         raise click.ClickException(str(e)) from e
     click.echo(f"reply     {r.text!r} ({len(r.token_ids)} tokens, finish {r.finish_reason})")
     if r.finish_reason != "stop" or r.token_ids[-1] not in engine.eos_ids:

@@ -175,6 +175,25 @@ def test_killed_rank_fails_the_engine_within_the_timeout(artifacts: dict[str, Pa
         engine.close()
 
 
+def test_stuck_rank_times_out(artifacts: dict[str, Path]) -> None:
+    """A rank that is alive but stuck (SIGSTOP) is not seen by the health check: the
+    collective timeout ends the step with an error instead of a hang."""
+    engine = Engine(artifacts["llama"], _config(2, tp_timeout=2.0))
+    pid = _worker_pid(os.getpid())
+    try:
+        engine.add_request(_ids(20, 5), SamplingParams(temperature=0, max_new_tokens=50))
+        engine.step()
+        os.kill(pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(RankFailure, match="rank 0: the .* failed"):
+            while engine.has_work():
+                engine.step()
+        assert 2.0 <= time.monotonic() - start < 8
+    finally:
+        engine.close()  # kills the stopped worker
+    assert psutil.pid_exists(pid) is False or psutil.Process(pid).status() == "zombie"
+
+
 def test_serve_stops_when_a_rank_dies(artifacts: dict[str, Path]) -> None:
     """`runtime serve --tp 2` answers; after its worker is killed the server exits with an
     error that names the rank, within moments (the health check sees the process end)."""

@@ -12,6 +12,7 @@ learns of rank 0's end from the closed connection, not from a clock.
 from __future__ import annotations
 
 import os
+import pickle
 from datetime import timedelta
 
 import torch
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 HOST = "127.0.0.1"  # one machine: every rank is a local process
 CONTROL_TIMEOUT = timedelta(days=365)
+START_SECONDS = 600.0  # for a worker to start and connect: an interpreter, torch, the store
 
 
 class RankFailure(RuntimeError):
@@ -51,7 +53,7 @@ class TPGroup:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
 
     @staticmethod
-    def store(size: int, timeout: float, port: int = 0) -> dist.TCPStore:
+    def store(size: int, port: int = 0) -> dist.TCPStore:
         """Rank 0 serves the rendezvous store (port 0: a free one, read back from .port); the
         other ranks connect to its port."""
         return dist.TCPStore(
@@ -59,7 +61,7 @@ class TPGroup:
             port,
             size,
             is_master=port == 0,
-            timeout=timedelta(seconds=timeout),
+            timeout=timedelta(seconds=START_SECONDS),
             wait_for_workers=False,
         )
 
@@ -83,16 +85,35 @@ class TPGroup:
         self._run("logits gather", dist.gather, part, parts, dst=0)
         return None if parts is None else torch.cat(parts, dim=1)[:, :vocab]
 
-    def broadcast(self, obj: object) -> object:
-        """Rank 0's object on every rank (rank 0 sends, the others wait for it)."""
-        box = [obj]
-        self._run("step broadcast", dist.broadcast_object_list, box, src=0, group=self.control)
-        return box[0]
+    def broadcast(self, obj: object, timeout: float | None = None) -> object:
+        """Rank 0's object on every rank: rank 0 sends (pickled: a size, then the bytes) and
+        gives up after `timeout` seconds, as a rank that does not take a step within the
+        collective timeout is stuck; the others wait as long as the group's timeout allows
+        (an idle server sends nothing)."""
+        size = torch.tensor([0], dtype=torch.int64)
+        if self.rank == 0:
+            data = bytearray(pickle.dumps(obj))
+            size[0] = len(data)
+        self._wait("step broadcast", size, timeout)
+        payload = torch.frombuffer(data, dtype=torch.uint8) if self.rank == 0 else None
+        if payload is None:
+            payload = torch.empty(int(size), dtype=torch.uint8)
+        self._wait("step broadcast", payload, timeout)
+        return obj if self.rank == 0 else pickle.loads(payload.numpy().tobytes())
+
+    def _wait(self, what: str, t: torch.Tensor, timeout: float | None) -> None:
+        work = self._run(what, dist.broadcast, t, 0, group=self.control, async_op=True)
+        limit = None if timeout is None else timedelta(seconds=timeout)
+        self._run(what, work.wait, *(() if limit is None else (limit,)))
 
     def min(self, value: int) -> int:
-        """The smallest of every rank's value (e.g. KV blocks: each pool must hold them)."""
+        """The smallest of every rank's value (e.g. KV blocks: each pool must hold them).
+        Waits for every rank to get here: after loading, so under the start-up limit."""
         t = torch.tensor([value], dtype=torch.int64)
-        self._run("agreement", dist.all_reduce, t, op=dist.ReduceOp.MIN, group=self.control)
+        work = self._run(
+            "agreement", dist.all_reduce, t, op=dist.ReduceOp.MIN, group=self.control, async_op=True
+        )
+        self._run("agreement", work.wait, timedelta(seconds=START_SECONDS))
         return int(t)
 
     def close(self) -> None:

@@ -10,6 +10,7 @@ collective has a timeout (for a rank that is alive but stuck).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing as mp
 import signal
@@ -24,7 +25,7 @@ import torch.distributed as dist
 
 from runtime.artifact.reader import Artifact
 from runtime.config import EngineConfig
-from runtime.distributed.group import RankFailure, TPGroup
+from runtime.distributed.group import START_SECONDS, RankFailure, TPGroup
 from runtime.distributed.shard import Shard, plan_shards
 
 log = logging.getLogger("liteserve")
@@ -58,8 +59,10 @@ class Workers:
         group: TPGroup,
         shard: Shard,
         device: str,
+        timeout: float,
     ) -> None:
         self.procs, self.group, self.shard, self.device = procs, group, shard, device
+        self.timeout = timeout  # seconds a step send may take: the collective timeout
         self.failure: str | None = None  # set once, by the monitor or a failed collective
         self.on_failure: list[Callable[[str], None]] = []  # e.g. the server stopping itself
         self._stopping = threading.Event()
@@ -73,7 +76,7 @@ class Workers:
         defaults filled in."""
         shard = _shard(artifact, config, 0)
         device = rank_device(config, _backend(artifact, config), 0)
-        store = TPGroup.store(config.tp, config.tp_timeout)
+        store = TPGroup.store(config.tp)
         ctx = mp.get_context("spawn")  # a fresh interpreter: no forked threads or GPU state
         procs = [
             ctx.Process(
@@ -87,14 +90,16 @@ class Workers:
         for p in procs:
             p.start()
         try:
-            _await_joins(store, procs, config.tp_timeout)
+            _await_joins(store, procs)
             group = TPGroup(0, config.tp, store, torch.device(device), config.tp_timeout)
         except Exception:
             for p in procs:
                 p.kill()
             raise
         log.info("tensor parallel: %d ranks, workers %s", config.tp, [p.pid for p in procs])
-        return cls(procs, group, shard, device)
+        workers = cls(procs, group, shard, device, config.tp_timeout)
+        atexit.register(workers.stop)  # a clean stop before multiprocessing kills its children
+        return workers
 
     def _watch(self) -> None:
         """The health check: wake when a worker process ends; unless we asked it to, that is
@@ -119,7 +124,7 @@ class Workers:
         """Send the step to every worker, after checking they are all alive."""
         if self.failure is not None:
             raise RankFailure(self.failure)
-        self.group.broadcast(step)
+        self.group.broadcast(step, self.timeout)
 
     def failed(self, error: RankFailure) -> RankFailure:
         """The error to raise for a failed collective: which rank died, if one did (its exit
@@ -135,43 +140,43 @@ class Workers:
         collective becomes the rank that died)."""
         if isinstance(error, RankFailure):
             error = self.failed(error)
-        self._stopping.set()
-        for p in self.procs:
-            p.kill()
-            p.join()
-        self.group.close()
+        else:
+            self._fail(f"rank 0 failed to start: {error}")
+        self.stop()
         return error
 
     def stop(self) -> None:
-        """Ask every worker to leave its loop, then end the group; kill any that do not exit."""
+        """Ask every worker to leave its loop and end the group; after a failure (a rank dead
+        or stuck) kill them instead: none of them can finish a step any more."""
         if self._stopping.is_set():
             return
         self._stopping.set()
+        atexit.unregister(self.stop)
         if self.failure is None:
             try:
-                self.group.broadcast(None)
+                self.group.broadcast(None, self.timeout)
             except RankFailure:
                 log.warning("tensor parallel: a worker was gone before the stop")
         for p in self.procs:
-            p.join(STOP_SECONDS)
+            p.join(STOP_SECONDS if self.failure is None else 0)
             if p.exitcode is None:
                 p.kill()
                 p.join()
         self.group.close()
 
 
-def _await_joins(store: dist.Store, procs: list[mp.Process], timeout: float) -> None:
+def _await_joins(store: dist.Store, procs: list[mp.Process]) -> None:
     """Wait until every worker has started and is about to join the group, watching them:
     one that dies on the way (a bad install, no memory) is an error now, not a rendezvous
     that waits out its timeout."""
     keys = [f"joining/{rank}" for rank in range(1, len(procs) + 1)]
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + START_SECONDS
     while not store.check(keys):
         dead = [p for p in procs if p.exitcode is not None]
         if dead:
             raise RankFailure(f"{_describe(dead[0])} while starting")
         if time.monotonic() > deadline:
-            raise RankFailure(f"the tensor-parallel workers did not start within {timeout} s")
+            raise RankFailure(f"the tensor-parallel workers did not start in {START_SECONDS} s")
         time.sleep(0.05)
 
 
@@ -194,7 +199,7 @@ def main(rank: int, path: Path, config: EngineConfig, port: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
     artifact = Artifact(path, checksums=False)  # rank 0 verified it
     device = rank_device(config, _backend(artifact, config), rank)
-    store = TPGroup.store(config.tp, config.tp_timeout, port)
+    store = TPGroup.store(config.tp, port)
     store.set(f"joining/{rank}", "1")
     group = TPGroup(rank, config.tp, store, torch.device(device), config.tp_timeout)
     r = load_rank(artifact, config, device, _shard(artifact, config, rank), group)
