@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -199,7 +200,9 @@ def test_serve_stops_when_a_rank_dies(artifacts: dict[str, Path]) -> None:
     error that names the rank, within moments (the health check sees the process end)."""
     import httpx2
 
-    port = 23400 + os.getpid() % 500
+    with socket.socket() as sock:  # a free port
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "runtime", "serve", str(artifacts["qwen2"]), "--tp", "2"]
     args = ["--server-port", str(port), "--num-blocks", "64", "--dtype", "float32"]
     proc = subprocess.Popen([*cmd, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
