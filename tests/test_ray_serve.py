@@ -184,10 +184,12 @@ def test_families_land_on_one_replica_each(service) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
     before = scrape(url)
     served = {"alpha": set(), "beta": set()}
-    for i in range(4):
-        for family in served:
-            replica, _ = chat(client, family, f"Question {i}?")
-            served[family].add(replica)
+    # not alternating, so that a policy blind to the prompt (round-robin) splits a family
+    for i, family in enumerate(
+        ["alpha", "alpha", "beta", "beta", "alpha", "beta", "alpha", "beta"]
+    ):
+        replica, _ = chat(client, family, f"Question {i}?")
+        served[family].add(replica)
     assert all(len(s) == 1 for s in served.values()), served
     (a,), (b,) = served.values()
     assert a != b, "the two families should spread over the two replicas"

@@ -28,10 +28,9 @@ as module attributes (PEP 562 `__getattr__`), so Ray pickles them by reference a
 imports them from here.
 """
 
-from __future__ import annotations
-
 import asyncio
 import contextlib
+import importlib
 import json
 import logging
 import signal
@@ -236,6 +235,24 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def _home() -> Any:
+    """This module, the one in sys.modules. Ray Serve pickles the router class by value,
+    with copies of the module globals its methods use: the router reaches the module's
+    registry and request class through this instead."""
+    return importlib.import_module(__name__)
+
+
+def register_router(router: Any) -> None:
+    _ROUTERS[(router._deployment_id.app_name, router._deployment_id.name)] = router
+
+
+def registered_router(app_name: str) -> Any:
+    """The engine handle's router in this process, once the handle has made it. (A module
+    function, so that the ingress's route functions, which Ray Serve pickles by value with a
+    copy of the globals they use, reach the module's own registry through it.)"""
+    return _ROUTERS.get((app_name, ENGINE))
+
+
 def _proxied(pending: Any) -> ProxiedRequest | None:
     args = getattr(pending, "args", None)
     if args and isinstance(args[0], ProxiedRequest):
@@ -270,8 +287,9 @@ def _build_ray_classes() -> None:
             self.table = PrefixTable(table_size)
             self.turn = 0
             self.routed: Counter[str] = Counter()  # reason -> requests
-            self.lock = threading.Lock()  # the ingress reads `routed` from another thread
-            _ROUTERS[(self._deployment_id.app_name, self._deployment_id.name)] = self
+            self.lock = threading.Lock()  # the ingress (another thread) settles requests
+            _home().register_router(self)
+            log.info("router for %s: %s routing", self._deployment_id, policy)
 
         async def _loads(self, replicas: list) -> dict[str, int]:
             """Ongoing requests per replica: the handle's queue-length cache, probing the
@@ -289,48 +307,56 @@ def _build_ray_classes() -> None:
             return loads
 
         async def choose_replicas(self, candidate_replicas: list, pending_request: Any = None):
+            """The policy's replica first, then the others by load (Ray Serve moves to the
+            next rank when a replica's queue is full). The prefix is recorded for the chosen
+            replica at once, so the next request of a burst already follows it; the ingress
+            corrects the record (`settle`) if another replica ended up serving it."""
             if not candidate_replicas:
                 return []
             by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-            req = _proxied(pending_request)
+            req = _home()._proxied(pending_request)
             if req is not None and req.pinned is not None:
                 return [[by_id[req.pinned]]] if req.pinned in by_id else []
             loads = await self._loads(candidate_replicas)
-            if self.policy == "round-robin":
-                chosen, reason = round_robin(self.turn, list(by_id)), "round_robin"
-                self.turn += 1
-            else:
-                route = choose_replica(
-                    req.prefix if req else [], self.table, loads, self.max_imbalance
-                )
-                chosen, reason = route.replica, route.reason
+            with self.lock:
+                if self.policy == "round-robin":
+                    chosen, reason = round_robin(self.turn, list(by_id)), "round_robin"
+                    self.turn += 1
+                else:
+                    route = choose_replica(
+                        req.prefix if req else [], self.table, loads, self.max_imbalance
+                    )
+                    chosen, reason = route.replica, route.reason
+                    if req is not None and not req.internal:
+                        self.table.record(req.prefix, chosen)
             if req is not None:
-                req.route = (chosen, reason)  # read back in on_request_routed
+                req.route = (chosen, reason)
             rest = sorted((i for i in by_id if i != chosen), key=lambda i: (loads.get(i, 0), i))
             return [[by_id[chosen]], [by_id[i] for i in rest]]
 
-        def on_request_routed(self, pending_request: Any, replica_id: Any, result: Any) -> None:
-            req = _proxied(pending_request)
-            if req is None or req.pinned is not None or req.internal:
-                return
-            replica = replica_id.unique_id
+        def settle(self, req: Any, replica: str) -> None:
+            """The ingress saw `replica` answer `req`: count the decision, and move the prefix
+            to that replica if the chosen one was full. (Ray Serve calls on_request_routed
+            only when it enforces max_ongoing_requests strictly, so the ingress does this.)"""
             chosen, reason = req.route or (replica, "new")
-            if chosen != replica:
-                reason = "full"  # the chosen replica's queue was full: the next rank took it
             with self.lock:
+                if chosen != replica:
+                    reason = "full"  # the chosen replica's queue was full: the next rank took it
+                    if self.policy == "prefix":
+                        self.table.record(req.prefix, replica)
                 self.routed[reason] += 1
-            if self.policy == "prefix":
-                self.table.record(req.prefix, replica)
 
         def update_replicas(self, replicas: list) -> None:
             before = {r.unique_id for r in self._replica_id_set}
             super().update_replicas(replicas)
-            for gone in before - {r.unique_id for r in self._replica_id_set}:
-                self.table.forget(gone)
+            with self.lock:
+                for gone in before - {r.unique_id for r in self._replica_id_set}:
+                    self.table.forget(gone)
 
         def on_replica_actor_died(self, replica_id: Any) -> None:
             super().on_replica_actor_died(replica_id)
-            self.table.forget(replica_id.unique_id)
+            with self.lock:
+                self.table.forget(replica_id.unique_id)
 
     relay_app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -368,7 +394,7 @@ def _build_ray_classes() -> None:
             self.app_name = serve.get_replica_context().app_name
 
         def _router(self) -> Any:
-            return _ROUTERS.get((self.app_name, ENGINE))
+            return registered_router(self.app_name)
 
         @relay_app.get("/metrics")
         async def metrics(self) -> Response:
@@ -378,17 +404,18 @@ def _build_ray_classes() -> None:
                 )
             router = self._router()
             replicas = sorted(r.unique_id for r in router.curr_replicas)
-            calls = [
-                asyncio.wait_for(
-                    self.engine.options(method_name="metrics_text").remote(
-                        ProxiedRequest(pinned=r)
-                    ),
-                    10,
+            # one at a time: Ray Serve gives the handle calls made while serving one request
+            # the same internal id, and its router matches a routed replica to a waiting
+            # call by that id, so concurrent pinned calls could be handed each other's replica
+            per_replica = {}
+            for r in replicas:
+                call = self.engine.options(method_name="metrics_text").remote(
+                    ProxiedRequest(pinned=r)
                 )
-                for r in replicas
-            ]
-            texts = await asyncio.gather(*calls, return_exceptions=True)
-            per_replica = {r: t for r, t in zip(replicas, texts, strict=True) if isinstance(t, str)}
+                try:
+                    per_replica[r] = await asyncio.wait_for(call, 5)
+                except Exception as e:  # gone meanwhile: the others are still worth showing
+                    log.warning("no metrics from replica %s: %s", r, e)
             with router.lock:
                 routed = dict(router.routed)
             body = merge_metrics(per_replica, router.policy, routed)
@@ -424,6 +451,10 @@ def _build_ray_classes() -> None:
                 stream = self.engine.options(method_name="http", stream=True).remote(req)
                 try:
                     start = await stream.__anext__()
+                    router = self._router()
+                    if router is not None and req.route is not None:
+                        served = dict(start.get("headers", [])).get(REPLICA_HEADER.encode(), b"")
+                        router.settle(req, served.decode())
                     return _Relay(start, stream)
                 except RayActorError as e:
                     if attempt:
