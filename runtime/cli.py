@@ -339,13 +339,14 @@ def serve_cmd(
     )
     engine, pool = pipe.engine, pipe.engine.pool_stats()
     logging.getLogger("liteserve").warning(
-        "serving %s as %r on http://%s:%d: backend %s on %s, kv %s, %d blocks, %d tokens fit",
+        "serving %s as %r on http://%s:%d: backend %s on %s%s, kv %s, %d blocks, %d tokens fit",
         artifact,
         app.state.liteserve.settings.model_name,
         server_name,
         server_port,
         engine.backend,
         engine.ops.device,
+        f" (rank 0 of {engine.config.tp})" if engine.workers is not None else "",
         engine.config.kv_quant,
         pool.num_blocks,
         pool.capacity_tokens,
@@ -388,6 +389,9 @@ def check_cmd(artifact: Path, max_new_tokens: int, **kw) -> None:
         f"{str(engine.dtype).removeprefix('torch.')} activations, kv {engine.config.kv_quant}"
     )
     click.echo(f"device    {engine.ops.device}")
+    if engine.workers is not None:
+        pids = ", ".join(str(p.pid) for p in engine.workers.procs)
+        click.echo(f"tp        {engine.config.tp} ranks: rank 0 here, workers pid {pids}")
     if pipe.chat_template is None:
         raise click.ClickException("no chat template in the artifact (give --chat-template)")
     messages = [{"role": "user", "content": "What is the capital of France?"}]
