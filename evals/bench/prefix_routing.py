@@ -4,17 +4,24 @@ round-robin, in one run (issue 17's CPU target: affinity at least 2x round-robin
 A local Ray cluster, two engine replicas of ARTIFACT behind the liteserve ingress
 (runtime/server/cluster.py). The same seeded traffic is sent twice, once with the engine
 deployment routed round-robin and once with prefix affinity (a fresh deployment each time, so
-both start with empty caches): --requests chat requests from --clients concurrent clients,
-each request a random one of --families long system prompts (pydoc topics, --prefix-chars
-characters each) and a short question of its own. The hit rate is the replicas' own
-`liteserve:prefix_cache_hits_total / prefix_cache_queries_total` (KV blocks of the prompts
-found cached), summed over the replicas, scraped through the ingress.
+both start with empty caches), by --clients concurrent clients.
 
-The gap between the two policies comes from cache capacity: round-robin makes every replica
-cache every family's prefix, affinity lets each replica cache half of them. --num-blocks sets
-each replica's KV pool; the default is sized so that one replica holds about 3/4 of the
-families' prefixes, the regime where affinity matters (with a pool that holds every prefix,
-round-robin only pays one extra miss per family and replica).
+The traffic is sessions over documents, the shape of chat and RAG services: --active sessions
+are open at a time; each request picks an open session at random and asks its next question
+about the session's document (a --prefix-chars window of Python's pydoc text, the same for
+every turn of the session: the shared prefix); a session ends after --turns requests and a new
+one, on a new document, takes its place. The hit rate is the replicas' own
+`liteserve:prefix_cache_hits_total / prefix_cache_queries_total` (KV blocks of the prompts found
+cached), summed over the replicas, scraped through the ingress.
+
+Where the gain comes from, and where it does not: round-robin sends a session's turns to both
+replicas, so each document is computed twice before it is reused, and both replicas must cache
+every open session's document; affinity computes each once and lets each replica cache half.
+--num-blocks sets each replica's KV pool; the default holds --pool-share (0.65) of the open
+sessions' documents plus the running requests' own blocks: more than the half each replica
+needs under affinity, less than all under round-robin, the regime of a busy service. With a pool
+that holds everything and many turns per prefix, the two policies differ only by the second
+cold miss per prefix (--num-blocks 200 --turns 12 --active 8: about 1.1x).
 
     python evals/bench/prefix_routing.py out/smollm2-awq --out prefix-routing.json
 """
@@ -39,30 +46,42 @@ APP = "prefixbench"
 MODEL = "bench"
 
 
-def families(count: int, chars: int) -> list[str]:
-    """`count` distinct system prompts of `chars` characters (pydoc topics, real prose)."""
+def documents(count: int, chars: int) -> list[str]:
+    """`count` distinct windows of `chars` characters of pydoc text (real prose)."""
     from pydoc_data.topics import topics
 
-    texts = [t for _, t in sorted(topics.items()) if len(t) >= chars]
-    if len(texts) < count:
-        raise SystemExit(f"only {len(texts)} pydoc topics have {chars} characters")
-    rng = random.Random(0)
-    return [t[:chars] for t in rng.sample(texts, count)]
+    text = " ".join(" ".join(t.split()) for _, t in sorted(topics.items()))
+    if count * chars > len(text):
+        raise SystemExit(f"pydoc has {len(text)} characters, not {count} x {chars}")
+    return [text[i * chars : (i + 1) * chars] for i in range(count)]
 
 
-def workload(seed: int, count: int, prefixes: list[str]) -> list[list[dict]]:
+def workload(
+    seed: int, count: int, turns: int, active: int, chars: int
+) -> tuple[list[list[dict]], int]:
+    """`count` chat requests from sessions: (requests, documents used)."""
     rng = random.Random(seed)
+    docs = documents(count // turns + active + 1, chars)
+    open_sessions = [[d, 0] for d in range(active)]  # [document, turns done]
+    next_doc = active
     out = []
-    for i in range(count):
-        family = rng.randrange(len(prefixes))
-        question = f"Question {i}: what does paragraph {rng.randrange(1, 9)} say?"
+    for _ in range(count):
+        session = rng.choice(open_sessions)
+        doc, turn = session
         out.append(
             [
-                {"role": "system", "content": prefixes[family]},
-                {"role": "user", "content": question},
+                {"role": "system", "content": f"Answer from this document.\n{docs[doc]}"},
+                {
+                    "role": "user",
+                    "content": f"Question {turn + 1}: what does part {rng.randrange(9)} say?",
+                },
             ]
         )
-    return out
+        session[1] += 1
+        if session[1] == turns:
+            session[:] = [next_doc, 0]
+            next_doc += 1
+    return out, next_doc
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -162,9 +181,10 @@ def run_policy(args, policy: str, port: int, requests: list[list[dict]]) -> dict
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("artifact", type=Path)
-    ap.add_argument("--families", type=int, default=8)
-    ap.add_argument("--prefix-chars", type=int, default=2000)
-    ap.add_argument("--requests", type=int, default=96)
+    ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument("--turns", type=int, default=3, help="requests per session (document)")
+    ap.add_argument("--active", type=int, default=16, help="sessions open at a time")
+    ap.add_argument("--prefix-chars", type=int, default=2000, help="characters per document")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=1)
     ap.add_argument("--session-len", type=int, default=2048)
@@ -172,8 +192,14 @@ def main() -> None:
     ap.add_argument(
         "--num-blocks",
         type=int,
-        help="KV blocks per replica (default: 3/4 of the families' prefixes plus room for the "
-        "clients' running requests)",
+        help="KV blocks per replica (default: --pool-share of the open sessions' documents "
+        "plus two blocks per client)",
+    )
+    ap.add_argument(
+        "--pool-share",
+        type=float,
+        default=0.65,
+        help="the default pool's share of the open sessions' documents",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path)
@@ -184,14 +210,13 @@ def main() -> None:
 
     from runtime.artifact.reader import read_manifest
 
-    prefixes = families(args.families, args.prefix_chars)
-    requests = workload(args.seed, args.requests, prefixes)
+    requests, used = workload(args.seed, args.requests, args.turns, args.active, args.prefix_chars)
     block = read_manifest(args.artifact).launch.cache_block_seq_len
     tok = Tokenizer.from_file(str(args.artifact / "tokenizer.json"))
-    prefix_blocks = [len(tok.encode(p).ids) // block for p in prefixes]
+    docs = {r[0]["content"] for r in requests}
+    doc_blocks = sum(len(tok.encode(d).ids) // block for d in docs) / len(docs)
     if args.num_blocks is None:
-        per_request = math.ceil(len(tok.encode(prefixes[0]).ids) / block) + 2
-        args.num_blocks = int(0.75 * sum(prefix_blocks)) + args.clients * per_request
+        args.num_blocks = math.ceil(args.pool_share * args.active * doc_blocks) + 2 * args.clients
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     from ray import serve
@@ -211,8 +236,10 @@ def main() -> None:
         "artifact": str(args.artifact),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "command": " ".join(sys.argv),
-        "families": args.families,
-        "prefix_blocks_per_family": prefix_blocks,
+        "documents": used,
+        "turns_per_session": args.turns,
+        "open_sessions": args.active,
+        "blocks_per_document": round(doc_blocks, 2),
         "kv_block_tokens": block,
         "num_blocks_per_replica": args.num_blocks,
         "requests": args.requests,
