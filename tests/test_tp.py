@@ -169,7 +169,7 @@ def test_killed_rank_fails_the_engine_within_the_timeout(artifacts: dict[str, Pa
         with pytest.raises(RankFailure, match="rank 1 .* was killed by SIGKILL"):
             while engine.has_work():
                 engine.step()
-        assert time.monotonic() - start < 10
+        assert time.monotonic() - start < 15  # at once, in fact; the timeout is 30 s
         with pytest.raises(RankFailure, match="rank 1"):
             engine.step()
     finally:
@@ -189,7 +189,7 @@ def test_stuck_rank_times_out(artifacts: dict[str, Path]) -> None:
         with pytest.raises(RankFailure, match="rank 0: the .* failed"):
             while engine.has_work():
                 engine.step()
-        assert 2.0 <= time.monotonic() - start < 8
+        assert 2.0 <= time.monotonic() - start < 20  # the timeout, then 2 s for a death
     finally:
         engine.close()  # kills the stopped worker
     assert psutil.pid_exists(pid) is False or psutil.Process(pid).status() == "zombie"
