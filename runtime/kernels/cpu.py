@@ -114,8 +114,9 @@ def int4_linear(x: torch.Tensor, w: CpuInt4Weight, lib: ctypes.CDLL | None = Non
         x = torch.nn.functional.pad(x, (0, w.kp - x.shape[-1]))
     if lib is not None and x.shape[0] <= INT4_C_MAX_ROWS.get(x.dtype, 0) and w.nibbles is not None:
         return _c_int4_linear(lib, x, w)
-    m = x.shape[0]
-    x = torch.nn.functional.pad(x, (0, 0, 0, bucket_rows(m) - m))
+    m, rows = x.shape[0], bucket_rows(x.shape[0])
+    if rows != m:
+        x = torch.nn.functional.pad(x, (0, 0, 0, rows - m))
     if m > INT4_KERNEL_MAX_ROWS.get(x.dtype, 0):
         return (x @ dequantize_dense(w).T)[:m]
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.packed, w.group_size, w.scales_zeros)
