@@ -550,6 +550,7 @@ def build_application(
         replicas = max(min_replicas or 1, 1) if autoscaled else 2
     if replicas < 1:
         raise ValueError(f"replicas={replicas}: expected at least 1")
+    ranks = int(engine_kw.get("tp") or 1)  # each replica runs one process per TP rank
     if replica_gpus is None:
         device = str(engine_kw.get("device") or "auto")
         backend = str(engine_kw.get("backend") or "auto")
@@ -558,7 +559,7 @@ def build_application(
             import torch
 
             on_gpu = torch.cuda.is_available()
-        replica_gpus = float(engine_kw.get("tp") or 1) if on_gpu else 0.0
+        replica_gpus = float(ranks) if on_gpu else 0.0
     engine_kw = {k: v for k, v in engine_kw.items() if v is not None}
     most = max(replicas, max_replicas or 0)
     if not replica_gpus and engine_kw.get("num_blocks") is None and most > 1:
@@ -569,7 +570,7 @@ def build_application(
     options: dict[str, Any] = dict(
         name=ENGINE,
         max_ongoing_requests=max_ongoing_requests,
-        ray_actor_options={"num_cpus": replica_cpus, "num_gpus": replica_gpus},
+        ray_actor_options={"num_cpus": replica_cpus * ranks, "num_gpus": replica_gpus},
         request_router_config=RequestRouterConfig(
             request_router_class=f"{__name__}.PrefixRouter",
             request_router_kwargs={"policy": routing, "max_imbalance": routing_imbalance},
@@ -740,8 +741,8 @@ def replica_options(f: Callable) -> Callable:
                 type=float,
                 default=1,
                 show_default=True,
-                help="CPUs Ray reserves per replica (on a GPU host each replica also takes "
-                "one GPU per TP rank).",
+                help="CPUs Ray reserves per replica and TP rank (on a GPU host each replica "
+                "also takes one GPU per TP rank).",
             ),
         ]
     ):
