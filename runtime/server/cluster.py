@@ -668,7 +668,12 @@ def serve_replicas(
         signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(1):
         pass
+    log.warning("stopping: the replicas drain (up to --grace seconds) and Serve shuts down")
     serve.shutdown()
+    if ray_address is None:  # the local cluster this command started
+        import ray
+
+        ray.shutdown()
 
 
 def _replica_count(app_kw: dict) -> str:
