@@ -11,12 +11,15 @@ learns of rank 0's end from the closed connection, not from a clock.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
-import pickle
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from runtime.kernels.ops import StepInputs
 
 HOST = "127.0.0.1"  # one machine: every rank is a local process
 CONTROL_TIMEOUT = timedelta(days=365)
@@ -85,21 +88,26 @@ class TPGroup:
         self._run("logits gather", dist.gather, part, parts, dst=0)
         return None if parts is None else torch.cat(parts, dim=1)[:, :vocab]
 
-    def broadcast(self, obj: object, timeout: float | None = None) -> object:
-        """Rank 0's object on every rank: rank 0 sends (pickled: a size, then the bytes) and
-        gives up after `timeout` seconds, as a rank that does not take a step within the
-        collective timeout is stuck; the others wait as long as the group's timeout allows
-        (an idle server sends nothing)."""
+    def broadcast(self, step: StepInputs | None, timeout: float | None = None) -> StepInputs | None:
+        """Rank 0's step (None: stop) on every rank: rank 0 sends it as JSON (a size, then the
+        bytes; never pickle, which would let whoever reaches the group's port run code in the
+        ranks) and gives up after `timeout` seconds, as a rank that does not take a step
+        within the collective timeout is stuck; the others wait as long as the group's timeout
+        allows (an idle server sends nothing)."""
         size = torch.tensor([0], dtype=torch.int64)
         if self.rank == 0:
-            data = bytearray(pickle.dumps(obj))
+            fields = None if step is None else dataclasses.asdict(step)
+            data = bytearray(json.dumps(fields).encode())
             size[0] = len(data)
         self._wait("step broadcast", size, timeout)
         payload = torch.frombuffer(data, dtype=torch.uint8) if self.rank == 0 else None
         if payload is None:
             payload = torch.empty(int(size), dtype=torch.uint8)
         self._wait("step broadcast", payload, timeout)
-        return obj if self.rank == 0 else pickle.loads(payload.numpy().tobytes())
+        if self.rank == 0:
+            return step
+        fields = json.loads(payload.numpy().tobytes())
+        return None if fields is None else StepInputs(**fields)
 
     def _wait(self, what: str, t: torch.Tensor, timeout: float | None) -> None:
         work = self._run(what, dist.broadcast, t, 0, group=self.control, async_op=True)
