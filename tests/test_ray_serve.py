@@ -115,6 +115,46 @@ def test_merged_metrics_carry_a_replica_label() -> None:
     assert 'liteserve:router_requests_total{policy="prefix",reason="affinity"} 7.0' in out
 
 
+def test_deployment_options_fixed_and_autoscaled() -> None:
+    cpu = {"backend": "cpu", "device": "cpu", "num_blocks": None, "kv_quant": "int8"}
+    options, kw = cluster.engine_deployment(cpu, replicas=3, routing="round-robin")
+    assert options["num_replicas"] == 3 and "autoscaling_config" not in options
+    assert options["request_router"] == (
+        "runtime.server.cluster.PrefixRouter",
+        {"policy": "round-robin", "max_imbalance": 4},
+    )
+    assert options["ray_actor_options"] == {"num_cpus": 1, "num_gpus": 0.0}
+    # three CPU replicas on one host share its free memory for their KV pools
+    assert kw == {
+        "backend": "cpu",
+        "device": "cpu",
+        "kv_quant": "int8",
+        "cache_max_entry_count": 0.8 / 3,
+    }
+
+    options, kw = cluster.engine_deployment(
+        {**cpu, "num_blocks": 64, "tp": 2},
+        min_replicas=1,
+        max_replicas=4,
+        target_ongoing_requests=6,
+        replica_cpus=0.5,
+    )
+    assert "num_replicas" not in options
+    assert options["autoscaling_config"] == {
+        "min_replicas": 1,
+        "max_replicas": 4,
+        "initial_replicas": 1,
+        "target_ongoing_requests": 6,
+    }
+    assert options["ray_actor_options"]["num_cpus"] == 1.0  # per TP rank
+    assert "cache_max_entry_count" not in kw  # an explicit pool is left alone
+    gpu = cluster.engine_deployment({"backend": "cuda", "tp": 2}, replicas=2)[0]
+    assert gpu["ray_actor_options"]["num_gpus"] == 2.0
+    for bad in ({"replicas": 0}, {"min_replicas": 3, "max_replicas": 2}, {"routing": "random"}):
+        with pytest.raises(ValueError):
+            cluster.engine_deployment(cpu, **bad)
+
+
 # ---- on a local Ray cluster ----
 
 

@@ -518,10 +518,8 @@ def merge_metrics(per_replica: dict[str, str], policy: str, routed: dict[str, in
 # ---- deploying ----
 
 
-def build_application(
-    artifact: str | Path,
+def engine_deployment(
     engine_kw: dict,
-    model_name: str,
     *,
     replicas: int | None = None,
     min_replicas: int | None = None,
@@ -532,17 +530,11 @@ def build_application(
     routing_imbalance: int = MAX_IMBALANCE,
     replica_cpus: float = 1,
     replica_gpus: float | None = None,
-    api_keys: tuple[str, ...] = (),
-    max_concurrent_requests: int = 256,
-    max_body_bytes: int = 4 * 2**20,
-    chat_template: str | Path | None = None,
     grace: float = 30.0,
-) -> Any:
-    """The Ray Serve application: the ingress bound to `replicas` engine replicas (a fixed
-    count, or autoscaled between min and max replicas when either is given)."""
-    from ray import serve
-    from ray.serve.config import RequestRouterConfig
-
+) -> tuple[dict, dict]:
+    """(Ray Serve options of the engine deployment, the replicas' engine keywords): a fixed
+    replica count, or autoscaling between min and max replicas when either is given. Plain
+    data, so it is tested without Ray; `request_router` names the router and its keywords."""
     if routing not in POLICIES:
         raise ValueError(f"routing={routing!r}: expected one of {POLICIES}")
     autoscaled = min_replicas is not None or max_replicas is not None
@@ -571,9 +563,9 @@ def build_application(
         name=ENGINE,
         max_ongoing_requests=max_ongoing_requests,
         ray_actor_options={"num_cpus": replica_cpus * ranks, "num_gpus": replica_gpus},
-        request_router_config=RequestRouterConfig(
-            request_router_class=f"{__name__}.PrefixRouter",
-            request_router_kwargs={"policy": routing, "max_imbalance": routing_imbalance},
+        request_router=(
+            f"{__name__}.PrefixRouter",
+            {"policy": routing, "max_imbalance": routing_imbalance},
         ),
         health_check_period_s=5,
         health_check_timeout_s=30,
@@ -592,6 +584,30 @@ def build_application(
         }
     else:
         options["num_replicas"] = replicas
+    return options, engine_kw
+
+
+def build_application(
+    artifact: str | Path,
+    engine_kw: dict,
+    model_name: str,
+    *,
+    api_keys: tuple[str, ...] = (),
+    max_concurrent_requests: int = 256,
+    max_body_bytes: int = 4 * 2**20,
+    chat_template: str | Path | None = None,
+    **deployment_kw: Any,
+) -> Any:
+    """The Ray Serve application: the ingress bound to the engine replicas
+    (`engine_deployment`'s keywords choose how many)."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    options, engine_kw = engine_deployment(engine_kw, **deployment_kw)
+    router_class, router_kwargs = options.pop("request_router")
+    options["request_router_config"] = RequestRouterConfig(
+        request_router_class=router_class, request_router_kwargs=router_kwargs
+    )
     engine = serve.deployment(EngineReplica).options(**options)
     ingress = serve.deployment(__getattr__("LiteIngress")).options(
         name=INGRESS, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024
