@@ -327,9 +327,11 @@ def serve_cmd(
     """Serve ARTIFACT over an OpenAI-compatible HTTP API."""
     import uvicorn
 
+    from runtime.server.async_engine import openmp_left_to_the_engine_thread
     from runtime.server.serve import build_app
 
-    pipe = _pipeline(artifact, kw)
+    with openmp_left_to_the_engine_thread():
+        pipe = _pipeline(artifact, kw)
     app = build_app(
         pipe,
         model_name or Path(artifact).resolve().name,
