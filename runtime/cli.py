@@ -12,6 +12,7 @@ import click
 
 from runtime.artifact.reader import Artifact, ArtifactError
 from runtime.distributed.group import RankFailure
+from runtime.server.cluster import replica_options
 
 _UNITS = {
     "": 1,
@@ -312,6 +313,7 @@ def plan_cmd(artifact: Path, memory: str, avg_len: int, cache_block_seq_len: int
     show_default=True,
     help="Seconds in-flight requests get to finish after SIGTERM.",
 )
+@replica_options
 @_engine_options
 def serve_cmd(
     artifact: Path,
@@ -328,14 +330,31 @@ def serve_cmd(
     import uvicorn
 
     from runtime.server.async_engine import openmp_left_to_the_engine_thread
+    from runtime.server.cluster import pop_replica_options, serve_replicas, wants_replicas
     from runtime.server.serve import build_app
 
+    keys = tuple(k.strip() for k in (api_keys or "").split(",") if k.strip())
+    replica_kw = pop_replica_options(kw)
+    if wants_replicas(replica_kw):
+        serve_replicas(
+            _served(artifact),
+            kw,
+            server_name=server_name,
+            server_port=server_port,
+            model_name=model_name or Path(artifact).resolve().name,
+            api_keys=keys,
+            max_concurrent_requests=max_concurrent_requests,
+            max_body_bytes=max_body_bytes,
+            grace=grace,
+            **replica_kw,
+        )
+        return
     with openmp_left_to_the_engine_thread():
         pipe = _pipeline(artifact, kw)
     app = build_app(
         pipe,
         model_name or Path(artifact).resolve().name,
-        tuple(k.strip() for k in (api_keys or "").split(",") if k.strip()),
+        keys,
         max_concurrent_requests,
         max_body_bytes,
     )
