@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import signal
@@ -349,7 +350,8 @@ def serve_cmd(
             **replica_kw,
         )
         return
-    with openmp_left_to_the_engine_thread():
+    loading = openmp_left_to_the_engine_thread() if kw["tp"] == 1 else contextlib.nullcontext()
+    with loading:
         pipe = _pipeline(artifact, kw)
     app = build_app(
         pipe,

@@ -40,14 +40,14 @@ def openmp_left_to_the_engine_thread() -> Iterator[None]:
     the engine thread's team then comes on top, its spinning is throttled to nothing, and its
     workers sleep and wake at each of a step's hundreds of parallel regions. Measured on
     SmolLM2 (2 cores, AVX-512): a batch-1 step ran at 56 tok/s on a thread of its own
-    against 88-95 in the thread that had loaded the model."""
+    against 88-95 in the thread that had loaded the model. Not for a tensor-parallel rank 0,
+    whose loading sets its own share of the cores."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         yield
     finally:
-        if torch.get_num_threads() == 1:  # unless loading chose its own (a TP rank's share)
-            torch.set_num_threads(threads)
+        torch.set_num_threads(threads)
 
 
 @dataclass
