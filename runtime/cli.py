@@ -126,9 +126,13 @@ def _pipeline(artifact: Path, kw: dict):
     template = kw.pop("chat_template")
     try:
         config = EngineConfig(**{k: v for k, v in kw.items() if v is not None})
-        return pipeline(_served(artifact), config, template)
+        pipe = pipeline(_served(artifact), config, template)
     except (ArtifactError, ValueError) as e:
         raise click.ClickException(str(e)) from e
+    # the command's end stops tensor-parallel ranks (and leaves the process group), also when
+    # the command runs inside another program, as under click's CliRunner
+    click.get_current_context().call_on_close(pipe.close)
+    return pipe
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -34,6 +34,14 @@ from runtime.kernels.cpu import CpuBackend
 from runtime.model.llama import LlamaModel
 from tests.conftest import make_tiny_model, wait_healthy
 
+
+@pytest.fixture(autouse=True)
+def _group_closed() -> None:
+    """Every test leaves this process out of any process group: one engine per process."""
+    yield
+    assert not torch.distributed.is_initialized(), "a test left its process group open"
+
+
 CASES = {  # name: (family, KV heads)
     "llama": ("llama", 2),
     "mistral": ("mistral", 2),
