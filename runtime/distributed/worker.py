@@ -181,7 +181,11 @@ def _await_joins(store: dist.Store, procs: list[mp.Process]) -> None:
 
 
 def _describe(proc: mp.Process) -> str:
-    proc.join(1.0)  # its sentinel can fire a moment before the exit status is there to read
+    # Its sentinel fires when the kernel closes its files, a moment before the exit status can
+    # be read, and join() returns at once on a ready sentinel: poll for the status instead.
+    deadline = time.monotonic() + 2.0
+    while proc.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.01)
     code = proc.exitcode
     if code is None:
         how = "closed its connection"
