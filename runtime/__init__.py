@@ -7,6 +7,10 @@ torch._dynamo) cost seconds at every start.
 
 import importlib
 
+from runtime.kernels.isa import limit_torch
+
+limit_torch()  # before anything imports torch: LITESERVE_CPU_ISA limits torch's kernels too
+
 __version__ = "0.1.0"
 
 _LAZY = {

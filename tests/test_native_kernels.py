@@ -132,7 +132,7 @@ def test_broken_build_names_the_compiler_error(tmp_path, monkeypatch) -> None:
 
 
 def test_backend_says_which_decode_kernels_it_runs(monkeypatch) -> None:
-    assert "C decode kernels" in select_backend("cpu", {}).detail
+    assert "C kernels, " in select_backend("cpu", {}).detail
     monkeypatch.setenv("LITESERVE_NATIVE", "0")
     native.library.cache_clear()
     try:
@@ -162,7 +162,10 @@ def test_compiler_without_openmp_still_builds(tmp_path, monkeypatch) -> None:
 @pytest.mark.parametrize("rows", [1, 33])
 def test_rms_norm_matches_torch(dtype: torch.dtype, rows: int) -> None:
     """Strided rows (a slice of a wider tensor). bf16/fp16: the same single rounding as torch's
-    fused op, so equal; fp32: within summation order (1e-6 relative)."""
+    fused op, so equal but where the fp32 mean of squares, summed in another order (the SIMD
+    width differs by ISA), lands an element on the other side of a rounding boundary: then one
+    step of the output's precision, on under 1% of the elements; fp32: within summation order
+    (1e-6 relative)."""
     g = torch.Generator().manual_seed(rows)
     wide = (torch.randn(rows, 700, generator=g) * 3).to(dtype)
     x, w = wide[:, 50:626], torch.randn(576, generator=g).to(dtype)
@@ -172,24 +175,33 @@ def test_rms_norm_matches_torch(dtype: torch.dtype, rows: int) -> None:
     if dtype == torch.float32:
         assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
     else:
-        assert torch.equal(got, want), int((got != want).sum())
+        step = torch.finfo(dtype).eps * want.float().abs().clamp_min(torch.finfo(dtype).tiny)
+        off = got != want
+        assert int(off.sum()) <= 0.01 * want.numel(), int(off.sum())
+        assert bool(((got.float() - want.float()).abs() <= step * 1.01).all())
+    # 3-D rows (q/k norms over heads) go through torch's op
     assert torch.equal(cpu.rms_norm(x.unsqueeze(0), w, 1e-5, lib=native.library())[0], want)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", [1, 3, 4, 6, 9])  # 9: above the C path's rows, torch's matmul
-def test_logits_match_fp32_reference(dtype: torch.dtype, rows: int) -> None:
-    """Hidden states and lm_head in `dtype`, K not a multiple of 16. Tolerance: the C GEMV keeps
-    fp32 sums (1e-5 of the largest logit); torch's bf16 matmul rounds its output (1e-2)."""
+@pytest.mark.parametrize("path", cpu.LOGITS_PATHS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3, 4, 6, 9])  # the C tiles: 4 rows, then what is left
+def test_logits_match_fp32_reference(path: str, dtype: torch.dtype, rows: int) -> None:
+    """Hidden states and lm_head in `dtype`, K not a multiple of 16 or 32. Tolerance: the C GEMV
+    keeps fp32 sums (1e-5 of the largest logit); torch's bf16/fp16 matmul rounds its output
+    (1e-2); the int8 path rounds weights and activations to 1/254 of each 32's largest
+    magnitude (about 0.5% of a logit's scale on Gaussian data: 2e-2 of the largest)."""
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(1000, 200, generator=g).to(dtype)
     x = torch.randn(rows, 230, generator=g).to(dtype)[:, 10:210]  # strided rows
-    got = cpu.logits(x, w, lib=native.library())
+    head = cpu.prepare_head(w, {path})
+    assert (head.codes is not None) == (path == "int8")
+    got = cpu.logits(x, head, path, lib=native.library())
     want = x.float() @ w.float().T
     assert got.dtype == torch.float32 and got.shape == (rows, 1000)
     err = float((got - want).abs().max() / want.abs().max())
-    exact = dtype == torch.float32 or rows <= cpu.LOGITS_C_MAX_ROWS[dtype]
-    assert err < (1e-5 if exact else 1e-2), err
+    bound = {"int8": 2e-2, "c": 1e-5, "torch": 1e-5 if dtype == torch.float32 else 1e-2}[path]
+    assert err < bound, err
 
 
 def test_unwritable_cache_is_named(tmp_path, monkeypatch) -> None:

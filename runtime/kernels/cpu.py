@@ -1,51 +1,49 @@
-"""The CPU backend's ops. Int4 linear: torch's int4 weight-only matmul for small batches,
-dequantize + dense matmul for large ones. Decode attention and the quantized KV write: the C
-kernels of cpu_decode.c when native.py could build them, else the torch formulation below.
+"""The CPU backend's ops. Int4 linear: the C int4 x int8 kernel (cpu_qlinear.c), torch's int4
+weight-only matmul, or dequantize + dense matmul, whichever this host measured fastest at the
+row count (cpu_dispatch.py). Decode attention, RMSNorm, the logits GEMV and the quantized KV
+write: the C kernels of cpu_decode.c when native.py could build them, else torch.
 
-The artifact's layout is for the GPU; on the CPU the weights are repacked once at load into
-torch's `_weight_int4pack_mm_for_cpu` format. Measured on the 2-core AVX-512 (bf16-capable)
-development machine with SmolLM2's shapes (evals/bench/RESULTS.md):
-- with bf16 activations that kernel wins up to about 48 rows (3072x576 at one row: 0.05 ms,
-  against 0.67 ms to dequantize and multiply densely) and loses beyond (512 rows: 10.8 ms
-  against 5.3 ms), so the row count picks the path;
-- with fp32 activations it has no fast path (1.6 ms at one row, 30x its bf16 time), so fp32
-  always dequantizes and uses the dense GEMM.
+The artifact's layout is for the GPU; on the CPU the weights are repacked once at load, into
+the forms the host's chosen paths read: the C kernel's nibbles (half a byte a weight), torch's
+`_weight_int4pack_mm_for_cpu` pack only where that kernel wins somewhere (on hosts with native
+bf16 it is fast in bf16 only: 30x slower in fp32). The dense path dequantizes from the nibbles.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from runtime.artifact.layout import unpack_qparams, unpack_qweight
-from runtime.kernels import native, reference
+from runtime.artifact.layout import pack_qparams, pack_qweight, unpack_qparams, unpack_qweight
+from runtime.kernels import cpu_dispatch, native, reference
+from runtime.kernels.cpu_dispatch import Choice
 from runtime.kernels.ops import Backend, StepInputs, StepTensors
 from runtime.kv.format import QMAX
 from runtime.kv.layer import LayerKV
 
 log = logging.getLogger(__name__)
 
-INT4_KERNEL_MAX_ROWS = {torch.bfloat16: 47}  # above this, dequantize + dense GEMM wins
-# SmolLM2's lm_head (49152 x 576), C GEMV against torch's matmul, ms: bf16 1 row 1.6 / 4.3,
-# 4 rows 2.9 / 4.7, 6 rows 3.7 / 4.5, 8 rows 6.1 / 4.9; fp32 1 row 3.6 / 11.2, 8 rows 6.9 / 19.8
-LOGITS_C_MAX_ROWS = {torch.bfloat16: 6, torch.float32: 8}
-# The C int4 GEMV, for activations torch's int4 kernel has no fast path for. 3072x576, C
-# against dequantize + dense GEMM, ms: fp32 4 rows 0.26 / 8.2, 32 rows 2.4 / 8.6, 128 rows
-# 6.7 / 9.1; fp16 4 rows 0.18 / 1.2, 128 rows 8.7 / 17.9. In bf16 torch's int4 kernel is 2-4x
-# faster than it at every row count (1 row 0.06 / 0.19, 32 rows 0.76 / 2.0), so bf16 keeps it.
-INT4_C_MAX_ROWS = {torch.float32: 128, torch.float16: 128}
+INT4_PATHS = ("int8", "torch-int4", "dense")  # what cpu_dispatch chooses among for int4 linears
+LOGITS_PATHS = ("int8", "c", "torch")  # and for the logits
+INT8_PATHS = {"int8"}  # the paths that quantize activations (LITESERVE_CPU_INT8=0 drops them)
+# the shapes the dispatch is measured on: a mid-size linear (n, k, group) and lm_head (n, k)
+CALIBRATION_INT4 = (2048, 1024, 64)
+CALIBRATION_LOGITS = (16384, 1024)
 _TORCH_ZERO_OFFSET = 8  # torch's int4 kernels compute (q - 8) * scale + zero
 
 
 @dataclass
 class CpuInt4Weight:
-    packed: torch.Tensor  # torch's CPU int4 pack of q [N, Kp]
-    scales_zeros: torch.Tensor  # [Kp / gs, N, 2] in torch's (scale, zero) convention
-    codes: torch.Tensor  # uint8 [N padded to 16, Kp], for the dense path
-    nibbles: torch.Tensor | None  # uint8 [N padded, Kp / 2] in the C GEMV's chunk layout
+    nibbles: torch.Tensor | None  # uint8 [N padded to 16, Kp / 2] in the C kernel's layout
+    codes: torch.Tensor | None  # uint8 [N padded, Kp]: only where there are no nibbles
+    packed: torch.Tensor | None  # torch's CPU int4 pack, where its kernel is one of the paths
+    scales_zeros: torch.Tensor | None  # [Kp / gs, N, 2] in torch's (scale, zero) convention
     scale: torch.Tensor  # [N padded to 16, Kp / gs]
     offset: torch.Tensor  # [N padded to 16, Kp / gs], the artifact's -z*s
     n: int
@@ -54,7 +52,7 @@ class CpuInt4Weight:
 
     @property
     def kp(self) -> int:
-        return self.codes.shape[1]
+        return self.scale.shape[1] * self.group_size
 
 
 def prepare_int4(
@@ -63,13 +61,13 @@ def prepare_int4(
     group_size: int,
     dtype: torch.dtype,
     lib: ctypes.CDLL | None = None,
+    paths: tuple[str, ...] | set[str] = INT4_PATHS,
 ) -> CpuInt4Weight:
-    """Repack once at load: the artifact stays untouched, the CPU gets its own format.
+    """Repack once at load: the artifact stays untouched, the CPU gets its own forms, only
+    those the `paths` that may run need (each form of the codes costs half a byte a weight).
 
     `parts` are (qweight, qparams, n) of linears sharing an input (q/k/v, gate/up): they are
     fused along N into one matmul. N is padded to 16 for torch's kernel; outputs are sliced.
-    The C GEMV's copy of the codes is made only where it will run (`lib` loaded and an
-    activation dtype it serves): half a byte per weight otherwise wasted.
     """
     codes, scales, offsets = [], [], []
     for qweight, qparams, n in parts:
@@ -84,40 +82,67 @@ def prepare_int4(
     q = torch.nn.functional.pad(torch.cat(codes), (0, 0, 0, pad))
     s = torch.nn.functional.pad(torch.cat(scales), (0, 0, 0, pad))
     b = torch.nn.functional.pad(torch.cat(offsets), (0, 0, 0, pad))
-    torch_zero = b + _TORCH_ZERO_OFFSET * s
-    scales_zeros = torch.stack([s.T, torch_zero.T], dim=-1).to(dtype).contiguous()
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-    nibbles = _nibbles(q, group_size) if lib is not None and dtype in INT4_C_MAX_ROWS else None
+    nibbles = _nibbles(q, group_size) if lib is not None else None
+    packed = scales_zeros = None
+    if "torch-int4" in paths:
+        torch_zero = b + _TORCH_ZERO_OFFSET * s
+        scales_zeros = torch.stack([s.T, torch_zero.T], dim=-1).to(dtype).contiguous()
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
     return CpuInt4Weight(
-        packed, scales_zeros, q, nibbles, s.to(dtype), b.to(dtype), n, k, group_size
+        nibbles,
+        q if nibbles is None else None,
+        packed,
+        scales_zeros,
+        s.to(dtype),
+        b.to(dtype),
+        n,
+        k,
+        group_size,
     )
 
 
 def _nibbles(q: torch.Tensor, group_size: int) -> torch.Tensor | None:
-    """Codes [N, Kp] two a byte for the C GEMV: in each chunk of 32, byte i holds element i
-    (low nibble) and i + 16 (high), so one load widens into two runs of 16 lanes."""
-    if group_size % 32 or q.shape[1] % group_size:
+    """Codes [N, Kp] two a byte for the C kernel: in each chunk of 32, byte i holds element i
+    (low nibble) and i + 16 (high), so one 16-byte load unpacks into the chunk's 32 codes."""
+    if group_size % 32 or group_size > 256 or q.shape[1] % group_size:  # int16 sums: <= 8 chunks
         return None
     chunks = q.view(q.shape[0], -1, 2, 16)
     return (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(q.shape[0], -1).contiguous()
 
 
+def _codes(w: CpuInt4Weight) -> torch.Tensor:
+    """uint8 [N padded, Kp], from the nibbles when the weight keeps only those."""
+    if w.codes is not None:
+        return w.codes
+    chunks = w.nibbles.view(w.nibbles.shape[0], -1, 1, 16)
+    return torch.cat((chunks & 15, chunks >> 4), dim=2).view(w.nibbles.shape[0], -1)
+
+
 def dequantize_dense(w: CpuInt4Weight) -> torch.Tensor:
     """[N, Kp] in the scales' dtype."""
-    q = w.codes[: w.n].view(w.n, -1, w.group_size).to(w.scale.dtype)
+    q = _codes(w)[: w.n].view(w.n, -1, w.group_size).to(w.scale.dtype)
     return (q * w.scale[: w.n].unsqueeze(-1) + w.offset[: w.n].unsqueeze(-1)).view(w.n, -1)
 
 
-def int4_linear(x: torch.Tensor, w: CpuInt4Weight, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """x [M, K] -> [M, N]; K is zero-padded to the packed width (padded codes meet zeros)."""
+def int4_paths(w: CpuInt4Weight) -> tuple[str, ...]:
+    """The paths this weight's forms can run."""
+    have = {"int8": w.nibbles is not None, "torch-int4": w.packed is not None, "dense": True}
+    return tuple(p for p in INT4_PATHS if have[p])
+
+
+def int4_linear(
+    x: torch.Tensor, w: CpuInt4Weight, path: str = "dense", lib: ctypes.CDLL | None = None
+) -> torch.Tensor:
+    """x [M, K] -> [M, N] in x's dtype through `path` (one of int4_paths(w); int8 needs `lib`);
+    K is zero-padded to the packed width (padded codes meet zeros)."""
     if x.shape[-1] != w.kp:
         x = torch.nn.functional.pad(x, (0, w.kp - x.shape[-1]))
-    if lib is not None and x.shape[0] <= INT4_C_MAX_ROWS.get(x.dtype, 0) and w.nibbles is not None:
-        return _c_int4_linear(lib, x, w)
+    if path == "int8":
+        return _int8_linear(lib, x, w)
     m, rows = x.shape[0], bucket_rows(x.shape[0])
     if rows != m:
         x = torch.nn.functional.pad(x, (0, 0, 0, rows - m))
-    if m > INT4_KERNEL_MAX_ROWS.get(x.dtype, 0):
+    if path == "dense":
         return (x @ dequantize_dense(w).T)[:m]
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.packed, w.group_size, w.scales_zeros)
     return y[:m, : w.n]
@@ -135,11 +160,11 @@ def bucket_rows(m: int) -> int:
     return -(-m // step) * step
 
 
-def _c_int4_linear(lib: ctypes.CDLL, x: torch.Tensor, w: CpuInt4Weight) -> torch.Tensor:
+def _int8_linear(lib: ctypes.CDLL, x: torch.Tensor, w: CpuInt4Weight) -> torch.Tensor:
     if x.stride(1) != 1:
         x = x.contiguous()
-    out = torch.empty(x.shape[0], w.n, dtype=x.dtype)
-    lib.int4_linear(
+    out = torch.empty(x.shape[0], w.n, dtype=torch.float32)
+    lib.int4_int8_linear(
         x.data_ptr(),
         x.stride(0),
         native.DTYPE_CODES[x.dtype],
@@ -153,7 +178,7 @@ def _c_int4_linear(lib: ctypes.CDLL, x: torch.Tensor, w: CpuInt4Weight) -> torch
         w.kp,
         w.group_size,
     )
-    return out
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 @dataclass
@@ -344,9 +369,10 @@ def _widen(x: torch.Tensor) -> torch.Tensor:
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, lib: ctypes.CDLL | None = None
 ) -> torch.Tensor:
-    """Rows of a 2-D x through the C kernel when loaded (bit-identical to torch's fused RMSNorm
-    in bf16, within fp32 rounding in fp32, at a quarter of its dispatch cost at decode sizes);
-    anything else (q/k norms over heads) through torch's."""
+    """Rows of a 2-D x through the C kernel when loaded (torch's fused RMSNorm's single rounding
+    in bf16/fp16, so equal but where summation order moves a rare element by one step; within
+    fp32 rounding in fp32; at a quarter of its dispatch cost at decode sizes); anything else
+    (q/k norms over heads) through torch's."""
     if (
         lib is None
         or x.dim() != 2
@@ -371,15 +397,61 @@ def rms_norm(
     return out
 
 
-def logits(x: torch.Tensor, weight: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """float32 [M, V] = x @ weight.T. Decode-sized batches through the C GEMV (it streams the
-    weight once and keeps fp32 sums, where torch's bf16 matmul rounds the logits to bf16);
-    everything else through torch's matmul."""
+@dataclass
+class CpuHead:
+    """The lm_head: the dense weight, and its int8 form where the int8 path may run."""
+
+    weight: torch.Tensor  # [V, K] in the activations' dtype
+    codes: torch.Tensor | None = None  # int8 [V, K padded to 32]
+    scales: torch.Tensor | None = None  # fp32 [V, K padded / 32]
+
+
+HEAD_CHUNK_ROWS = 8192  # rows quantized at a time: bounds the fp32 copy a large vocabulary needs
+
+
+def prepare_head(weight: torch.Tensor, paths: tuple[str, ...] | set[str] = LOGITS_PATHS) -> CpuHead:
+    """The int8 form, if `paths` has it: per 32 inputs, scale = max|w| / 127, codes =
+    round(w / scale) (llama.cpp's Q8_0), zero-padded to a multiple of 32 inputs."""
+    if "int8" not in paths:
+        return CpuHead(weight)
+    v, k = weight.shape
+    kp = -(-k // 32) * 32
+    codes = torch.empty(v, kp, dtype=torch.int8)
+    scales = torch.empty(v, kp // 32, dtype=torch.float32)
+    for start in range(0, v, HEAD_CHUNK_ROWS):
+        rows = weight[start : start + HEAD_CHUNK_ROWS].float()
+        blocks = torch.nn.functional.pad(rows, (0, kp - k)).view(rows.shape[0], -1, 32)
+        step = blocks.abs().amax(-1) / 127
+        inv = torch.where(step > 0, 1 / step, torch.zeros_like(step))
+        codes[start : start + rows.shape[0]] = (
+            torch.round(blocks * inv[..., None]).view(rows.shape[0], kp).to(torch.int8)
+        )
+        scales[start : start + rows.shape[0]] = step
+    return CpuHead(weight, codes, scales)
+
+
+def logits_paths(head: CpuHead, lib: ctypes.CDLL | None) -> tuple[str, ...]:
+    """The paths this head's forms can run (the C ones need the library)."""
+    have = {"int8": lib is not None and head.codes is not None, "c": lib is not None}
+    return tuple(p for p in LOGITS_PATHS if have.get(p, True))
+
+
+def logits(
+    x: torch.Tensor, head: CpuHead, path: str = "torch", lib: ctypes.CDLL | None = None
+) -> torch.Tensor:
+    """float32 [M, V] = x @ weight.T. "int8": the C int8 x int8 kernel on the Q8_0 form; "c":
+    the C GEMV (it streams the weight once and keeps fp32 sums, where torch's bf16 matmul
+    rounds the logits to bf16), taken where the operands are ones it reads; anything else goes
+    through torch's matmul."""
+    weight = head.weight
     rows, k = x.shape
+    if path == "int8":
+        return _int8_logits(lib, x, head)
     if (
-        lib is None
-        or rows > LOGITS_C_MAX_ROWS.get(weight.dtype, 0)
+        path != "c"
+        or lib is None
         or x.dtype not in native.DTYPE_CODES
+        or weight.dtype not in native.DTYPE_CODES
         or x.stride(1) != 1
         or not weight.is_contiguous()
     ):
@@ -399,8 +471,80 @@ def logits(x: torch.Tensor, weight: torch.Tensor, lib: ctypes.CDLL | None = None
     return out
 
 
+def _int8_logits(lib: ctypes.CDLL, x: torch.Tensor, head: CpuHead) -> torch.Tensor:
+    kp = head.codes.shape[1]
+    if x.shape[1] != kp or x.stride(1) != 1:
+        x = torch.nn.functional.pad(x, (0, kp - x.shape[1])).contiguous()
+    out = torch.empty(x.shape[0], head.codes.shape[0], dtype=torch.float32)
+    lib.int8_int8_linear(
+        x.data_ptr(),
+        x.stride(0),
+        native.DTYPE_CODES[x.dtype],
+        head.codes.data_ptr(),
+        head.scales.data_ptr(),
+        out.data_ptr(),
+        x.shape[0],
+        head.codes.shape[0],
+        kp,
+    )
+    return out
+
+
+def _int4_candidates(lib: ctypes.CDLL | None, dtype: torch.dtype) -> cpu_dispatch.Candidates:
+    """Each int4 path on a random weight of the calibration shape."""
+    n, k, gs = CALIBRATION_INT4
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scale = torch.rand(n, k // gs, generator=g) / 64 + 1e-3
+    zero = torch.randint(0, 16, (n, k // gs), generator=g)
+    part = (pack_qweight(q, gs), pack_qparams(scale, zero, gs, k), n)
+    w = prepare_int4([part], k, gs, dtype, lib=lib)
+
+    def make(path: str) -> Callable[[int], Callable[[], object]]:
+        def at(rows: int) -> Callable[[], object]:
+            x = torch.randn(rows, k, generator=g).to(dtype)
+            return lambda: int4_linear(x, w, path, lib)
+
+        return at
+
+    return {path: make(path) for path in int4_paths(w)}
+
+
+def _logits_candidates(lib: ctypes.CDLL | None, dtype: torch.dtype) -> cpu_dispatch.Candidates:
+    n, k = CALIBRATION_LOGITS
+    g = torch.Generator().manual_seed(1)
+    head = prepare_head((torch.randn(n, k, generator=g) / 32).to(dtype))
+
+    def make(path: str) -> Callable[[int], Callable[[], object]]:
+        def at(rows: int) -> Callable[[], object]:
+            x = torch.randn(rows, k, generator=g).to(dtype)
+            return lambda: logits(x, head, path, lib)
+
+        return at
+
+    return {path: make(path) for path in logits_paths(head, lib)}
+
+
+def measure_dispatch(
+    lib: ctypes.CDLL | None, dtype: torch.dtype, int8: bool = True
+) -> dict[str, Choice]:
+    """This host's fastest path per row count for int4 linears and for the logits (without
+    the int8-activation paths when `int8` is off)."""
+
+    def allowed(candidates: cpu_dispatch.Candidates) -> cpu_dispatch.Candidates:
+        return {p: c for p, c in candidates.items() if int8 or p not in INT8_PATHS}
+
+    return {
+        "int4": cpu_dispatch.measure(allowed(_int4_candidates(lib, dtype))),
+        "logits": cpu_dispatch.measure(
+            allowed(_logits_candidates(lib, dtype)), cpu_dispatch.ROW_POINTS[:6]
+        ),
+    }
+
+
 class CpuBackend(Backend):
-    """torch on the CPU, with the C decode kernels of cpu_decode.c where they could be built."""
+    """torch on the CPU, with the C kernels of cpu_decode.c and cpu_qlinear.c where they could
+    be built, each op on the path this host measured fastest (cpu_dispatch.py)."""
 
     name = "cpu"
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
@@ -409,22 +553,57 @@ class CpuBackend(Backend):
         self.device = torch.device("cpu")
         self.lib, kernels = native.load()
         if self.lib is None:
-            log.warning("CPU backend without its C decode kernels: %s", kernels)
+            log.warning("CPU backend without its C kernels: %s", kernels)
+        # int8 activations (llama.cpp's Q8 scheme) where measured faster; 0: float math only
+        self.int8 = os.environ.get("LITESERVE_CPU_INT8", "1") != "0"
         self.detail = (
             f"torch {torch.__version__} on the CPU ({torch.get_num_threads()} threads), {kernels}"
         )
+        if not self.int8:
+            self.detail += ", float activations only (LITESERVE_CPU_INT8=0)"
+        self._dispatch: dict[torch.dtype, dict[str, Choice]] = {}
+
+    def dispatch(self, dtype: torch.dtype) -> dict[str, Choice]:
+        """The measured table for activations of `dtype` (from the cache after the first run
+        on this host), logged once per process."""
+        if dtype not in self._dispatch:
+            lib = "torch-only" if self.lib is None else Path(self.lib._name).stem
+            key = f"{lib}-torch{torch.__version__}-{str(dtype).removeprefix('torch.')}"
+            key += f"-{torch.get_num_threads()}t" + ("" if self.int8 else "-float")
+            table = cpu_dispatch.cached_choices(
+                key, lambda: measure_dispatch(self.lib, dtype, self.int8)
+            )
+            self._dispatch[dtype] = table
+            log.info(
+                "CPU dispatch for %s activations (measured on this host): int4 linears %s; "
+                "logits %s",
+                str(dtype).removeprefix("torch."),
+                table["int4"].describe(),
+                table["logits"].describe(),
+            )
+        return self._dispatch[dtype]
 
     def prepare_int4(self, parts, k, group_size, dtype) -> CpuInt4Weight:
-        return prepare_int4(parts, k, group_size, dtype, lib=self.lib)
+        paths = self.dispatch(dtype)["int4"].paths()
+        return prepare_int4(parts, k, group_size, dtype, lib=self.lib, paths=paths)
 
     def int4_linear(self, x: torch.Tensor, w: CpuInt4Weight) -> torch.Tensor:
-        return int4_linear(x, w, lib=self.lib)
+        path = self.dispatch(x.dtype)["int4"].pick(x.shape[0])
+        if path not in int4_paths(w):  # e.g. a group size the C kernel does not take
+            path = "dense"
+        return int4_linear(x, w, path, lib=self.lib)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps, lib=self.lib)
 
-    def logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return logits(x, weight, lib=self.lib)
+    def prepare_logits(self, weight: torch.Tensor) -> CpuHead:
+        return prepare_head(weight, self.dispatch(weight.dtype)["logits"].paths())
+
+    def logits(self, x: torch.Tensor, head: CpuHead) -> torch.Tensor:
+        path = self.dispatch(x.dtype)["logits"].pick(x.shape[0])
+        if path not in logits_paths(head, self.lib):
+            path = "torch"
+        return logits(x, head, path, lib=self.lib)
 
     def kv_write(self, kv: LayerKV, k, v, slot_mapping) -> None:
         kv_write(kv, k, v, slot_mapping, lib=self.lib)

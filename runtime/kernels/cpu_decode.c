@@ -1,7 +1,7 @@
 /*
  * CPU decode kernels: paged attention for single-token queries, the quantized KV write,
- * RMSNorm, and GEMVs for decode-sized batches (the logits over a dense lm_head; int4 linears
- * for fp32/fp16 activations, which torch's int4 kernel has no fast path for).
+ * RMSNorm, and the GEMV of the logits over a dense lm_head for decode-sized batches (int4
+ * linears are cpu_int4.c's).
  *
  * Why C: on a CPU a decode step of a small model is dominated by per-op overhead, not by
  * arithmetic. The torch formulation of attention and the KV write alone costs some 30 tensor
@@ -131,40 +131,58 @@ static void fill_slots(const int64_t *table, int64_t start, int64_t len, int64_t
     }
 }
 
-/* 16 fp32 lanes in the compiler's vector extension (GCC and clang): lowered to whatever SIMD
- * width the machine has. Plain C reduction loops would be summed lane by lane without
- * reassociation flags, which the quantizer's exactness rules out for this file. */
-typedef float v16 __attribute__((vector_size(64)));
+/* fp32 vectors of the machine's own SIMD width in the compiler's vector extension (GCC and
+ * clang): 16 lanes with AVX-512, 8 with AVX, 4 elsewhere (SSE, NEON). A vector wider than the
+ * machine's registers is lowered through the stack, several times slower (measured: 6x for
+ * decode attention on AVX2 with 16 lanes). Plain C reduction loops would be summed lane by
+ * lane without reassociation flags, which the quantizer's exactness rules out for this file. */
+#if defined(__AVX512F__)
+#define LANES 16
+#elif defined(__AVX__)
+#define LANES 8
+#else
+#define LANES 4
+#endif
+typedef float vf __attribute__((vector_size(LANES * 4)));
+typedef uint16_t vu16 __attribute__((vector_size(LANES * 2)));
+typedef uint32_t vu32 __attribute__((vector_size(LANES * 4)));
+typedef _Float16 vh __attribute__((vector_size(LANES * 2)));
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 
-static inline v16 load16(const float *p) {
-    v16 v;
+static inline vf loadv(const float *p) {
+    vf v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
-static inline float hsum(v16 v) {
+static inline float hsum(vf v) {
+#if LANES == 16
     v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
     v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+#elif LANES == 8
+    v4 b = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+#else
+    v4 b = v;
+#endif
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 static inline float dot(const float *restrict a, const float *restrict b, int64_t d) {
-    v16 acc = {0};
+    vf acc = {0};
     float tail = 0.f;
     int64_t i = 0;
-    for (; i + 16 <= d; i += 16) acc += load16(a + i) * load16(b + i);
+    for (; i + LANES <= d; i += LANES) acc += loadv(a + i) * loadv(b + i);
     for (; i < d; i++) tail += a[i] * b[i];
     return hsum(acc) + tail;
 }
 
 static inline float sum(const float *a, int64_t n) {
-    v16 acc = {0};
+    vf acc = {0};
     float tail = 0.f;
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) acc += load16(a + i);
+    for (; i + LANES <= n; i += LANES) acc += loadv(a + i);
     for (; i < n; i++) tail += a[i];
     return hsum(acc) + tail;
 }
@@ -190,29 +208,29 @@ static inline float exp_nonpositive(float x) {
     return p * two_n;
 }
 
-/* out[i] += sum_t w[t] * rows[t][i]: 64 outputs at a time in four independent register
+/* out[i] += sum_t w[t] * rows[t][i]: 4 * LANES outputs at a time in four independent register
  * accumulators (one would wait on its own FMA latency every token). */
 static inline void accumulate(float *restrict out, const float *restrict w,
                               const float *restrict rows, int64_t m, int64_t d) {
     int64_t i = 0;
-    for (; i + 64 <= d; i += 64) {
-        v16 a0 = load16(out + i), a1 = load16(out + i + 16), a2 = load16(out + i + 32),
-            a3 = load16(out + i + 48);
+    for (; i + 4 * LANES <= d; i += 4 * LANES) {
+        vf a0 = loadv(out + i), a1 = loadv(out + i + LANES), a2 = loadv(out + i + 2 * LANES),
+           a3 = loadv(out + i + 3 * LANES);
         for (int64_t t = 0; t < m; t++) {
             const float *r = rows + t * d + i;
-            a0 += w[t] * load16(r);
-            a1 += w[t] * load16(r + 16);
-            a2 += w[t] * load16(r + 32);
-            a3 += w[t] * load16(r + 48);
+            a0 += w[t] * loadv(r);
+            a1 += w[t] * loadv(r + LANES);
+            a2 += w[t] * loadv(r + 2 * LANES);
+            a3 += w[t] * loadv(r + 3 * LANES);
         }
         memcpy(out + i, &a0, sizeof a0);
-        memcpy(out + i + 16, &a1, sizeof a1);
-        memcpy(out + i + 32, &a2, sizeof a2);
-        memcpy(out + i + 48, &a3, sizeof a3);
+        memcpy(out + i + LANES, &a1, sizeof a1);
+        memcpy(out + i + 2 * LANES, &a2, sizeof a2);
+        memcpy(out + i + 3 * LANES, &a3, sizeof a3);
     }
-    for (; i + 16 <= d; i += 16) {
-        v16 acc = load16(out + i);
-        for (int64_t t = 0; t < m; t++) acc += w[t] * load16(rows + t * d + i);
+    for (; i + LANES <= d; i += LANES) {
+        vf acc = loadv(out + i);
+        for (int64_t t = 0; t < m; t++) acc += w[t] * loadv(rows + t * d + i);
         memcpy(out + i, &acc, sizeof acc);
     }
     for (; i < d; i++)
@@ -395,14 +413,11 @@ void rms_norm(const void *x, int64_t x_stride, const void *weight, void *out, in
     }
 }
 
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-
-static inline v16 load16_bf16(const uint16_t *p) {
-    u16x16 h;
+static inline vf loadv_bf16(const uint16_t *p) {
+    vu16 h;
     memcpy(&h, p, sizeof h);
-    u32x16 bits = __builtin_convertvector(h, u32x16) << 16;
-    v16 f;
+    vu32 bits = __builtin_convertvector(h, vu32) << 16;
+    vf f;
     memcpy(&f, &bits, sizeof f);
     return f;
 }
@@ -415,19 +430,27 @@ static inline float load_scalar(const void *p, int dtype, int64_t i) {
 
 enum { LINEAR_ROWS = 4 }; /* activation rows sharing each loaded weight chunk */
 
-static inline v16 load16_weight(const void *w, int w_dtype, int64_t i) {
-    return w_dtype == F32 ? load16((const float *)w + i) : load16_bf16((const uint16_t *)w + i);
+static inline vf loadv_f16(const uint16_t *p) {
+    vh h;
+    memcpy(&h, p, sizeof h);
+    return __builtin_convertvector(h, vf);
+}
+
+static inline vf loadv_weight(const void *w, int w_dtype, int64_t i) {
+    if (w_dtype == F32) return loadv((const float *)w + i);
+    const uint16_t *h = (const uint16_t *)w + i;
+    return w_dtype == BF16 ? loadv_bf16(h) : loadv_f16(h);
 }
 
 /* out[r] (r < m <= LINEAR_ROWS) = xf[r] . w_row, the weight row read once for all rows. */
 static inline __attribute__((always_inline)) void dot_rows(const float *xf, int64_t m, const void *w_row, int w_dtype,
                             int64_t k, float *out, int64_t out_stride) {
-    v16 acc[LINEAR_ROWS] = {{0}};
+    vf acc[LINEAR_ROWS] = {{0}};
     float tail[LINEAR_ROWS] = {0};
     int64_t i = 0;
-    for (; i + 16 <= k; i += 16) {
-        v16 wv = load16_weight(w_row, w_dtype, i);
-        for (int64_t r = 0; r < m; r++) acc[r] += wv * load16(xf + r * k + i);
+    for (; i + LANES <= k; i += LANES) {
+        vf wv = loadv_weight(w_row, w_dtype, i);
+        for (int64_t r = 0; r < m; r++) acc[r] += wv * loadv(xf + r * k + i);
     }
     for (; i < k; i++) {
         float wi = load_scalar(w_row, w_dtype, i);
@@ -437,8 +460,8 @@ static inline __attribute__((always_inline)) void dot_rows(const float *xf, int6
 }
 
 /*
- * out [m, n] fp32 = x [m, k] (x_dtype, row stride x_stride) @ w [n, k]^T (fp32 or bf16,
- * contiguous), accumulated in fp32. For the logits of decode-sized batches: a GEMV streams
+ * out [m, n] fp32 = x [m, k] (x_dtype, row stride x_stride) @ w [n, k]^T (fp32, bf16 or
+ * fp16, contiguous), accumulated in fp32. For the logits of decode-sized batches: a GEMV streams
  * the weight once, where the BLAS path at one to a few rows reaches a third of the bandwidth.
  */
 void dense_linear(const void *x, int64_t x_stride, int x_dtype, const void *w, int w_dtype,
@@ -467,89 +490,5 @@ void dense_linear(const void *x, int64_t x_stride, int x_dtype, const void *w, i
                 dot_rows(xr, 4, wr, w_dtype, k, o, n);
             }
         }
-    free(xf);
-}
-
-/* The 32 codes of one chunk: byte i holds element i (low nibble) and i + 16 (high). A plain
- * loop, which the vectorizer widens well (GCC 12 lowers __builtin_convertvector from bytes one
- * element at a time). */
-static inline void load_nibbles(const uint8_t *restrict p, v16 *lo, v16 *hi) {
-    float l[16], h[16];
-    for (int i = 0; i < 16; i++) {
-        l[i] = (float)(p[i] & 15);
-        h[i] = (float)(p[i] >> 4);
-    }
-    memcpy(lo, l, sizeof l);
-    memcpy(hi, h, sizeof h);
-}
-
-/* Rows r < m <= LINEAR_ROWS of x times one int4 weight row, its codes widened once for all
- * of them; params: the row's first (scale, offset) index. Results in fp32 to `out[r]`. */
-static inline __attribute__((always_inline)) void int4_row(const float *xf, const float *xsum, int64_t m, const uint8_t *codes,
-                            const void *scale, const void *offset, int s_dtype, int64_t params,
-                            int64_t groups, int64_t gs, int64_t k, float *out) {
-    v16 acc[LINEAR_ROWS] = {{0}};
-    float bias[LINEAR_ROWS] = {0};
-    for (int64_t g = 0; g < groups; g++) {
-        float s = load_scalar(scale, s_dtype, params + g);
-        float b = load_scalar(offset, s_dtype, params + g);
-        v16 part[LINEAR_ROWS] = {{0}};
-        for (int64_t c = g * gs; c < (g + 1) * gs; c += 32) {
-            v16 lo, hi;
-            load_nibbles(codes + c / 2, &lo, &hi);
-            for (int64_t r = 0; r < m; r++)
-                part[r] += lo * load16(xf + r * k + c) + hi * load16(xf + r * k + c + 16);
-        }
-        for (int64_t r = 0; r < m; r++) {
-            acc[r] += s * part[r];
-            bias[r] += b * xsum[r * groups + g];
-        }
-    }
-    for (int64_t r = 0; r < m; r++) out[r] = hsum(acc[r]) + bias[r];
-}
-
-/*
- * out [m, n] (x's dtype, contiguous) = x [m, k] (row stride x_stride) @ W^T for int4 W with
- * W[j, i] = code * scale[j, i / gs] + offset[j, i / gs].
- * codes: [n, k / 2] bytes in chunks of 32 elements (see load_nibbles); scale and offset:
- * [n, k / gs] in s_dtype; k a multiple of gs, gs a multiple of 32.
- * Per row and group, x . W = scale (x . code) + offset sum(x): the codes are only widened.
- * Rows go LINEAR_ROWS at a time over each weight row while it is in L1, so the weights are
- * read from memory once whatever m is.
- */
-void int4_linear(const void *x, int64_t x_stride, int x_dtype, const uint8_t *codes,
-                 const void *scale, const void *offset, int s_dtype, void *out, int64_t m,
-                 int64_t n, int64_t k, int64_t gs) {
-    int64_t groups = k / gs, x_elem = x_dtype == F32 ? 4 : 2;
-    float *xf = malloc(sizeof(float) * (size_t)(m * (k + groups)));
-    float *xsum = xf + m * k; /* [m, groups] */
-    for (int64_t r = 0; r < m; r++) {
-        load_row((const uint8_t *)x + r * x_stride * x_elem, x_dtype, k, xf + r * k);
-        for (int64_t g = 0; g < groups; g++) xsum[r * groups + g] = sum(xf + r * k + g * gs, gs);
-    }
-#pragma omp parallel for schedule(static)
-    for (int64_t j = 0; j < n; j++) {
-        for (int64_t r0 = 0; r0 < m; r0 += LINEAR_ROWS) {
-            int64_t rows = m - r0 < LINEAR_ROWS ? m - r0 : LINEAR_ROWS;
-            float result[LINEAR_ROWS];
-            const float *xr = xf + r0 * k, *sr = xsum + r0 * groups;
-            const uint8_t *cr = codes + j * (k / 2);
-            switch (rows) { /* a constant count: the per-row sums become registers */
-            case 1:
-                int4_row(xr, sr, 1, cr, scale, offset, s_dtype, j * groups, groups, gs, k, result);
-                break;
-            case 2:
-                int4_row(xr, sr, 2, cr, scale, offset, s_dtype, j * groups, groups, gs, k, result);
-                break;
-            case 3:
-                int4_row(xr, sr, 3, cr, scale, offset, s_dtype, j * groups, groups, gs, k, result);
-                break;
-            default:
-                int4_row(xr, sr, 4, cr, scale, offset, s_dtype, j * groups, groups, gs, k, result);
-            }
-            for (int64_t r = 0; r < rows; r++)
-                store_row(result + r, x_dtype, 1, (uint8_t *)out + ((r0 + r) * n + j) * x_elem);
-        }
-    }
     free(xf);
 }

@@ -1,9 +1,11 @@
-"""Build and load the C files beside this one: the CPU backend's decode kernels
-(cpu_decode.c) and the int4 repacker of checkpoint conversion (repack.c).
+"""Build and load the C files beside this one: the CPU backend's kernels (cpu_decode.c and
+cpu_qlinear.c, one library) and the int4 repacker of checkpoint conversion (repack.c).
 
 A library is compiled once per machine with the system C compiler (``$CC``, else ``cc``)
-and cached under ``$LITESERVE_CACHE`` (default ``~/.cache/liteserve``), keyed by the source,
+and cached under ``$LITESERVE_CACHE`` (default ``~/.cache/liteserve``), keyed by the sources,
 the compiler and the CPU's features, since ``-march=native`` code only runs where it was built.
+The target is the host's own ISA unless ``LITESERVE_CPU_ISA`` asks for a lower one
+(runtime/kernels/isa.py).
 It links the OpenMP runtime that torch has already loaded, so both share one thread pool.
 ctypes rather than a torch C++ extension: without torch's headers the build takes about a
 second instead of a minute and does not depend on torch's ABI.
@@ -27,21 +29,23 @@ from pathlib import Path
 import torch
 
 from runtime.cache import cache_root
+from runtime.kernels import isa
 from runtime.kernels.build_cache import BuildUnavailable, cached_build, load_typed
 from runtime.kv.format import STORAGE_KINDS
 
-SOURCE = Path(__file__).with_name("cpu_decode.c")
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
+SOURCES = (Path(__file__).with_name("cpu_decode.c"), Path(__file__).with_name("cpu_qlinear.c"))
+FLAGS = ["-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]  # plus the ISA's
 # the kernels' dtype codes (cpu_decode.c's enum)
 DTYPE_CODES = {d: code for d, code in STORAGE_KINDS.items() if isinstance(d, torch.dtype)}
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "decode_attention": [_P, _I64, _I32, _P, _P, *[_P] * 6, _I32, _P, _I64, _P, *[_I64] * 6, _F32],
-    "int4_linear": [_P, _I64, _I32, _P, _P, _P, _I32, _P, _I64, _I64, _I64, _I64],
     "dense_linear": [_P, _I64, _I32, _P, _I32, _P, _I64, _I64, _I64],
     "rms_norm": [_P, _I64, _P, _P, _I32, _I64, _I64, _F32],
     "kv_write_quantized": [_P, _I64, _P, _I64, _I32, _P, _I64, *[_P] * 6, _I64, _I64, _I32],
+    "int4_int8_linear": [_P, _I64, _I32, _P, _P, _P, _I32, _P, _I64, _I64, _I64, _I64],
+    "int8_int8_linear": [_P, _I64, _I32, _P, _P, _P, _I64, _I64, _I64],
 }
 
 
@@ -66,36 +70,42 @@ def _compiler() -> str:
     return cc
 
 
-def _compile(cc: str, source: Path, flags: list[str], out: str) -> subprocess.CompletedProcess:
+def _compile(
+    cc: str, sources: tuple[Path, ...], flags: list[str], out: str
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [cc, *flags, str(source), "-o", out, "-lm"], capture_output=True, text=True
+        [cc, *flags, *map(str, sources), "-o", out, "-lm"], capture_output=True, text=True
     )
 
 
-def build(source: Path = SOURCE) -> Path:
-    """The compiled library of a C file beside this one (the decode kernels by default),
-    compiling it first if this machine has no cached copy."""
+def build(sources: tuple[Path, ...] | Path = SOURCES) -> Path:
+    """The compiled library of C files beside this one (the CPU kernels by default), for the
+    selected ISA, compiling it first if this machine has no cached copy."""
+    sources = (sources,) if isinstance(sources, Path) else sources
     cc = _compiler()
+    name, target_isa = isa.selected()
+    flags = [*FLAGS, *target_isa.flags]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(
-        source.read_bytes() + " ".join(FLAGS).encode() + version.encode() + _cpu_features().encode()
-    ).hexdigest()[:16]
-    target = cache_dir() / f"{source.stem}-{key}.so"
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in sources))
+    digest.update(f"{' '.join(flags)}\n{version}\n{_cpu_features()}".encode())
+    tag = "" if name == "native" else f"-{name}"
+    target = cache_dir() / f"{sources[0].stem}{tag}-{digest.hexdigest()[:16]}.so"
 
     def compile_into(tmp: str) -> None:
-        done = _compile(cc, source, FLAGS, tmp)
-        if done.returncode != 0 and "-fopenmp" in FLAGS:
+        done = _compile(cc, sources, flags, tmp)
+        if done.returncode != 0 and "-fopenmp" in flags:
             # a compiler without OpenMP (Apple's clang) still gives single-threaded kernels
-            serial = _compile(cc, source, [f for f in FLAGS if f != "-fopenmp"], tmp)
+            serial = _compile(cc, sources, [f for f in flags if f != "-fopenmp"], tmp)
             done = done if serial.returncode != 0 else serial
         if done.returncode != 0:
-            raise BuildUnavailable(f"{cc} failed to build {source.name}:\n{done.stderr[-2000:]}")
+            names = ", ".join(s.name for s in sources)
+            raise BuildUnavailable(f"{cc} failed to build {names}:\n{done.stderr[-2000:]}")
 
     return cached_build(target, compile_into)
 
 
-def load_native(source: Path, signatures: dict[str, list]) -> ctypes.CDLL:
-    """A C file's library with its entry points typed (all return void); raises
+def load_native(source: tuple[Path, ...] | Path, signatures: dict[str, list]) -> ctypes.CDLL:
+    """A C file's (or files') library with its entry points typed (all return void); raises
     BuildUnavailable with the reason when it cannot be had."""
     if os.environ.get("LITESERVE_NATIVE") == "0":
         raise BuildUnavailable("disabled by LITESERVE_NATIVE=0")
@@ -104,8 +114,14 @@ def load_native(source: Path, signatures: dict[str, list]) -> ctypes.CDLL:
 
 @functools.cache
 def library() -> ctypes.CDLL:
-    """The loaded decode kernels."""
-    return load_native(SOURCE, _SIGNATURES)
+    """The loaded CPU kernels."""
+    return load_native(SOURCES, _SIGNATURES)
+
+
+def isa_path(lib: ctypes.CDLL) -> str:
+    """The SIMD path the library was compiled for (avx2, avx512-vnni, neon-dotprod, scalar)."""
+    lib.isa_path.argtypes, lib.isa_path.restype = [], ctypes.c_char_p
+    return lib.isa_path().decode()
 
 
 def load() -> tuple[ctypes.CDLL | None, str]:
@@ -115,4 +131,4 @@ def load() -> tuple[ctypes.CDLL | None, str]:
         lib = library()
     except BuildUnavailable as e:
         return None, f"torch decode attention ({e})"
-    return lib, f"C decode kernels ({Path(lib._name).name})"
+    return lib, f"C kernels, {isa_path(lib)} path ({Path(lib._name).name})"

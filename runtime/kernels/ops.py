@@ -90,9 +90,13 @@ class Backend(ABC):
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
+    def prepare_logits(self, weight: torch.Tensor) -> Any:
+        """The backend's form of the lm_head [V, K] (the dense weight itself by default)."""
+        return weight
+
     @abstractmethod
-    def logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """float32 [M, V] = x [M, K] @ weight [V, K].T"""
+    def logits(self, x: torch.Tensor, weight: Any) -> torch.Tensor:
+        """float32 [M, V] = x [M, K] @ weight [V, K].T, weight in prepare_logits' form"""
 
     @abstractmethod
     def kv_write(

@@ -1,0 +1,119 @@
+"""Which CPU kernel runs an op at a given row count: measured on this host, not hard-coded.
+
+The crossovers between the C kernels and torch's move by an order of magnitude from machine to
+machine (an AVX-512 host with bf16 and an AVX2-only one disagree about every one of them), so
+the backend times each candidate path at a few row counts on a mid-size shape the first time
+it runs on a host, and keeps the table in the liteserve cache (runtime/cache.py: atomic, one
+writer), keyed by the kernel library (its sources, ISA and compiler), torch's version, the
+activation dtype and the thread count. Later starts read the table, so a host always makes the
+same choices; deleting the file measures again. The start-up log prints the table.
+
+Timing is the best of several runs after a warm-up: the least disturbed one. A path stays
+chosen at the next row count unless another beats it by KEEP_FACTOR, so timing noise between
+near-equal paths does not make the table flip back and forth. A path that loses by more than
+LOSER_FACTOR at some row count is not timed at larger ones (torch's fp32 int4 kernel would
+otherwise cost seconds at 256 rows).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from runtime.cache import CacheUnwritable, cache_root, cached_entry
+
+log = logging.getLogger(__name__)
+
+ROW_POINTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MIN_RUNS, MIN_SECONDS, MAX_RUNS = 5, 0.02, 200  # short calls repeat until 20 ms are spent
+LOSER_FACTOR = 4.0
+KEEP_FACTOR = 1.1  # the previous row count's path stays unless another beats it by 10%
+TABLE_VERSION = 1  # bump when the candidates or the measurement change
+
+# path -> (rows -> a zero-argument call that runs the path once at that row count)
+Candidates = dict[str, Callable[[int], Callable[[], object]]]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The fastest path at each measured row count; between them the next larger point's."""
+
+    points: tuple[tuple[int, str], ...]
+
+    def pick(self, rows: int) -> str:
+        for limit, path in self.points:
+            if rows <= limit:
+                return path
+        return self.points[-1][1]
+
+    def paths(self) -> set[str]:
+        return {path for _, path in self.points}
+
+    def describe(self) -> str:
+        """'int8 up to 64 rows, dense above' style."""
+        runs: list[list] = []
+        for limit, path in self.points:
+            if runs and runs[-1][1] == path:
+                runs[-1][0] = limit
+            else:
+                runs.append([limit, path])
+        parts = [f"{path} up to {limit} rows" for limit, path in runs[:-1]]
+        parts.append(f"{runs[-1][1]} {'above' if parts else 'always'}")
+        return ", ".join(parts)
+
+
+def _best_time(run: Callable[[], object]) -> float:
+    run()
+    best, spent, runs = float("inf"), 0.0, 0
+    while runs < MIN_RUNS or (spent < MIN_SECONDS and runs < MAX_RUNS):
+        start = time.perf_counter()
+        run()
+        took = time.perf_counter() - start
+        best, spent, runs = min(best, took), spent + took, runs + 1
+    return best
+
+
+def measure(candidates: Candidates, points: tuple[int, ...] = ROW_POINTS) -> Choice:
+    """Time every candidate at every row count (dropping clear losers as rows grow)."""
+    alive = dict(candidates)
+    chosen: list[tuple[int, str]] = []
+    for rows in points:
+        times = {path: _best_time(make(rows)) for path, make in alive.items()}
+        fastest = min(times, key=times.get)
+        previous = chosen[-1][1] if chosen else None
+        if previous in times and times[previous] <= KEEP_FACTOR * times[fastest]:
+            fastest = previous
+        chosen.append((rows, fastest))
+        alive = {p: m for p, m in alive.items() if times[p] <= LOSER_FACTOR * times[fastest]}
+    return Choice(tuple(chosen))
+
+
+def cached_choices(key: str, measure_all: Callable[[], dict[str, Choice]]) -> dict[str, Choice]:
+    """The host's table for `key` from the cache, measuring and writing it the first time.
+    An unwritable cache still gives a measured table (kept for this process only)."""
+    target = cache_root() / "dispatch" / f"{key}-v{TABLE_VERSION}.json"
+    measured: dict[str, Choice] = {}
+
+    def write(tmp: Path) -> None:
+        measured.update(measure_all())
+        table = {op: [list(p) for p in c.points] for op, c in measured.items()}
+        tmp.write_text(json.dumps(table, indent=1))
+
+    try:
+        path = cached_entry(target, write)
+    except CacheUnwritable as e:
+        log.warning("CPU dispatch table not cached (%s)", e)
+        return measured or measure_all()
+    if measured:
+        return measured
+    try:
+        table = json.loads(path.read_text())
+        return {op: Choice(tuple((int(r), str(p)) for r, p in pts)) for op, pts in table.items()}
+    except (ValueError, TypeError) as e:
+        raise RuntimeError(
+            f"the CPU dispatch table {path} is unreadable ({e}); delete it to measure again"
+        ) from e

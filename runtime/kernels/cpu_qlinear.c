@@ -1,0 +1,407 @@
+/*
+ * Quantized weights x int8 activations: the CPU backend's int4 linears for every row count,
+ * and the int8 lm_head.
+ *
+ * Why: the artifact's weights are 4-bit codes with a (scale, offset) pair per group of
+ * gs in {32, 64, 128} inputs, W[j, i] = c * s + b. Widening codes to floats and multiplying in
+ * fp32 costs several instructions per weight on a CPU without a fast int4 path (AVX2, NEON),
+ * which is where the fp32 engine spent two thirds of a decode step. llama.cpp's answer, used
+ * here too: quantize each activation row to int8 per group on the fly (d = max|x| / 127,
+ * q = round(x / d)), then
+ *
+ *     x . W[j] ~= sum_g s_g d_g (q_g . c_g) + b_g d_g sum(q_g)
+ *
+ * where q_g . c_g is an integer dot product: AVX2 `vpmaddubsw` + `vpmaddwd` (u8 x s8 pairs,
+ * at most 2 * 15 * 127, so no saturation), one `vpdpbusd` with AVX-512-VNNI or AVX-VNNI, and
+ * `sdot` on ARM. The group sums stay in int32; each group adds one float multiply-add. The
+ * offset term uses the quantized sum, d_g sum(q_g), so the quantization error is weighted by
+ * (c - z) centred codes and not by c alone.
+ *
+ * Codes: [n, k / 2] bytes in chunks of 32 elements, byte i of a chunk holding element i (low
+ * nibble) and i + 16 (high), as runtime/kernels/cpu.py lays them out: one 16-byte load
+ * unpacks into the chunk's 32 codes in order. Scales and offsets: [n, k / gs] in s_dtype.
+ * Rows go RB at a time over each weight column tile of CB columns while it is in L1, so the
+ * weights are read from memory once whatever m is (decode and prefill alike).
+ *
+ * The lm_head (dense in the artifact) is quantized at load to int8 per 32 inputs, symmetric,
+ * as llama.cpp's Q8_0 stores it: the same tiles with 32-byte weight chunks, the s8 x s8 dot
+ * done on x86 as |w| (u8) x sign(x, w) (s8), llama.cpp's trick, since the x86 instructions
+ * multiply unsigned by signed bytes. It reads a quarter of the fp32 head's bytes.
+ *
+ * The ISA path is chosen when this file is compiled (runtime/kernels/isa.py picks the target);
+ * isa_path() names it for the start-up log. The portable C path is the reference for the
+ * others and what runs on any other CPU.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#elif defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
+
+enum { F32 = 0, BF16 = 1, F16 = 2 };
+
+static inline float load_scalar(const void *p, int dtype, int64_t i) {
+    if (dtype == F32) return ((const float *)p)[i];
+    uint16_t h = ((const uint16_t *)p)[i];
+    if (dtype == BF16) {
+        uint32_t bits = (uint32_t)h << 16;
+        float f;
+        memcpy(&f, &bits, 4);
+        return f;
+    }
+    _Float16 v;
+    memcpy(&v, &h, 2);
+    return (float)v;
+}
+
+/* ---- one ISA's primitives: W (32 codes), X (32 int8 activations), I (int32 partial sums),
+ * F (float partial sums) ---- */
+#if defined(__AVX2__)
+typedef __m256i W;
+typedef __m256i X;
+typedef __m256i I;
+typedef __m256 F;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define PATH "avx512-vnni"
+static inline I idot(I acc, W w, X x) { return _mm256_dpbusd_epi32(acc, w, x); }
+#elif defined(__AVXVNNI__)
+#define PATH "avx-vnni"
+static inline I idot(I acc, W w, X x) { return _mm256_dpbusd_avx_epi32(acc, w, x); }
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
+static inline I pfinish(I p) { return p; }
+#else
+#define PATH "avx2"
+/* Pair sums of u8 x s8 in int16 lanes, added across the chunks of a group before one widening
+ * to int32: each pair is at most 2 * 15 * 127 = 3810, so 8 chunks (gs <= 256) cannot
+ * overflow; an int8 x int8 pair (2 * 127 * 127) fits once, and its groups are one chunk. */
+static inline I idot(I acc, W w, X x) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x)); }
+static inline I pfinish(I p) { return _mm256_madd_epi16(p, _mm256_set1_epi16(1)); }
+#endif
+static inline I idot8(I acc, W w, X x) { /* both signed: |w| x sign(x, w) */
+    return idot(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+static inline W load_w8(const int8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline W load_w(const uint8_t *p) {
+    __m128i b = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
+}
+static inline X load_x(const int8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline I izero(void) { return _mm256_setzero_si256(); }
+static inline F fzero(void) { return _mm256_setzero_ps(); }
+static inline F flush(F acc, I sums, float scale) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(scale), acc);
+}
+static inline float fsum(F v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
+}
+
+#elif defined(__ARM_NEON)
+typedef int8x16x2_t W;
+typedef int8x16x2_t X;
+typedef int32x4_t I;
+typedef float32x4_t F;
+static inline W load_w(const uint8_t *p) {
+    uint8x16_t b = vld1q_u8(p);
+    W w = {{vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(15))), vreinterpretq_s8_u8(vshrq_n_u8(b, 4))}};
+    return w;
+}
+static inline X load_x(const int8_t *p) { return vld1q_s8_x2(p); }
+static inline W load_w8(const int8_t *p) { return vld1q_s8_x2(p); }
+#if defined(__ARM_FEATURE_DOTPROD)
+#define PATH "neon-dotprod"
+static inline I idot(I acc, W w, X x) {
+    return vdotq_s32(vdotq_s32(acc, w.val[0], x.val[0]), w.val[1], x.val[1]);
+}
+#else
+#define PATH "neon"
+static inline I idot(I acc, W w, X x) {
+    int16x8_t p = vmull_s8(vget_low_s8(w.val[0]), vget_low_s8(x.val[0]));
+    p = vmlal_s8(p, vget_high_s8(w.val[0]), vget_high_s8(x.val[0]));
+    int16x8_t q = vmull_s8(vget_low_s8(w.val[1]), vget_low_s8(x.val[1]));
+    q = vmlal_s8(q, vget_high_s8(w.val[1]), vget_high_s8(x.val[1]));
+    return vpadalq_s16(vpadalq_s16(acc, p), q); /* |p| <= 2 * 15 * 127: fits int16 */
+}
+#endif
+static inline I idot8(I acc, W w, X x) { return idot(acc, w, x); } /* sdot is signed */
+static inline I pfinish(I p) { return p; }
+static inline I izero(void) { return vdupq_n_s32(0); }
+static inline F fzero(void) { return vdupq_n_f32(0.f); }
+static inline F flush(F acc, I sums, float scale) {
+    return vfmaq_n_f32(acc, vcvtq_f32_s32(sums), scale);
+}
+static inline float fsum(F v) { return vaddvq_f32(v); }
+
+#else /* portable C: the reference the SIMD paths are tested against */
+#define PATH "scalar"
+typedef struct { int8_t v[32]; } W;
+typedef W X;
+typedef int32_t I;
+typedef float F;
+static inline W load_w(const uint8_t *p) {
+    W w;
+    for (int i = 0; i < 16; i++) {
+        w.v[i] = (int8_t)(p[i] & 15);
+        w.v[i + 16] = (int8_t)(p[i] >> 4);
+    }
+    return w;
+}
+static inline X load_x(const int8_t *p) {
+    X x;
+    memcpy(x.v, p, 32);
+    return x;
+}
+static inline W load_w8(const int8_t *p) { return load_x(p); }
+static inline I idot(I acc, W w, X x) {
+    for (int i = 0; i < 32; i++) acc += (int32_t)w.v[i] * x.v[i];
+    return acc;
+}
+static inline I idot8(I acc, W w, X x) { return idot(acc, w, x); }
+static inline I pfinish(I p) { return p; }
+static inline I izero(void) { return 0; }
+static inline F fzero(void) { return 0.f; }
+static inline F flush(F acc, I sums, float scale) { return acc + (float)sums * scale; }
+static inline float fsum(F v) { return v; }
+#endif
+
+const char *isa_path(void) { return PATH; }
+
+enum { RB = 4, CB = 2, DECODE_CB = 4 }; /* row and column tiles; one row: more columns */
+
+/*
+ * Per row r and group g of x [m, k] (row stride x_stride, x_dtype): q int8 [m, k],
+ * d [m, groups] the step, xs [m, groups] = d * sum(q) over the group.
+ */
+void quantize_rows(const void *x, int64_t x_stride, int x_dtype, int64_t m, int64_t k,
+                   int64_t gs, int8_t *q, float *d, float *xs) {
+    int64_t groups = k / gs, elem = x_dtype == F32 ? 4 : 2;
+    float *row = malloc(sizeof(float) * (size_t)k);
+    for (int64_t r = 0; r < m; r++) {
+        const uint8_t *src = (const uint8_t *)x + r * x_stride * elem;
+        for (int64_t i = 0; i < k; i++) row[i] = load_scalar(src, x_dtype, i);
+        for (int64_t g = 0; g < groups; g++) {
+            const float *v = row + g * gs;
+            float amax = 0.f;
+            for (int64_t i = 0; i < gs; i++) amax = fmaxf(amax, fabsf(v[i]));
+            float step = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+            int32_t total = 0;
+            int8_t *out = q + r * k + g * gs;
+            for (int64_t i = 0; i < gs; i++) {
+                int32_t c = (int32_t)rintf(v[i] * inv);
+                out[i] = (int8_t)c;
+                total += c;
+            }
+            d[r * groups + g] = step;
+            xs[r * groups + g] = step * (float)total;
+        }
+    }
+    free(row);
+}
+
+/* How a weight's chunk of 32 codes is stored. */
+enum { PACKED4 = 0, SIGNED8 = 1, UNPACKED4 = 2 };
+
+/* Weights: int4 codes (16 bytes a chunk, offsets per group: PACKED4, or a tile's codes
+ * unpacked one a byte: UNPACKED4) or int8 (32 bytes, no offsets: SIGNED8). */
+typedef struct {
+    const uint8_t *codes;
+    const void *scale, *offset; /* [n, groups]; offset NULL for int8 */
+    int s_dtype, form;
+    int64_t groups, gs, k;
+    int64_t first; /* UNPACKED4: the column codes[0] holds */
+} Weights;
+
+static inline W chunk(const Weights *w, int64_t j, int64_t i) {
+    if (w->form == PACKED4) return load_w(w->codes + j * (w->k / 2) + i / 2);
+    const uint8_t *row = w->codes + (w->form == UNPACKED4 ? j - w->first : j) * w->k;
+    return load_w8((const int8_t *)row + i);
+}
+
+/* out[r, j0 + c] for r < rows <= RB, c < cols <= DECODE_CB: the tile's weight chunks are
+ * loaded once for all its rows. */
+static inline __attribute__((always_inline)) void tile(const int8_t *q, const float *d,
+                                                       const float *xs, int rows, int cols,
+                                                       const Weights *w, int64_t j0, float *out,
+                                                       int64_t n) {
+    const int64_t groups = w->groups, gs = w->gs, k = w->k;
+    F acc[RB][DECODE_CB];
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) acc[r][c] = fzero();
+    for (int64_t g = 0; g < groups; g++) {
+        I part[RB][DECODE_CB];
+        for (int r = 0; r < rows; r++)
+            for (int c = 0; c < cols; c++) part[r][c] = izero();
+        for (int64_t i = g * gs; i < (g + 1) * gs; i += 32) {
+            W wc[DECODE_CB];
+            for (int c = 0; c < cols; c++) wc[c] = chunk(w, j0 + c, i);
+            for (int r = 0; r < rows; r++) {
+                X x = load_x(q + r * k + i);
+                for (int c = 0; c < cols; c++)
+                    part[r][c] = w->form == SIGNED8 ? idot8(part[r][c], wc[c], x)
+                                                    : idot(part[r][c], wc[c], x);
+            }
+        }
+        for (int c = 0; c < cols; c++) {
+            float s = load_scalar(w->scale, w->s_dtype, (j0 + c) * groups + g);
+            for (int r = 0; r < rows; r++)
+                acc[r][c] = flush(acc[r][c], pfinish(part[r][c]), s * d[r * groups + g]);
+        }
+    }
+    for (int c = 0; c < cols; c++) {
+        float bias[RB] = {0};
+        for (int64_t g = 0; w->offset && g < groups; g++) {
+            float b = load_scalar(w->offset, w->s_dtype, (j0 + c) * groups + g);
+            for (int r = 0; r < rows; r++) bias[r] += b * xs[r * groups + g];
+        }
+        for (int r = 0; r < rows; r++) out[r * n + j0 + c] = fsum(acc[r][c]) + bias[r];
+    }
+}
+
+#if defined(__AVX2__)
+/* The full 4 x 2 tile of prefill-sized batches on x86. Each group's eight (row, column) int32
+ * partials are reduced across lanes together (hadd, then the two 128-bit halves), so the
+ * group's scales meet all eight sums in one convert and one multiply-add on one register:
+ * per-pair flushes of 8-lane vectors cost more than the integer dots themselves at group 64
+ * (measured: 36 against 45 GMAC/s at groups of 128, on one AVX2 core). Lane 2r + c. */
+static void tile42(const int8_t *q, const float *d, const float *xs, const Weights *w, int64_t j0,
+                   float *out, int64_t n) {
+    const int64_t groups = w->groups, gs = w->gs, k = w->k;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        I p[8];
+        for (int i = 0; i < 8; i++) p[i] = izero();
+        for (int64_t i = g * gs; i < (g + 1) * gs; i += 32) {
+            W w0 = chunk(w, j0, i), w1 = chunk(w, j0 + 1, i);
+            for (int r = 0; r < 4; r++) {
+                X x = load_x(q + r * k + i);
+                if (w->form == SIGNED8) {
+                    p[2 * r] = idot8(p[2 * r], w0, x);
+                    p[2 * r + 1] = idot8(p[2 * r + 1], w1, x);
+                } else {
+                    p[2 * r] = idot(p[2 * r], w0, x);
+                    p[2 * r + 1] = idot(p[2 * r + 1], w1, x);
+                }
+            }
+        }
+        __m256i h01 = _mm256_hadd_epi32(pfinish(p[0]), pfinish(p[1]));
+        __m256i h23 = _mm256_hadd_epi32(pfinish(p[2]), pfinish(p[3]));
+        __m256i h45 = _mm256_hadd_epi32(pfinish(p[4]), pfinish(p[5]));
+        __m256i h67 = _mm256_hadd_epi32(pfinish(p[6]), pfinish(p[7]));
+        __m256i a = _mm256_hadd_epi32(h01, h23), b = _mm256_hadd_epi32(h45, h67);
+        __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
+                                        _mm256_permute2x128_si256(a, b, 0x31));
+        float s0 = load_scalar(w->scale, w->s_dtype, j0 * groups + g);
+        float s1 = load_scalar(w->scale, w->s_dtype, (j0 + 1) * groups + g);
+        const float *dg = d + g;
+        __m256 sd = _mm256_mul_ps(_mm256_setr_ps(s0, s1, s0, s1, s0, s1, s0, s1),
+                                  _mm256_setr_ps(dg[0], dg[0], dg[groups], dg[groups],
+                                                 dg[2 * groups], dg[2 * groups],
+                                                 dg[3 * groups], dg[3 * groups]));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), sd, acc);
+    }
+    float total[8];
+    _mm256_storeu_ps(total, acc);
+    for (int c = 0; c < 2; c++) {
+        float bias[4] = {0};
+        for (int64_t g = 0; w->offset && g < groups; g++) {
+            float b = load_scalar(w->offset, w->s_dtype, (j0 + c) * groups + g);
+            for (int r = 0; r < 4; r++) bias[r] += b * xs[r * groups + g];
+        }
+        for (int r = 0; r < 4; r++) out[r * n + j0 + c] = total[2 * r + c] + bias[r];
+    }
+}
+#endif
+
+/* A constant (rows, cols) per case, so the accumulators become registers. */
+static void run_tile(const int8_t *q, const float *d, const float *xs, int rows, int cols,
+                     const Weights *w, int64_t j0, float *out, int64_t n) {
+    switch (rows * 8 + cols) {
+    case 1 * 8 + 4: tile(q, d, xs, 1, 4, w, j0, out, n); break;
+#if defined(__AVX2__) && !defined(NO42)
+    case 4 * 8 + 2: tile42(q, d, xs, w, j0, out, n); break;
+#else
+    case 4 * 8 + 2: tile(q, d, xs, 4, 2, w, j0, out, n); break;
+#endif
+    case 3 * 8 + 2: tile(q, d, xs, 3, 2, w, j0, out, n); break;
+    case 2 * 8 + 2: tile(q, d, xs, 2, 2, w, j0, out, n); break;
+    case 1 * 8 + 2: tile(q, d, xs, 1, 2, w, j0, out, n); break;
+    default: /* the last columns of an odd n */
+        for (int r = 0; r < rows; r++)
+            for (int c = 0; c < cols; c++)
+                tile(q + r * w->k, d + r * w->groups, xs + r * w->groups, 1, 1, w, j0 + c,
+                     out + r * n, n);
+    }
+}
+
+/* Columns [j0, j0 + cols) of packed int4 codes, one code a byte, in order, into buf. */
+static void unpack_tile(const Weights *w, int64_t j0, int cols, uint8_t *buf) {
+    for (int c = 0; c < cols; c++) {
+        const uint8_t *src = w->codes + (j0 + c) * (w->k / 2);
+        uint8_t *dst = buf + c * w->k;
+        for (int64_t i = 0; i < w->k; i += 32)
+            for (int b = 0; b < 16; b++) {
+                dst[i + b] = src[i / 2 + b] & 15;
+                dst[i + b + 16] = src[i / 2 + b] >> 4;
+            }
+    }
+}
+
+static void qlinear(const void *x, int64_t x_stride, int x_dtype, const Weights *w, float *out,
+                    int64_t m, int64_t n) {
+    int64_t k = w->k, groups = w->groups;
+    int8_t *q = malloc((size_t)(m * k));
+    float *d = malloc(sizeof(float) * (size_t)(2 * m * groups)), *xs = d + m * groups;
+    quantize_rows(x, x_stride, x_dtype, m, k, w->gs, q, d, xs);
+    int64_t cols = m == 1 ? DECODE_CB : CB, tiles = (n + cols - 1) / cols;
+    /* Many row tiles over each column tile: unpack its int4 codes once, not once per row tile */
+    int unpack = w->form == PACKED4 && m > RB;
+#pragma omp parallel if (n * k * (m < 8 ? m : 8) >= 65536)
+    {
+        uint8_t *buf = unpack ? malloc((size_t)(cols * k)) : NULL;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            int64_t j0 = t * cols;
+            int c = (int)(n - j0 < cols ? n - j0 : cols);
+            Weights tw = *w;
+            if (unpack) {
+                unpack_tile(w, j0, c, buf);
+                tw.codes = buf, tw.form = UNPACKED4, tw.first = j0;
+            }
+            for (int64_t r0 = 0; r0 < m; r0 += RB) {
+                int rows = (int)(m - r0 < RB ? m - r0 : RB);
+                run_tile(q + r0 * k, d + r0 * groups, xs + r0 * groups, rows, c, &tw, j0,
+                         out + r0 * n, n);
+            }
+        }
+        free(buf);
+    }
+    free(q);
+    free(d);
+}
+
+/*
+ * out [m, n] fp32 = x [m, k] (row stride x_stride, x_dtype) @ W^T, W int4 as above; k a
+ * multiple of gs, gs a multiple of 32.
+ */
+void int4_int8_linear(const void *x, int64_t x_stride, int x_dtype, const uint8_t *codes,
+                      const void *scale, const void *offset, int s_dtype, float *out, int64_t m,
+                      int64_t n, int64_t k, int64_t gs) {
+    Weights w = {codes, scale, offset, s_dtype, PACKED4, k / gs, gs, k, 0};
+    qlinear(x, x_stride, x_dtype, &w, out, m, n);
+}
+
+/*
+ * out [m, n] fp32 = x [m, k] @ W^T for int8 W [n, k] with an fp32 scale per 32 inputs
+ * (scale [n, k / 32]); k a multiple of 32.
+ */
+void int8_int8_linear(const void *x, int64_t x_stride, int x_dtype, const int8_t *codes,
+                      const float *scale, float *out, int64_t m, int64_t n, int64_t k) {
+    Weights w = {(const uint8_t *)codes, scale, NULL, F32, SIGNED8, k / 32, 32, k, 0};
+    qlinear(x, x_stride, x_dtype, &w, out, m, n);
+}
