@@ -153,7 +153,8 @@ class LlamaModel:
             return artifact.tensor(name, rows).to(ops.device, dtype)
 
         self.embed = dense("model.embed_tokens.weight", vocab)
-        self.lm_head = self.embed if arch.tie_word_embeddings else dense("lm_head.weight", vocab)
+        lm_head = self.embed if arch.tie_word_embeddings else dense("lm_head.weight", vocab)
+        self.lm_head = ops.prepare_logits(lm_head)
         self.norm = dense("model.norm.weight")
         self.layers = [
             Layer(artifact, i, arch, dtype, ops, shard, group) for i in range(arch.num_layers)
