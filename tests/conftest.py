@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +169,20 @@ def smollm2() -> Path:
     from lite.sources import resolve
 
     return resolve("smollm2-135m-instruct").path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _float_activations(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Modules that set FLOAT_ACTIVATIONS = True test the model's math against transformers or
+    another path to fp32 rounding: the CPU backend keeps float activations there
+    (LITESERVE_CPU_INT8=0). The int8 paths have tests of their own (test_cpu_dispatch.py, the
+    SmolLM2 perplexity bound in test_smollm2.py) and run in every other module."""
+    if not getattr(request.module, "FLOAT_ACTIVATIONS", False):
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LITESERVE_CPU_INT8", "0")
+        yield
 
 
 @pytest.fixture(autouse=True)

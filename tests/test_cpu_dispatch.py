@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,6 +108,44 @@ def test_int8_int8_kernel_matches_its_emulation(isa_lib, m: int, n: int, k: int)
     assert float((out.double() - want).abs().max() / want.abs().max()) < 1e-5
 
 
+def test_int8_kernels_give_a_row_the_same_bits_in_any_batch(isa_lib) -> None:
+    """A row alone (the decode tile) and at every position of batches of 2-9 rows (the 4 x 2
+    tiles and the leftovers): bit-identical outputs, for int4 and int8 weights, so a sequence's
+    tokens do not depend on the batch it shares."""
+    _, lib = isa_lib
+    g = torch.Generator().manual_seed(5)
+    n, k, gs = 37, 192, 64
+    nibbles = cpu._nibbles(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8), gs)
+    scale, offset = torch.rand(n, k // gs, generator=g) / 50, -torch.rand(n, k // gs, generator=g)
+    codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, k // 32, generator=g) / 100
+    x = torch.randn(9, k, generator=g)
+
+    def int4(rows: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(rows.shape[0], n)
+        lib.int4_int8_linear(
+            rows.data_ptr(), k, 0, nibbles.data_ptr(), scale.data_ptr(), offset.data_ptr(), 0,
+            out.data_ptr(), rows.shape[0], n, k, gs,
+        )  # fmt: skip
+        return out
+
+    def int8(rows: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(rows.shape[0], n)
+        lib.int8_int8_linear(
+            rows.data_ptr(), k, 0, codes.data_ptr(), scales.data_ptr(), out.data_ptr(),
+            rows.shape[0], n, k,
+        )  # fmt: skip
+        return out
+
+    for kernel in (int4, int8):
+        alone = torch.cat([kernel(x[i : i + 1]) for i in range(9)])
+        for m in range(2, 10):
+            for start in range(0, 10 - m):
+                assert torch.equal(
+                    kernel(x[start : start + m].contiguous()), alone[start : start + m]
+                )
+
+
 def test_unknown_or_unrunnable_isa_is_refused_with_the_choices(monkeypatch) -> None:
     monkeypatch.setenv(isa.ENV, "sse9")
     with pytest.raises(ValueError, match=r"LITESERVE_CPU_ISA='sse9'.*one of \['native'"):
@@ -151,13 +192,35 @@ def test_measure_picks_the_fastest_keeps_near_ties_and_drops_losers(monkeypatch)
         ("a", 256): 2.0, ("b", 256): 4.0,
     }  # fmt: skip
     calls = _fake_times(monkeypatch, times)
-    choice = cpu_dispatch.measure(_candidates("a", "b", "slow"), points)
+    timings = cpu_dispatch.measure(_candidates("a", "b", "slow"), points)
+    assert ("slow", 8) not in calls and "slow" not in timings[8]  # 10x the fastest: dropped
+    choice = cpu_dispatch.choose(timings)
     assert choice.points == ((1, "a"), (8, "a"), (64, "b"), (256, "a"))
-    assert ("slow", 8) not in calls  # 10x the fastest at 1 row: not timed again
     assert [choice.pick(r) for r in (1, 2, 8, 9, 64, 65, 256, 10_000)] == list("aaabbaaa")
     assert choice.paths() == {"a", "b"}
     assert choice.describe() == "a up to 8 rows, b up to 64 rows, a above"
     assert Choice(((1, "x"), (8, "x"))).describe() == "x always"
+    assert cpu_dispatch.choose(timings, {"b"}).describe() == "b always"
+    with pytest.raises(ValueError, match="no allowed path was timed at 8 rows"):
+        cpu_dispatch.choose(timings, {"slow"})
+
+
+def test_an_op_never_mixes_int8_and_float_paths(monkeypatch) -> None:
+    """int8 wins at one row, dense at 256: the table keeps int8 throughout (a switch would make
+    tokens depend on the batch); when a float path wins at one row, int8 is left out."""
+    times = {(p, r): 1.0 for p in cpu.INT4_PATHS + cpu.LOGITS_PATHS for r in (1, 2, 4, 8, 16, 32)}
+    times |= {(p, r): 1.0 for p in cpu.INT4_PATHS for r in (64, 128, 256)}
+    times |= {("int8", 1): 0.1, ("dense", 256): 0.01, ("int8", 256): 1.0}
+    times |= {("c", 1): 0.05, ("int8", 4): 0.01}  # logits: c at one row, int8 faster at 4
+    calls = _fake_times(monkeypatch, times)
+    monkeypatch.setattr(cpu, "_int4_candidates", lambda lib, dtype: _candidates(*cpu.INT4_PATHS))
+    monkeypatch.setattr(
+        cpu, "_logits_candidates", lambda lib, dtype: _candidates(*cpu.LOGITS_PATHS)
+    )
+    table = cpu.measure_dispatch(None, torch.float32)
+    assert table["int4"].paths() == {"int8"} and "int8" not in table["logits"].paths()
+    assert calls
+    assert cpu.measure_dispatch(None, torch.float32, int8=False)["int4"].pick(256) == "dense"
 
 
 def test_table_is_measured_once_per_host_and_read_back(tmp_path, monkeypatch) -> None:
@@ -211,3 +274,31 @@ def test_backend_builds_only_the_forms_its_table_uses(tmp_path, monkeypatch) -> 
         assert len(list((tmp_path / "dispatch").glob("*.json"))) == 2
     finally:
         native.library.cache_clear()
+
+
+ARM_TOOLS = ("aarch64-linux-gnu-gcc", "qemu-aarch64")
+
+
+@pytest.mark.skipif(
+    not all(shutil.which(t) for t in ARM_TOOLS),
+    reason="the ARM paths need a cross compiler and an emulator to run here: "
+    "apt install gcc-aarch64-linux-gnu qemu-user",
+)
+@pytest.mark.parametrize(
+    ("march", "path"), [("armv8.2-a+dotprod", "neon-dotprod"), ("armv8-a", "neon")]
+)
+def test_arm_paths_match_their_reference_under_qemu(tmp_path, march: str, path: str) -> None:
+    """The NEON kernels (sdot, and the widening multiplies without it), cross-compiled with both
+    C files and run under qemu-user by tests/native/qlinear_check.c, which checks them against
+    a double-precision reference of the same quantization (1e-5 of the largest output)."""
+    here = Path(__file__).parent
+    binary = tmp_path / "check"
+    sources = [here / "native" / "qlinear_check.c", *native.SOURCES]
+    build = subprocess.run(
+        [ARM_TOOLS[0], "-O3", f"-march={march}", "-fno-math-errno", "-fopenmp", "-static",
+         *map(str, sources), "-o", str(binary), "-lm"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert build.returncode == 0, build.stderr[-2000:]
+    run = subprocess.run([ARM_TOOLS[1], "-cpu", "max", str(binary)], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.split() == [path, "ok"], run.stdout + run.stderr

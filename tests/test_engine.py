@@ -18,6 +18,8 @@ from runtime.engine.engine import Engine
 from runtime.engine.sampler import SamplingParams
 from tests.conftest import make_llama3_rope_model
 
+FLOAT_ACTIVATIONS = True  # exact math against the reference (conftest.py)
+
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 

@@ -29,6 +29,8 @@ from runtime.artifact.reader import Artifact
 from runtime.cli import main as runtime_main
 from tests.conftest import wait_healthy
 
+FLOAT_ACTIVATIONS = True  # exact math against the reference (conftest.py)
+
 LINEARS = (
     "self_attn.q_proj",
     "self_attn.k_proj",

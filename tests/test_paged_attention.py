@@ -16,6 +16,8 @@ from runtime.kernels.reference import paged_attention, rms_norm
 from runtime.kv.cache import KVCache
 from runtime.kv.format import KV_QUANT, KVSpec
 
+FLOAT_ACTIVATIONS = True  # exact math against the reference (conftest.py)
+
 HEAD_DIM = 32
 
 

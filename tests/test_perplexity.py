@@ -11,6 +11,8 @@ import torch
 
 from lite.perplexity import compare, hf_logits, perplexity, run_ppl, windows
 
+FLOAT_ACTIVATIONS = True  # exact math against the reference (conftest.py)
+
 # Two windows of 3 tokens over a vocabulary of 3: positions 0 and 1 predict tokens 1 and 2.
 IDS = torch.tensor([[0, 1, 2], [2, 2, 0]])
 BASE = torch.tensor(

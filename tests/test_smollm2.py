@@ -102,8 +102,11 @@ def _engine_ppl(artifact: Path, kv_quant: str, batches: torch.Tensor) -> float:
 
 
 def test_runtime_matches_transformers_and_int8_kv_costs_under_1pct(
-    smollm2: Path, artifacts: dict[str, Path]
+    smollm2: Path, artifacts: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Float activations (LITESERVE_CPU_INT8=0): the same math as transformers. The default
+    quantizes activations to int8 where this host measured it faster (the CPU's int4 and lm_head
+    kernels): within 0.5% of the float path's perplexity."""
     from transformers import AutoTokenizer
 
     ids = AutoTokenizer.from_pretrained(smollm2)(
@@ -112,15 +115,20 @@ def test_runtime_matches_transformers_and_int8_kv_costs_under_1pct(
     batches = windows(torch.tensor(ids), 512, 6)
     art = artifacts["awq"]
     hf = perplexity("hf", hf_logits(load_dequantized(Artifact(art))), batches).ppl
+    monkeypatch.setenv("LITESERVE_CPU_INT8", "0")
+    exact = _engine_ppl(art, "none", batches)
+    monkeypatch.delenv("LITESERVE_CPU_INT8")
     none = _engine_ppl(art, "none", batches)
     int8 = _engine_ppl(art, "int8", batches)
     int4 = _engine_ppl(art, "int4", batches)
     print(
-        f"\nSmolLM2 AWQ held-out ppl (6 x 512): transformers {hf:.4f}, runtime kv none "
-        f"{none:.4f}, int8 {int8:.4f} ({100 * (int8 / none - 1):+.2f}%), int4 {int4:.4f} "
-        f"({100 * (int4 / none - 1):+.2f}%)"
+        f"\nSmolLM2 AWQ held-out ppl (6 x 512): transformers {hf:.4f}, runtime float "
+        f"activations {exact:.4f}, default activations {none:.4f} "
+        f"({100 * (none / exact - 1):+.2f}%), kv int8 {int8:.4f} "
+        f"({100 * (int8 / none - 1):+.2f}%), int4 {int4:.4f} ({100 * (int4 / none - 1):+.2f}%)"
     )
-    assert abs(none / hf - 1) < 1e-4  # same weights, same math: fp32 rounding only
+    assert abs(exact / hf - 1) < 1e-4  # same weights, same math: fp32 rounding only
+    assert abs(none / exact - 1) < 0.005
     assert abs(int8 / none - 1) < 0.01
     assert int4 > none  # measured and printed; int4 KV is a trade, not a free lunch
 

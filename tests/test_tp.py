@@ -34,6 +34,8 @@ from runtime.kernels.cpu import CpuBackend
 from runtime.model.llama import LlamaModel
 from tests.conftest import make_tiny_model, wait_healthy
 
+FLOAT_ACTIVATIONS = True  # exact math against the reference (conftest.py)
+
 
 @pytest.fixture(autouse=True)
 def _group_closed() -> None:

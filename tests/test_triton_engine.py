@@ -21,6 +21,8 @@ from runtime.engine.sampler import SamplingParams, TokenLogprobs
 from runtime.kernels.ops import BackendError, StepInputs, select_backend
 from tests.conftest import GPU
 
+FLOAT_ACTIVATIONS = True  # exact math against the reference (conftest.py)
+
 
 def engine_config(backend: str, **kw) -> EngineConfig:
     """A small pool and a 32-token prefill budget: prompts of mixed_prompts() prefill in

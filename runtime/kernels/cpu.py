@@ -528,18 +528,25 @@ def _logits_candidates(lib: ctypes.CDLL | None, dtype: torch.dtype) -> cpu_dispa
 def measure_dispatch(
     lib: ctypes.CDLL | None, dtype: torch.dtype, int8: bool = True
 ) -> dict[str, Choice]:
-    """This host's fastest path per row count for int4 linears and for the logits (without
-    the int8-activation paths when `int8` is off)."""
+    """This host's fastest paths per row count for int4 linears and for the logits.
 
-    def allowed(candidates: cpu_dispatch.Candidates) -> cpu_dispatch.Candidates:
-        return {p: c for p, c in candidates.items() if int8 or p not in INT8_PATHS}
-
-    return {
-        "int4": cpu_dispatch.measure(allowed(_int4_candidates(lib, dtype))),
-        "logits": cpu_dispatch.measure(
-            allowed(_logits_candidates(lib, dtype)), cpu_dispatch.ROW_POINTS[:6]
-        ),
+    An op's table never mixes int8-activation and float paths: their results differ by more
+    than rounding, so a switch at some row count would make a sequence's tokens depend on the
+    batch it shares. The side that is faster at one row (decode) takes the op; the fastest of
+    its paths runs at each row count (`int8` is off altogether when `int8` is False)."""
+    ops = {
+        "int4": (_int4_candidates(lib, dtype), cpu_dispatch.ROW_POINTS),
+        "logits": (_logits_candidates(lib, dtype), cpu_dispatch.ROW_POINTS[:6]),
     }
+    table = {}
+    for op, (candidates, points) in ops.items():
+        if not int8:
+            candidates = {p: c for p, c in candidates.items() if p not in INT8_PATHS}
+        one_row = cpu_dispatch.measure(candidates, points[:1])[points[0]]
+        quantized = min(one_row, key=one_row.get) in INT8_PATHS
+        side = {p: c for p, c in candidates.items() if (p in INT8_PATHS) == quantized}
+        table[op] = cpu_dispatch.choose(cpu_dispatch.measure(side, points))
+    return table
 
 
 class CpuBackend(Backend):

@@ -77,18 +77,34 @@ def _best_time(run: Callable[[], object]) -> float:
     return best
 
 
-def measure(candidates: Candidates, points: tuple[int, ...] = ROW_POINTS) -> Choice:
+Timings = dict[int, dict[str, float]]  # rows -> path -> best seconds (clear losers absent)
+
+
+def measure(candidates: Candidates, points: tuple[int, ...] = ROW_POINTS) -> Timings:
     """Time every candidate at every row count (dropping clear losers as rows grow)."""
     alive = dict(candidates)
-    chosen: list[tuple[int, str]] = []
+    timings: Timings = {}
     for rows in points:
         times = {path: _best_time(make(rows)) for path, make in alive.items()}
+        timings[rows] = times
+        fastest = min(times.values())
+        alive = {p: m for p, m in alive.items() if times[p] <= LOSER_FACTOR * fastest}
+    return timings
+
+
+def choose(timings: Timings, allowed: set[str] | None = None) -> Choice:
+    """The fastest allowed path at each row count, keeping the previous one through near ties;
+    a path without a timing at some row count (dropped as a loser) is out there."""
+    chosen: list[tuple[int, str]] = []
+    for rows, measured in timings.items():
+        times = {p: t for p, t in measured.items() if allowed is None or p in allowed}
+        if not times:
+            raise ValueError(f"no allowed path was timed at {rows} rows")
         fastest = min(times, key=times.get)
         previous = chosen[-1][1] if chosen else None
         if previous in times and times[previous] <= KEEP_FACTOR * times[fastest]:
             fastest = previous
         chosen.append((rows, fastest))
-        alive = {p: m for p, m in alive.items() if times[p] <= LOSER_FACTOR * times[fastest]}
     return Choice(tuple(chosen))
 
 

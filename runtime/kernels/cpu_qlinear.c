@@ -17,6 +17,11 @@
  * offset term uses the quantized sum, d_g sum(q_g), so the quantization error is weighted by
  * (c - z) centred codes and not by c alone.
  *
+ * Every output is computed in the same order whatever tile it falls in: the integer partials
+ * of a group are reduced exactly to one int32, then one fmaf per group in group order, the
+ * offsets likewise. A row's result therefore does not depend on how many rows share the call
+ * or where it sits among them: a sequence's tokens do not change with the batch it shares.
+ *
  * Codes: [n, k / 2] bytes in chunks of 32 elements, byte i of a chunk holding element i (low
  * nibble) and i + 16 (high), as runtime/kernels/cpu.py lays them out: one 16-byte load
  * unpacks into the chunk's 32 codes in order. Scales and offsets: [n, k / gs] in s_dtype.
@@ -58,13 +63,12 @@ static inline float load_scalar(const void *p, int dtype, int64_t i) {
     return (float)v;
 }
 
-/* ---- one ISA's primitives: W (32 codes), X (32 int8 activations), I (int32 partial sums),
- * F (float partial sums) ---- */
+/* ---- one ISA's primitives: W (32 codes), X (32 int8 activations), I (int32 partial sums,
+ * reduced exactly to one int32 per group by isum) ---- */
 #if defined(__AVX2__)
 typedef __m256i W;
 typedef __m256i X;
 typedef __m256i I;
-typedef __m256 F;
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define PATH "avx512-vnni"
 static inline I idot(I acc, W w, X x) { return _mm256_dpbusd_epi32(acc, w, x); }
@@ -92,21 +96,16 @@ static inline W load_w(const uint8_t *p) {
 }
 static inline X load_x(const int8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 static inline I izero(void) { return _mm256_setzero_si256(); }
-static inline F fzero(void) { return _mm256_setzero_ps(); }
-static inline F flush(F acc, I sums, float scale) {
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(scale), acc);
-}
-static inline float fsum(F v) {
-    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
-    return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
+static inline int32_t isum(I v) { /* exact: the order of integer adds does not matter */
+    __m128i a = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    a = _mm_add_epi32(a, _mm_shuffle_epi32(a, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(a, _mm_shuffle_epi32(a, 0xb1)));
 }
 
 #elif defined(__ARM_NEON)
 typedef int8x16x2_t W;
 typedef int8x16x2_t X;
 typedef int32x4_t I;
-typedef float32x4_t F;
 static inline W load_w(const uint8_t *p) {
     uint8x16_t b = vld1q_u8(p);
     W w = {{vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(15))), vreinterpretq_s8_u8(vshrq_n_u8(b, 4))}};
@@ -132,18 +131,13 @@ static inline I idot(I acc, W w, X x) {
 static inline I idot8(I acc, W w, X x) { return idot(acc, w, x); } /* sdot is signed */
 static inline I pfinish(I p) { return p; }
 static inline I izero(void) { return vdupq_n_s32(0); }
-static inline F fzero(void) { return vdupq_n_f32(0.f); }
-static inline F flush(F acc, I sums, float scale) {
-    return vfmaq_n_f32(acc, vcvtq_f32_s32(sums), scale);
-}
-static inline float fsum(F v) { return vaddvq_f32(v); }
+static inline int32_t isum(I v) { return vaddvq_s32(v); }
 
 #else /* portable C: the reference the SIMD paths are tested against */
 #define PATH "scalar"
 typedef struct { int8_t v[32]; } W;
 typedef W X;
 typedef int32_t I;
-typedef float F;
 static inline W load_w(const uint8_t *p) {
     W w;
     for (int i = 0; i < 16; i++) {
@@ -165,9 +159,7 @@ static inline I idot(I acc, W w, X x) {
 static inline I idot8(I acc, W w, X x) { return idot(acc, w, x); }
 static inline I pfinish(I p) { return p; }
 static inline I izero(void) { return 0; }
-static inline F fzero(void) { return 0.f; }
-static inline F flush(F acc, I sums, float scale) { return acc + (float)sums * scale; }
-static inline float fsum(F v) { return v; }
+static inline int32_t isum(I v) { return v; }
 #endif
 
 const char *isa_path(void) { return PATH; }
@@ -230,9 +222,7 @@ static inline __attribute__((always_inline)) void tile(const int8_t *q, const fl
                                                        const Weights *w, int64_t j0, float *out,
                                                        int64_t n) {
     const int64_t groups = w->groups, gs = w->gs, k = w->k;
-    F acc[RB][DECODE_CB];
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < cols; c++) acc[r][c] = fzero();
+    float acc[RB][DECODE_CB] = {{0}};
     for (int64_t g = 0; g < groups; g++) {
         I part[RB][DECODE_CB];
         for (int r = 0; r < rows; r++)
@@ -250,16 +240,16 @@ static inline __attribute__((always_inline)) void tile(const int8_t *q, const fl
         for (int c = 0; c < cols; c++) {
             float s = load_scalar(w->scale, w->s_dtype, (j0 + c) * groups + g);
             for (int r = 0; r < rows; r++)
-                acc[r][c] = flush(acc[r][c], pfinish(part[r][c]), s * d[r * groups + g]);
+                acc[r][c] = fmaf((float)isum(pfinish(part[r][c])), s * d[r * groups + g], acc[r][c]);
         }
     }
     for (int c = 0; c < cols; c++) {
         float bias[RB] = {0};
         for (int64_t g = 0; w->offset && g < groups; g++) {
             float b = load_scalar(w->offset, w->s_dtype, (j0 + c) * groups + g);
-            for (int r = 0; r < rows; r++) bias[r] += b * xs[r * groups + g];
+            for (int r = 0; r < rows; r++) bias[r] = fmaf(b, xs[r * groups + g], bias[r]);
         }
-        for (int r = 0; r < rows; r++) out[r * n + j0 + c] = fsum(acc[r][c]) + bias[r];
+        for (int r = 0; r < rows; r++) out[r * n + j0 + c] = acc[r][c] + bias[r];
     }
 }
 
@@ -311,7 +301,7 @@ static void tile42(const int8_t *q, const float *d, const float *xs, const Weigh
         float bias[4] = {0};
         for (int64_t g = 0; w->offset && g < groups; g++) {
             float b = load_scalar(w->offset, w->s_dtype, (j0 + c) * groups + g);
-            for (int r = 0; r < 4; r++) bias[r] += b * xs[r * groups + g];
+            for (int r = 0; r < 4; r++) bias[r] = fmaf(b, xs[r * groups + g], bias[r]);
         }
         for (int r = 0; r < 4; r++) out[r * n + j0 + c] = total[2 * r + c] + bias[r];
     }
