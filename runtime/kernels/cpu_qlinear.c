@@ -164,7 +164,7 @@ static inline int32_t isum(I v) { return v; }
 
 const char *isa_path(void) { return PATH; }
 
-enum { RB = 4, CB = 2, DECODE_CB = 4 }; /* row and column tiles; one row: more columns */
+enum { RB = 4, CB = 2, DECODE_CB = 8 }; /* row and column tiles; one row: more columns */
 
 /*
  * Per row r and group g of x [m, k] (row stride x_stride, x_dtype): q int8 [m, k],
@@ -254,6 +254,44 @@ static inline __attribute__((always_inline)) void tile(const int8_t *q, const fl
 }
 
 #if defined(__AVX2__)
+/* Eight int32 vectors reduced to one int32 each, lane i from p[i]: hadd twice, then the two
+ * 128-bit halves. Exact, so the same sums as isum's. */
+static inline __m256i reduce8(const I p[8]) {
+    __m256i h01 = _mm256_hadd_epi32(pfinish(p[0]), pfinish(p[1]));
+    __m256i h23 = _mm256_hadd_epi32(pfinish(p[2]), pfinish(p[3]));
+    __m256i h45 = _mm256_hadd_epi32(pfinish(p[4]), pfinish(p[5]));
+    __m256i h67 = _mm256_hadd_epi32(pfinish(p[6]), pfinish(p[7]));
+    __m256i a = _mm256_hadd_epi32(h01, h23), b = _mm256_hadd_epi32(h45, h67);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
+                            _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+/* One row (decode) over 8 columns, lane c: the same group-wise order as tile(). */
+static void tile18(const int8_t *q, const float *d, const float *xs, const Weights *w,
+                   int64_t j0, float *out) {
+    const int64_t groups = w->groups, gs = w->gs;
+    __m256 acc = _mm256_setzero_ps(), bias = _mm256_setzero_ps(); /* lane-wise as tile()'s */
+    for (int64_t g = 0; g < groups; g++) {
+        I p[8];
+        for (int c = 0; c < 8; c++) p[c] = izero();
+        for (int64_t i = g * gs; i < (g + 1) * gs; i += 32) {
+            X x = load_x(q + i);
+            for (int c = 0; c < 8; c++)
+                p[c] = w->form == SIGNED8 ? idot8(p[c], chunk(w, j0 + c, i), x)
+                                          : idot(p[c], chunk(w, j0 + c, i), x);
+        }
+        float s[8], b[8];
+        for (int c = 0; c < 8; c++) {
+            s[c] = load_scalar(w->scale, w->s_dtype, (j0 + c) * groups + g);
+            b[c] = w->offset ? load_scalar(w->offset, w->s_dtype, (j0 + c) * groups + g) : 0.f;
+        }
+        __m256 sd = _mm256_mul_ps(_mm256_loadu_ps(s), _mm256_set1_ps(d[g]));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(p)), sd, acc);
+        bias = _mm256_fmadd_ps(_mm256_loadu_ps(b), _mm256_set1_ps(xs[g]), bias);
+    }
+    _mm256_storeu_ps(out + j0, _mm256_add_ps(acc, bias));
+}
+
 /* The full 4 x 2 tile of prefill-sized batches on x86. Each group's eight (row, column) int32
  * partials are reduced across lanes together (hadd, then the two 128-bit halves), so the
  * group's scales meet all eight sums in one convert and one multiply-add on one register:
@@ -262,7 +300,7 @@ static inline __attribute__((always_inline)) void tile(const int8_t *q, const fl
 static void tile42(const int8_t *q, const float *d, const float *xs, const Weights *w, int64_t j0,
                    float *out, int64_t n) {
     const int64_t groups = w->groups, gs = w->gs, k = w->k;
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc = _mm256_setzero_ps(), bias = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         I p[8];
         for (int i = 0; i < 8; i++) p[i] = izero();
@@ -279,13 +317,7 @@ static void tile42(const int8_t *q, const float *d, const float *xs, const Weigh
                 }
             }
         }
-        __m256i h01 = _mm256_hadd_epi32(pfinish(p[0]), pfinish(p[1]));
-        __m256i h23 = _mm256_hadd_epi32(pfinish(p[2]), pfinish(p[3]));
-        __m256i h45 = _mm256_hadd_epi32(pfinish(p[4]), pfinish(p[5]));
-        __m256i h67 = _mm256_hadd_epi32(pfinish(p[6]), pfinish(p[7]));
-        __m256i a = _mm256_hadd_epi32(h01, h23), b = _mm256_hadd_epi32(h45, h67);
-        __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
-                                        _mm256_permute2x128_si256(a, b, 0x31));
+        __m256i sums = reduce8(p);
         float s0 = load_scalar(w->scale, w->s_dtype, j0 * groups + g);
         float s1 = load_scalar(w->scale, w->s_dtype, (j0 + 1) * groups + g);
         const float *dg = d + g;
@@ -294,33 +326,38 @@ static void tile42(const int8_t *q, const float *d, const float *xs, const Weigh
                                                  dg[2 * groups], dg[2 * groups],
                                                  dg[3 * groups], dg[3 * groups]));
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), sd, acc);
+        if (w->offset) {
+            float b0 = load_scalar(w->offset, w->s_dtype, j0 * groups + g);
+            float b1 = load_scalar(w->offset, w->s_dtype, (j0 + 1) * groups + g);
+            const float *x = xs + g;
+            bias = _mm256_fmadd_ps(_mm256_setr_ps(b0, b1, b0, b1, b0, b1, b0, b1),
+                                   _mm256_setr_ps(x[0], x[0], x[groups], x[groups],
+                                                  x[2 * groups], x[2 * groups], x[3 * groups],
+                                                  x[3 * groups]),
+                                   bias);
+        }
     }
     float total[8];
-    _mm256_storeu_ps(total, acc);
-    for (int c = 0; c < 2; c++) {
-        float bias[4] = {0};
-        for (int64_t g = 0; w->offset && g < groups; g++) {
-            float b = load_scalar(w->offset, w->s_dtype, (j0 + c) * groups + g);
-            for (int r = 0; r < 4; r++) bias[r] = fmaf(b, xs[r * groups + g], bias[r]);
-        }
-        for (int r = 0; r < 4; r++) out[r * n + j0 + c] = total[2 * r + c] + bias[r];
-    }
+    _mm256_storeu_ps(total, _mm256_add_ps(acc, bias));
+    for (int r = 0; r < 4; r++)
+        for (int c = 0; c < 2; c++) out[r * n + j0 + c] = total[2 * r + c];
 }
 #endif
 
 /* A constant (rows, cols) per case, so the accumulators become registers. */
 static void run_tile(const int8_t *q, const float *d, const float *xs, int rows, int cols,
                      const Weights *w, int64_t j0, float *out, int64_t n) {
-    switch (rows * 8 + cols) {
-    case 1 * 8 + 4: tile(q, d, xs, 1, 4, w, j0, out, n); break;
-#if defined(__AVX2__) && !defined(NO42)
-    case 4 * 8 + 2: tile42(q, d, xs, w, j0, out, n); break;
+    switch (rows * 16 + cols) {
+#if defined(__AVX2__)
+    case 1 * 16 + 8: tile18(q, d, xs, w, j0, out); break;
+    case 4 * 16 + 2: tile42(q, d, xs, w, j0, out, n); break;
 #else
-    case 4 * 8 + 2: tile(q, d, xs, 4, 2, w, j0, out, n); break;
+    case 1 * 16 + 8: tile(q, d, xs, 1, 8, w, j0, out, n); break;
+    case 4 * 16 + 2: tile(q, d, xs, 4, 2, w, j0, out, n); break;
 #endif
-    case 3 * 8 + 2: tile(q, d, xs, 3, 2, w, j0, out, n); break;
-    case 2 * 8 + 2: tile(q, d, xs, 2, 2, w, j0, out, n); break;
-    case 1 * 8 + 2: tile(q, d, xs, 1, 2, w, j0, out, n); break;
+    case 3 * 16 + 2: tile(q, d, xs, 3, 2, w, j0, out, n); break;
+    case 2 * 16 + 2: tile(q, d, xs, 2, 2, w, j0, out, n); break;
+    case 1 * 16 + 2: tile(q, d, xs, 1, 2, w, j0, out, n); break;
     default: /* the last columns of an odd n */
         for (int r = 0; r < rows; r++)
             for (int c = 0; c < cols; c++)
