@@ -293,12 +293,13 @@ static void tile18(const int8_t *q, const float *d, const float *xs, const Weigh
 }
 
 /* The full 4 x 2 tile of prefill-sized batches on x86. Each group's eight (row, column) int32
- * partials are reduced across lanes together (hadd, then the two 128-bit halves), so the
- * group's scales meet all eight sums in one convert and one multiply-add on one register:
- * per-pair flushes of 8-lane vectors cost more than the integer dots themselves at group 64
- * (measured: 36 against 45 GMAC/s at groups of 128, on one AVX2 core). Lane 2r + c. */
-static void tile42(const int8_t *q, const float *d, const float *xs, const Weights *w, int64_t j0,
-                   float *out, int64_t n) {
+ * partials are reduced across lanes together (reduce8), so the group's scales meet all eight
+ * sums in one convert and one multiply-add on one register: per-pair flushes of 8-lane
+ * vectors cost more than the integer dots themselves at group 64. Lane 2r + c; the scales,
+ * offsets and activation steps come laid out per lane (lane_patterns), each group's 16
+ * floats: [s or d per lane, offset or activation sum per lane]. */
+static void tile42(const int8_t *q, const Weights *w, int64_t j0, const float *rowpat,
+                   const float *colpat, float *out, int64_t n) {
     const int64_t groups = w->groups, gs = w->gs, k = w->k;
     __m256 acc = _mm256_setzero_ps(), bias = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
@@ -318,24 +319,10 @@ static void tile42(const int8_t *q, const float *d, const float *xs, const Weigh
             }
         }
         __m256i sums = reduce8(p);
-        float s0 = load_scalar(w->scale, w->s_dtype, j0 * groups + g);
-        float s1 = load_scalar(w->scale, w->s_dtype, (j0 + 1) * groups + g);
-        const float *dg = d + g;
-        __m256 sd = _mm256_mul_ps(_mm256_setr_ps(s0, s1, s0, s1, s0, s1, s0, s1),
-                                  _mm256_setr_ps(dg[0], dg[0], dg[groups], dg[groups],
-                                                 dg[2 * groups], dg[2 * groups],
-                                                 dg[3 * groups], dg[3 * groups]));
+        const float *rp = rowpat + g * 16, *cp = colpat + g * 16;
+        __m256 sd = _mm256_mul_ps(_mm256_loadu_ps(cp), _mm256_loadu_ps(rp));
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), sd, acc);
-        if (w->offset) {
-            float b0 = load_scalar(w->offset, w->s_dtype, j0 * groups + g);
-            float b1 = load_scalar(w->offset, w->s_dtype, (j0 + 1) * groups + g);
-            const float *x = xs + g;
-            bias = _mm256_fmadd_ps(_mm256_setr_ps(b0, b1, b0, b1, b0, b1, b0, b1),
-                                   _mm256_setr_ps(x[0], x[0], x[groups], x[groups],
-                                                  x[2 * groups], x[2 * groups], x[3 * groups],
-                                                  x[3 * groups]),
-                                   bias);
-        }
+        bias = _mm256_fmadd_ps(_mm256_loadu_ps(cp + 8), _mm256_loadu_ps(rp + 8), bias);
     }
     float total[8];
     _mm256_storeu_ps(total, _mm256_add_ps(acc, bias));
@@ -346,11 +333,12 @@ static void tile42(const int8_t *q, const float *d, const float *xs, const Weigh
 
 /* A constant (rows, cols) per case, so the accumulators become registers. */
 static void run_tile(const int8_t *q, const float *d, const float *xs, int rows, int cols,
-                     const Weights *w, int64_t j0, float *out, int64_t n) {
+                     const Weights *w, int64_t j0, const float *rowpat, const float *colpat,
+                     float *out, int64_t n) {
     switch (rows * 16 + cols) {
 #if defined(__AVX2__)
     case 1 * 16 + 8: tile18(q, d, xs, w, j0, out); break;
-    case 4 * 16 + 2: tile42(q, d, xs, w, j0, out, n); break;
+    case 4 * 16 + 2: tile42(q, w, j0, rowpat, colpat, out, n); break;
 #else
     case 1 * 16 + 8: tile(q, d, xs, 1, 8, w, j0, out, n); break;
     case 4 * 16 + 2: tile(q, d, xs, 4, 2, w, j0, out, n); break;
@@ -379,6 +367,27 @@ static void unpack_tile(const Weights *w, int64_t j0, int cols, uint8_t *buf) {
     }
 }
 
+#if defined(__AVX2__)
+/* tile42's lanes: for rows r0..r0+3, per group [d0 d0 d1 d1 d2 d2 d3 d3 | xs0 xs0 ... xs3]; for
+ * columns j0, j0+1, per group [s0 s1 s0 s1 ... | b0 b1 b0 b1 ...]. */
+static void row_pattern(const float *d, const float *xs, int64_t groups, float *pat) {
+    for (int64_t g = 0; g < groups; g++)
+        for (int lane = 0; lane < 8; lane++) {
+            pat[g * 16 + lane] = d[(lane / 2) * groups + g];
+            pat[g * 16 + 8 + lane] = xs[(lane / 2) * groups + g];
+        }
+}
+
+static void column_pattern(const Weights *w, int64_t j0, float *pat) {
+    for (int64_t g = 0; g < w->groups; g++)
+        for (int lane = 0; lane < 8; lane++) {
+            int64_t at = (j0 + lane % 2) * w->groups + g;
+            pat[g * 16 + lane] = load_scalar(w->scale, w->s_dtype, at);
+            pat[g * 16 + 8 + lane] = w->offset ? load_scalar(w->offset, w->s_dtype, at) : 0.f;
+        }
+}
+#endif
+
 static void qlinear(const void *x, int64_t x_stride, int x_dtype, const Weights *w, float *out,
                     int64_t m, int64_t n) {
     int64_t k = w->k, groups = w->groups;
@@ -388,9 +397,19 @@ static void qlinear(const void *x, int64_t x_stride, int x_dtype, const Weights 
     int64_t cols = m == 1 ? DECODE_CB : CB, tiles = (n + cols - 1) / cols;
     /* Many row tiles over each column tile: unpack its int4 codes once, not once per row tile */
     int unpack = w->form == PACKED4 && m > RB;
+    float *rowpat = NULL; /* tile42's per-lane activation steps and sums, per full row tile */
+#if defined(__AVX2__)
+    rowpat = malloc(sizeof(float) * (size_t)((m / RB) * groups * 16 + 1));
+    for (int64_t rt = 0; rt < m / RB; rt++)
+        row_pattern(d + rt * RB * groups, xs + rt * RB * groups, groups, rowpat + rt * groups * 16);
+#endif
 #pragma omp parallel if (n * k * (m < 8 ? m : 8) >= 65536)
     {
         uint8_t *buf = unpack ? malloc((size_t)(cols * k)) : NULL;
+        float *colpat = NULL; /* tile42's per-lane scales and offsets of this column tile */
+#if defined(__AVX2__)
+        colpat = m >= RB ? malloc(sizeof(float) * (size_t)(groups * 16)) : NULL;
+#endif
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
             int64_t j0 = t * cols;
@@ -400,14 +419,20 @@ static void qlinear(const void *x, int64_t x_stride, int x_dtype, const Weights 
                 unpack_tile(w, j0, c, buf);
                 tw.codes = buf, tw.form = UNPACKED4, tw.first = j0;
             }
+#if defined(__AVX2__)
+            if (colpat && c == CB) column_pattern(w, j0, colpat);
+#endif
             for (int64_t r0 = 0; r0 < m; r0 += RB) {
                 int rows = (int)(m - r0 < RB ? m - r0 : RB);
-                run_tile(q + r0 * k, d + r0 * groups, xs + r0 * groups, rows, c, &tw, j0,
-                         out + r0 * n, n);
+                const float *rp = rowpat && rows == RB ? rowpat + (r0 / RB) * groups * 16 : NULL;
+                run_tile(q + r0 * k, d + r0 * groups, xs + r0 * groups, rows, c, &tw, j0, rp,
+                         colpat, out + r0 * n, n);
             }
         }
         free(buf);
+        free(colpat);
     }
+    free(rowpat);
     free(q);
     free(d);
 }
