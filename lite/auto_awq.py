@@ -27,7 +27,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from lite.awq import InputStats, search_clip, search_scale
+from lite.awq import (
+    BlockProbe,
+    InputStats,
+    block_of,
+    choose_clip_block,
+    search_clip,
+    search_scale,
+    search_scale_block,
+    soften_clip,
+)
 from lite.compute import (
     cuda_version,
     device_label,
@@ -83,6 +92,13 @@ class AwqConfig:
     n_grid: int = 20
     duo_scaling: bool = True
     clip_max_shrink: float = 0.5
+    # Groups feeding these modules score scale candidates by the module's output error on
+    # `block_samples` calibration sequences; the others (and single-linear groups, whose
+    # output is their block) by the Gram form over every token. See lite/awq.py and the
+    # issue-18 section of evals/bench/RESULTS.md for the measurement behind the choice.
+    block_objective: tuple[str, ...] = ("self_attn",)
+    block_clip: tuple[str, ...] = ("self_attn", "mlp")  # where the block picks clip strength
+    block_samples: int = 8
     dtype: str = "float16"
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
@@ -278,32 +294,70 @@ def check_coverage(layer: torch.nn.Module, groups: tuple[ScaleGroup, ...], famil
         )
 
 
-def calibrate_layer(
+def probe_samples(n: int, k: int) -> torch.Tensor:
+    """k of n calibration sequences, evenly spaced (deterministic, spread over the text)."""
+    if k >= n:
+        return torch.arange(n)
+    return torch.linspace(0, n - 1, k).round().long().unique()
+
+
+def record_probes(
+    layer: torch.nn.Module,
+    blocks: set[str],
+    x: torch.Tensor,
+    pos: tuple,
+    samples: int,
+    rows: int | None = None,
+) -> dict[str, BlockProbe]:
+    """One forward of `samples` sequences, recording each block module's calls (inputs and
+    outputs) for the block-output searches; one chunk of `rows` sequences per call."""
+    probes = {b: BlockProbe(layer.get_submodule(b)) for b in sorted(blocks)}
+    handles = [
+        p.module.register_forward_hook(
+            lambda _m, args, kwargs, out, p=p: p.record(args, kwargs, out), with_kwargs=True
+        )
+        for p in probes.values()
+    ]
+    try:
+        run_layer(layer, x[probe_samples(len(x), samples)], pos, rows)
+    finally:
+        for h in handles:
+            h.remove()
+    return probes
+
+
+def _block_blocks(groups: tuple[ScaleGroup, ...], wanted: tuple[str, ...]) -> set[str]:
+    return {b for g in groups if (b := block_of(g.linears)) is not None and b in wanted}
+
+
+def _search_group(
+    layer: torch.nn.Module,
+    group: ScaleGroup,
+    stats: InputStats,
+    probes: dict[str, BlockProbe],
+    cfg: AwqConfig,
+):
+    """The block-output search where the group's block is probed, the Gram form elsewhere."""
+    linears = [layer.get_submodule(n) for n in group.linears]
+    probe = probes.get(block_of(group.linears) or "")
+    if probe is not None:
+        return search_scale_block(linears, stats, cfg.spec, probe, cfg.n_grid, cfg.duo_scaling)
+    w = torch.cat([lin.weight.data for lin in linears])
+    return search_scale(w, stats, cfg.spec, cfg.n_grid, cfg.duo_scaling)
+
+
+def _clip_layer(
     layer: torch.nn.Module,
     groups: tuple[ScaleGroup, ...],
+    stats: dict[ScaleGroup, InputStats],
     x: torch.Tensor,
     pos: tuple,
     cfg: AwqConfig,
-    name: str,
-    rows: int | None = None,
-) -> LayerCalibration:
-    """Scale search (folded into the layer in place), then clip search, on the layer's device."""
-    stats, outputs = capture(layer, groups, x, pos, rows)
-    fallbacks = []
-    ratios: dict[str, float | None] = {}
-    for group in groups:
-        if not _can_scale(layer, group):
-            continue
-        w = torch.cat([layer.get_submodule(n).weight.data for n in group.linears])
-        result = search_scale(w, stats[group], cfg.spec, cfg.n_grid, cfg.duo_scaling)
-        ratios[group.label] = result.ratio
-        if result.ratio is None and not math.isfinite(result.loss):
-            note = f"{name} {group.label}: non-finite search loss, identity scale"
-            warnings.warn(note, AwqFallbackWarning, stacklevel=2)
-            fallbacks.append(note)
-            continue
-        _apply_scale(layer, group, result.scales)
-        stats[group].rescale(result.scales)
+    rows: int | None,
+) -> dict[str, torch.Tensor]:
+    """Gram-form clip per (row, group) for every clipped linear; then, for the blocks in
+    `cfg.block_clip`, the strength of each linear's clip picked on the block output (probes
+    recorded again, as the folded scales changed the blocks' inputs)."""
     clip = {
         name: search_clip(
             layer.get_submodule(name).weight.data,
@@ -316,6 +370,56 @@ def calibrate_layer(
         for name in group.linears
         if name.rsplit(".", 1)[-1] not in NO_CLIP
     }
+    blocks = _block_blocks(groups, cfg.block_clip)
+    if not blocks or cfg.block_samples < 1:
+        return clip
+    probes = record_probes(layer, blocks, x, pos, cfg.block_samples, rows)
+    for group in groups:
+        probe = probes.get(block_of(group.linears) or "")
+        if probe is None:
+            continue
+        linears = [layer.get_submodule(n) for n in group.linears]
+        strengths = choose_clip_block(
+            linears, [clip.get(n) for n in group.linears], cfg.spec, probe
+        )
+        for n, st in zip(group.linears, strengths, strict=True):
+            if n in clip:
+                clip[n] = soften_clip(clip[n], st)
+    return clip
+
+
+def calibrate_layer(
+    layer: torch.nn.Module,
+    groups: tuple[ScaleGroup, ...],
+    x: torch.Tensor,
+    pos: tuple,
+    cfg: AwqConfig,
+    name: str,
+    rows: int | None = None,
+) -> LayerCalibration:
+    """Scale search (folded into the layer in place), then clip search, on the layer's device.
+    Block probes are recorded on the unscaled layer: folding a group's scale leaves every
+    block's function unchanged, and the only block inputs it changes (the norm outputs) feed
+    groups whose searches come first."""
+    stats, outputs = capture(layer, groups, x, pos, rows)
+    blocks = _block_blocks(groups, cfg.block_objective) if cfg.block_samples > 0 else set()
+    probes = record_probes(layer, blocks, x, pos, cfg.block_samples, rows) if blocks else {}
+    fallbacks = []
+    ratios: dict[str, float | None] = {}
+    for group in groups:
+        if not _can_scale(layer, group):
+            continue
+        result = _search_group(layer, group, stats[group], probes, cfg)
+        ratios[group.label] = result.ratio
+        if result.ratio is None and not math.isfinite(result.loss):
+            note = f"{name} {group.label}: non-finite search loss, identity scale"
+            warnings.warn(note, AwqFallbackWarning, stacklevel=2)
+            fallbacks.append(note)
+            continue
+        _apply_scale(layer, group, result.scales)
+        stats[group].rescale(result.scales)
+    del probes
+    clip = _clip_layer(layer, groups, stats, x, pos, cfg, rows)
     return LayerCalibration(clip, fallbacks, outputs, ratios)
 
 

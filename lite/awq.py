@@ -89,13 +89,7 @@ def search_scale(
     best = ScaleResult(identity, None, identity_loss, identity_loss)
     if not math.isfinite(identity_loss):
         best.loss = math.inf
-    for i in range(n_grid):
-        ratio = i / n_grid
-        s = x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + 0.0001) if duo else x_mean.pow(ratio)
-        s = s.clamp(min=1e-4)
-        s = s / (s.max() * s.min()).sqrt()
-        if not torch.isfinite(s).all():
-            continue
+    for ratio, s in scale_candidates(x_mean, w_mean, n_grid, duo):
         loss = output_error(w - fake_quantize(w * s, spec) / s, gram)
         if loss < best.loss:  # NaN never compares smaller, so a non-finite candidate loses
             best = ScaleResult(s, ratio, loss, identity_loss)
@@ -125,3 +119,146 @@ def search_clip(
         best_loss = torch.where(better, loss, best_loss)
         best_ratio[better] = ratio
     return best_ratio
+
+
+def block_of(linears: tuple[str, ...]) -> str | None:
+    """The module a scale group feeds: the lowest common parent of its linears when there are
+    several (q/k/v -> self_attn, gate/up -> mlp), None for a single linear, whose own output
+    is the block and is scored exactly (over every token) by the Gram form."""
+    if len(linears) < 2:
+        return None
+    parents = [name.rsplit(".", 1)[0] if "." in name else "" for name in linears]
+    common = parents[0].split(".")
+    for p in parents[1:]:
+        parts = p.split(".")
+        n = 0
+        while n < min(len(common), len(parts)) and common[n] == parts[n]:
+            n += 1
+        common = common[:n]
+    return ".".join(common) or None
+
+
+def _first(out: object) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out  # type: ignore[return-value]
+
+
+@dataclass
+class BlockProbe:
+    """A module's recorded calls (inputs and full-precision outputs) on a subsample of the
+    calibration tokens, replayed to score candidates by the error at the module's output.
+
+    The Gram form sees each linear alone; the block output also sees how errors of the
+    group's linears combine downstream (through softmax and the value mixing in attention,
+    through SiLU(gate) * up in the MLP), which is what the served model computes. Replaying
+    one recorded chunk at a time keeps memory at one chunk's activations."""
+
+    module: torch.nn.Module
+    calls: list[tuple[tuple, dict, torch.Tensor]] = field(default_factory=list)
+
+    def record(self, args: tuple, kwargs: dict, out: object) -> None:
+        self.calls.append((args, kwargs, _first(out).detach().clone()))
+
+    def loss(self) -> float:
+        """Squared error of the module's current output against the recorded one, in fp64."""
+        total = 0.0
+        with torch.inference_mode():
+            for args, kwargs, target in self.calls:
+                diff = _first(self.module(*args, **kwargs)).double() - target.double()
+                total += float(diff.pow(2).sum())
+        return total
+
+
+def _set_weights(linears: list[torch.nn.Linear], w: torch.Tensor) -> None:
+    """Split the group's stacked [sum N, K] weight back into its linears."""
+    start = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight.data = w[start : start + n]
+        start += n
+
+
+def block_loss(linears: list[torch.nn.Linear], w_q: torch.Tensor, probe: BlockProbe) -> float:
+    """The probe's output error with the group's linears set to w_q; weights restored after."""
+    saved = [lin.weight.data for lin in linears]
+    try:
+        _set_weights(linears, w_q)
+        return probe.loss()
+    finally:
+        for lin, w in zip(linears, saved, strict=True):
+            lin.weight.data = w
+
+
+def scale_candidates(
+    x_mean: torch.Tensor, w_mean: torch.Tensor, n_grid: int, duo: bool
+) -> list[tuple[float, torch.Tensor]]:
+    """AWQ's grid: s = x_mean^a / w_mean^(1-a), normalized; non-finite candidates dropped."""
+    out = []
+    for i in range(n_grid):
+        ratio = i / n_grid
+        s = x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + 0.0001) if duo else x_mean.pow(ratio)
+        s = s.clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        if torch.isfinite(s).all():
+            out.append((ratio, s))
+    return out
+
+
+def search_scale_block(
+    linears: list[torch.nn.Linear],
+    stats: InputStats,
+    spec: QuantSpec,
+    probe: BlockProbe,
+    n_grid: int = 20,
+    duo: bool = True,
+) -> ScaleResult:
+    """The same grid as `search_scale`, each candidate scored by the block output error with
+    all of the group's linears quantized at once (as AutoAWQ and llm-compressor score it)."""
+    w = torch.cat([lin.weight.data for lin in linears])
+    x_mean = stats.mean_abs
+    w_mean = weight_importance(w, spec.group_size)
+    identity_loss = block_loss(linears, fake_quantize(w, spec), probe)
+    best = ScaleResult(torch.ones_like(x_mean), None, identity_loss, identity_loss)
+    if not math.isfinite(identity_loss):
+        best.loss = math.inf
+    for ratio, s in scale_candidates(x_mean, w_mean, n_grid, duo):
+        loss = block_loss(linears, fake_quantize(w * s, spec) / s, probe)
+        if loss < best.loss:  # NaN never compares smaller, so a non-finite candidate loses
+            best = ScaleResult(s, ratio, loss, identity_loss)
+    return best
+
+
+def soften_clip(ratio: torch.Tensor, strength: float) -> torch.Tensor:
+    """Move a per-(row, group) clip toward no clip: strength 1 keeps it, 0 removes it."""
+    return 1 - strength * (1 - ratio)
+
+
+def choose_clip_block(
+    linears: list[torch.nn.Linear],
+    clips: list[torch.Tensor | None],
+    spec: QuantSpec,
+    probe: BlockProbe,
+    strengths: tuple[float, ...] = (0.0, 0.5, 1.0),
+) -> list[float]:
+    """Per linear (in order, the others quantized with their choices so far), the strength
+    of its Gram-form clip that gives the lowest block output error. The Gram form chooses
+    each (row, group) against that linear's own output; the block sees whether shrinking
+    ranges there also helps after the nonlinearity, and can back it off."""
+    w = [lin.weight.data for lin in linears]
+    chosen = [1.0 if c is not None else 0.0 for c in clips]
+
+    def quantized() -> torch.Tensor:
+        parts = []
+        for wi, ci, si in zip(w, clips, chosen, strict=True):
+            parts.append(fake_quantize(wi, spec, 1.0 if ci is None else soften_clip(ci, si)))
+        return torch.cat(parts)
+
+    for i, clip in enumerate(clips):
+        if clip is None:
+            continue
+        losses = {}
+        for strength in strengths:
+            chosen[i] = strength
+            loss = block_loss(linears, quantized(), probe)
+            losses[strength] = loss if math.isfinite(loss) else math.inf
+        chosen[i] = min(strengths, key=lambda st: (losses[st], -st))  # ties: keep the clip
+    return chosen

@@ -12,9 +12,21 @@ from lite.auto_awq import (
     calibrate_layer,
     capture,
     pack_layer,
+    record_probes,
     run_layer,
 )
-from lite.awq import InputStats, output_error, search_clip, search_scale
+from lite.awq import (
+    BlockProbe,
+    InputStats,
+    block_loss,
+    block_of,
+    choose_clip_block,
+    output_error,
+    search_clip,
+    search_scale,
+    search_scale_block,
+    soften_clip,
+)
 from lite.families import LAYER_GROUPS
 from lite.quantizer import QuantSpec, fake_quantize
 from runtime.artifact.layout import dequantize
@@ -181,3 +193,94 @@ def test_chunked_statistics_equal_one_pass() -> None:
     assert one.ratios == many.ratios and len(one.ratios) == 3  # v -> o skipped under GQA
     for name, ratio in one.clip.items():
         assert torch.equal(many.clip[name], ratio), name
+
+
+def test_block_of_names_the_module_a_group_feeds() -> None:
+    assert block_of(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")) == "self_attn"
+    assert block_of(("mlp.gate_proj", "mlp.up_proj")) == "mlp"
+    assert block_of(("mlp.down_proj",)) is None  # its own output is the block: Gram form
+    assert block_of(("a.b.x", "a.c.y")) == "a"
+    assert block_of(("x", "y")) is None
+
+
+def _probe(layer, x, pos, block: str, rows: int | None = None) -> BlockProbe:
+    return record_probes(layer, {block}, x, pos, len(x), rows)[block]
+
+
+@pytest.mark.parametrize("block", ["self_attn", "mlp"])
+def test_block_probe_replays_the_fp_block_and_chunking_only_reorders_sums(block: str) -> None:
+    """Unchanged weights replay to zero error; a perturbed weight gives the same loss whether
+    recorded in one chunk or one sequence per chunk (fp64 sums, fp32 forwards: rtol 1e-4)."""
+    layer, x, pos = _layer(seed=3)
+    whole, chunked = _probe(layer, x, pos, block), _probe(layer, x, pos, block, rows=1)
+    assert len(whole.calls) == 1 and len(chunked.calls) == len(x)
+    assert whole.loss() == 0.0
+    lin = [m for m in layer.get_submodule(block).modules() if isinstance(m, torch.nn.Linear)][0]
+    w_q = fake_quantize(lin.weight.data, QuantSpec(group_size=64))
+    a, b = block_loss([lin], w_q, whole), block_loss([lin], w_q, chunked)
+    assert a > 0 and math.isclose(a, b, rel_tol=1e-4)
+    assert not torch.equal(lin.weight.data, w_q)  # the original weight is back
+
+
+@pytest.mark.parametrize("seed", [0, 4])
+def test_block_search_beats_gram_choice_on_the_block_output(seed: int) -> None:
+    """Both searches try the same grid, so the block search's pick is never worse on the
+    block output than the Gram-form pick, nor than the identity (round-to-nearest)."""
+    layer, x, pos = _layer(seed=seed)
+    spec = QuantSpec(group_size=64)
+    for group in (LAYER_GROUPS["llama"][0], LAYER_GROUPS["llama"][2]):
+        stats, _ = capture(layer, (group,), x, pos)
+        probe = _probe(layer, x, pos, block_of(group.linears))
+        linears = [layer.get_submodule(n) for n in group.linears]
+        w = torch.cat([lin.weight.data for lin in linears])
+        gram = search_scale(w, stats[group], spec)
+        block = search_scale_block(linears, stats[group], spec, probe)
+        gram_on_block = block_loss(
+            linears, fake_quantize(w * gram.scales, spec) / gram.scales, probe
+        )
+        assert block.loss <= gram_on_block * (1 + 1e-12)
+        assert block.loss <= block.identity_loss
+        assert block.ratio is not None  # outlier channels: some scale beats identity
+        assert torch.equal(torch.cat([lin.weight.data for lin in linears]), w)  # restored
+
+
+def test_block_clip_strength_never_worse_than_full_or_no_clip() -> None:
+    """Each linear's chosen strength is the best of those tried on the block output."""
+    layer, x, pos = _layer(seed=5)
+    spec = QuantSpec(group_size=64)
+    group = LAYER_GROUPS["llama"][2]  # gate/up -> mlp
+    stats, _ = capture(layer, (group,), x, pos)
+    probe = _probe(layer, x, pos, "mlp")
+    linears = [layer.get_submodule(n) for n in group.linears]
+    clips = [search_clip(lin.weight.data, stats[group], spec) for lin in linears]
+    chosen = choose_clip_block(linears, clips, spec, probe)
+
+    def loss(strengths: list[float]) -> float:
+        parts = [
+            fake_quantize(lin.weight.data, spec, soften_clip(c, s))
+            for lin, c, s in zip(linears, clips, strengths, strict=True)
+        ]
+        return block_loss(linears, torch.cat(parts), probe)
+
+    best = loss(chosen)
+    assert best <= loss([1.0, 1.0]) * (1 + 1e-12)
+    assert best <= loss([0.0, 0.0]) * (1 + 1e-12)
+    assert all(s in (0.0, 0.5, 1.0) for s in chosen)
+
+
+def test_block_objective_config_switches_the_search() -> None:
+    """block_objective=() is the Gram form everywhere (the pre-issue-18 search) and picks
+    what search_scale picks; the default may pick otherwise but keeps the fp function."""
+    layer, x, pos = _layer(seed=0)
+    groups = LAYER_GROUPS["llama"]
+    spec = QuantSpec(group_size=64)
+    gram_cfg = AwqConfig(spec=spec, block_objective=())
+    gram = calibrate_layer(copy.deepcopy(layer), groups, x, pos, gram_cfg, "l")
+    stats, _ = capture(layer, groups, x, pos)
+    w = torch.cat([layer.get_submodule(n).weight.data for n in groups[0].linears])
+    assert gram.ratios[groups[0].label] == search_scale(w, stats[groups[0]], spec).ratio
+    blocked = copy.deepcopy(layer)
+    before = run_layer(blocked, x, pos)
+    calibrate_layer(blocked, groups, x, pos, AwqConfig(spec=spec, block_clip=("mlp",)), "l")
+    after = run_layer(blocked, x, pos)
+    assert torch.allclose(after, before, rtol=1e-4, atol=1e-4 * before.abs().max())
