@@ -1,0 +1,114 @@
+"""AWQ search objectives compared (issue 18): Gram form vs block output, per group type, and
+clip strength picked on the block; each scored in-domain and out of domain.
+
+Every variant calibrates SmolLM2-135M-Instruct on the default set (64 x 512, w4 asym g64)
+with `AwqConfig` overrides, in a child process (an existing OUT/<variant> is reused), then
+all are scored on the same windows of each text of `quantize.eval_texts`. Perplexity here is
+for ranking methods against each other on identical windows; the headline table is
+evals/bench/quantize.py's.
+
+    python -m evals.bench.awq_objectives --out out/objectives [--limit 24] [VARIANT ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+BOTH = ["self_attn", "mlp"]
+VARIANTS: dict[str, dict[str, list[str] | int]] = {
+    "rtn": {"calib_samples": 0},  # round-to-nearest, the floor
+    "gram": {"block_objective": [], "block_clip": []},  # the search before issue 18
+    "attn": {"block_objective": ["self_attn"], "block_clip": []},  # block output: q/k/v only
+    "mlp": {"block_objective": ["mlp"], "block_clip": []},  # block output: gate/up only
+    "block": {"block_objective": BOTH, "block_clip": []},
+    "block+clip": {"block_objective": BOTH, "block_clip": BOTH},
+    "attn+clip": {"block_objective": ["self_attn"], "block_clip": BOTH},  # the default
+    "block+clip-attn": {"block_objective": BOTH, "block_clip": ["self_attn"]},
+    "block+clip-mlp": {"block_objective": BOTH, "block_clip": ["mlp"]},
+}
+
+_CHILD = """
+import json, sys, time
+from lite.auto_awq import AwqConfig, Compute, auto_awq
+from lite.quantizer import QuantSpec
+over = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(sys.argv[2]).items()}
+base = {"spec": QuantSpec(group_size=64), "calib_samples": 64, "calib_seqlen": 512}
+cfg = AwqConfig(**{**base, **over})
+t = time.perf_counter()
+auto_awq("smollm2-135m-instruct", sys.argv[1], cfg, "awq_objectives " + sys.argv[2],
+         overwrite=True, progress=False, compute=Compute("cpu"))
+print(f"{sys.argv[1]}: {time.perf_counter() - t:.0f} s", flush=True)
+"""
+
+
+def calibrate(out: Path, overrides: dict[str, list[str] | int]) -> None:
+    """One calibration in a child process (its memory is returned when it ends)."""
+    if out.is_dir():
+        return
+    cmd = [sys.executable, "-c", _CHILD, str(out), json.dumps(overrides)]
+    subprocess.run(cmd, check=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("variants", nargs="*", default=list(VARIANTS))
+    p.add_argument("--out", type=Path, default=Path("out/objectives"))
+    p.add_argument("--limit", type=int, default=24, help="windows per text")
+    p.add_argument("--ood-dir", type=Path, default=Path("../shared/data"))
+    a = p.parse_args()
+    unknown = set(a.variants) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"unknown variants {sorted(unknown)}; choose from {list(VARIANTS)}")
+    for v in a.variants:
+        calibrate(a.out / v, VARIANTS[v])
+
+    from transformers import AutoTokenizer
+
+    from evals.bench.quantize import MODEL, eval_texts
+    from lite.hf import load_dequantized, load_source_model
+    from lite.perplexity import hf_logits, perplexity, windows
+    from lite.sources import resolve
+    from runtime.artifact.reader import Artifact
+
+    source = resolve(MODEL)
+    tok = AutoTokenizer.from_pretrained(source.path)
+    batches = {}
+    for t, text in eval_texts(a.ood_dir).items():
+        ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+        batches[t] = windows(ids, 512, a.limit)
+
+    def scored(name: str, load: Callable[[], torch.nn.Module]) -> dict[str, float]:
+        """Perplexity per text, kept in OUT/<name>.ppl-<limit>.json for later invocations."""
+        cache = a.out / f"{name}.ppl-{a.limit}.json"
+        if cache.is_file():
+            return json.loads(cache.read_text())
+        model = hf_logits(load())
+        result = {t: perplexity(name, model, b).ppl for t, b in batches.items()}
+        cache.write_text(json.dumps(result))
+        return result
+
+    src = scored("source", lambda: load_source_model(source.path))
+    print(f"\n{a.limit} x 512-token windows per text\n")
+    print("| variant | " + " | ".join(f"{t} ppl | loss vs gram" for t in batches) + " |")
+    print("|---|" + "---|---|" * len(batches))
+    ppl: dict[str, dict[str, float]] = {}
+    for v in a.variants:
+        ppl[v] = scored(v, lambda v=v: load_dequantized(Artifact(a.out / v)))
+        cells = []
+        for t in batches:
+            base = ppl.get("gram", {}).get(t)
+            rel = f"{(ppl[v][t] - src[t]) / (base - src[t]):.3f}x" if base else "-"
+            cells += [f"{ppl[v][t]:.3f}", rel]
+        print(f"| {v} | " + " | ".join(cells) + " |", flush=True)
+    print("| source | " + " | ".join(f"{src[t]:.3f} | -" for t in batches) + " |")
+
+
+if __name__ == "__main__":
+    main()
