@@ -44,8 +44,8 @@ class CpuInt4Weight:
     codes: torch.Tensor | None  # uint8 [N padded, Kp]: only where there are no nibbles
     packed: torch.Tensor | None  # torch's CPU int4 pack, where its kernel is one of the paths
     scales_zeros: torch.Tensor | None  # [Kp / gs, N, 2] in torch's (scale, zero) convention
-    scale: torch.Tensor  # [N padded to 16, Kp / gs]
-    offset: torch.Tensor  # [N padded to 16, Kp / gs], the artifact's -z*s
+    scale: torch.Tensor  # fp16 [N padded to 16, Kp / gs], the artifact's own values
+    offset: torch.Tensor  # fp16 [N padded to 16, Kp / gs], the artifact's -z*s
     n: int
     k: int
     group_size: int
@@ -93,8 +93,8 @@ def prepare_int4(
         q if nibbles is None else None,
         packed,
         scales_zeros,
-        s.to(dtype),
-        b.to(dtype),
+        s.half(),  # exact (the artifact stores them in fp16), and half the bytes of fp32
+        b.half(),
         n,
         k,
         group_size,
@@ -118,10 +118,11 @@ def _codes(w: CpuInt4Weight) -> torch.Tensor:
     return torch.cat((chunks & 15, chunks >> 4), dim=2).view(w.nibbles.shape[0], -1)
 
 
-def dequantize_dense(w: CpuInt4Weight) -> torch.Tensor:
-    """[N, Kp] in the scales' dtype."""
-    q = _codes(w)[: w.n].view(w.n, -1, w.group_size).to(w.scale.dtype)
-    return (q * w.scale[: w.n].unsqueeze(-1) + w.offset[: w.n].unsqueeze(-1)).view(w.n, -1)
+def dequantize_dense(w: CpuInt4Weight, dtype: torch.dtype) -> torch.Tensor:
+    """[N, Kp] in `dtype`."""
+    q = _codes(w)[: w.n].view(w.n, -1, w.group_size).to(dtype)
+    scale, offset = (t[: w.n].to(dtype).unsqueeze(-1) for t in (w.scale, w.offset))
+    return (q * scale + offset).view(w.n, -1)
 
 
 def int4_paths(w: CpuInt4Weight) -> tuple[str, ...]:
@@ -143,7 +144,7 @@ def int4_linear(
     if rows != m:
         x = torch.nn.functional.pad(x, (0, 0, 0, rows - m))
     if path == "dense":
-        return (x @ dequantize_dense(w).T)[:m]
+        return (x @ dequantize_dense(w, x.dtype).T)[:m]
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.packed, w.group_size, w.scales_zeros)
     return y[:m, : w.n]
 
