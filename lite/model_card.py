@@ -42,8 +42,8 @@ tokenizer and chat template. Serve it with `runtime serve {root.name}`.
 | quantization | {q.method}, int{q.bits}, group size {q.group_size}, \
 {"symmetric" if q.symmetric else "asymmetric with zero points"} |
 | calibration | {calib} |
-| search | {q.n_grid}-point scale grid{" with duo scaling" if q.duo_scaling else ""}, \
-clip shrink up to {q.clip_max_shrink} |
+| search | {q.search} objective, {q.n_grid}-point scale grid\
+{" with duo scaling" if q.duo_scaling else ""}, clip shrink up to {q.clip_max_shrink} |
 | search fallbacks | {fallbacks} |
 | launch config | session {launch.session_len}, kv {launch.kv_quant}, \
 block {launch.cache_block_seq_len}, batch {launch.max_batch_size} |

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import math
@@ -25,9 +24,9 @@ from tests.conftest import make_llama3_rope_model
 FAST = ["--calib-samples", "8", "--calib-seqlen", "64", "--w-group-size", "64", "--quiet"]
 
 # sha256 of the source shard and of the artifact's weight shard made from it with FAST, per
-# family (CPU calibration; torch 2.13, x86-64): `--device cpu` must give these tensors.
-# Re-recorded for issue 18's search (q/k/v scored on the attention output, clip strength
-# picked on the block); the earlier search's hashes are kept in GRAM_ARTIFACT_SHA256 below.
+# family (CPU calibration; torch 2.13, x86-64): `--device cpu` must give these tensors. The
+# default search is the Gram form everywhere; these are the hashes it wrote before issue 18,
+# unchanged. The block-output search (opt-in) is pinned in BLOCK_ARTIFACT_SHA256 below.
 # The shard is compared as safetensors' save_file writes its tensors (the bytes it was
 # recorded from), so that the writer's own file layout is free to change and only the
 # numbers are pinned. Another torch or CPU may round differently; then make the artifact with
@@ -36,28 +35,28 @@ FAST = ["--calib-samples", "8", "--calib-seqlen", "64", "--w-group-size", "64", 
 CPU_ARTIFACT_SHA256 = {
     "llama": (
         "15619f488cb72baae01f3cf1bb29e21ea60f5f23ada44871e299f67fc218e696",
-        "a3323eb3cad55ceff68843cb1c36745e5b35b7e2bb7ff19183d97c8d47117463",
+        "56f8a405a0d0a7e6ccb2e959757257c356c64820106f494b77fcea327f23acb5",
     ),
     "mistral": (
         "83b3f689fa1832ef21f2a49e281f38037d01ffead72ff9008d11df7dbfe29317",
-        "59c947c92f7f36381925e485e3b26ee92e8d7aa73fac60db2c8ed8bd0c3e4118",
+        "b4c1377711e4a9e895f4ccb0db9a5e6f1102f9cbd0f358b3c3e7469168af8a66",
     ),
     "qwen2": (
         "f6db2c257c83e7c47b0e4ef37d6fc9e4f7cab30f28ba24a1ea5256a12fae0dd7",
-        "0d9b4e51559c312eaa8475292bc960203f359bd5bf78b7732670ae1c850f390c",
+        "abc53d03a66520112c35171496fa34b58427be36b1806a713afb600d0c948a29",
     ),
     "qwen3": (
         "b0e7af8a66ae3da36b99295e11ff4c5a65aad804d4b4e0589ce0f89ccfbe291e",
-        "414bc4381e7f3ddf81751c364a9e38943573bf26b779d09f5b4412feb349a411",
+        "803f5225e6a259463ccfcb258d3ce3038c2149f8371c50f630184faa554befc2",
     ),
 }
 
 
-# The same shards made with the search before issue 18 (the Gram form for every group,
-# `block_objective=()`): that path must still write exactly what it wrote.
-GRAM_ARTIFACT_SHA256 = {
-    "llama": "56f8a405a0d0a7e6ccb2e959757257c356c64820106f494b77fcea327f23acb5",
-    "qwen3": "803f5225e6a259463ccfcb258d3ce3038c2149f8371c50f630184faa554befc2",
+# The same shards made with the block-output search switched on (q/k/v scored on the
+# attention output, clip strength picked on the attention and MLP outputs: issue 18).
+BLOCK_ARTIFACT_SHA256 = {
+    "llama": "a3323eb3cad55ceff68843cb1c36745e5b35b7e2bb7ff19183d97c8d47117463",
+    "qwen3": "414bc4381e7f3ddf81751c364a9e38943573bf26b779d09f5b4412feb349a411",
 }
 
 
@@ -108,6 +107,7 @@ def test_family_end_to_end(family: str, tiny_models: dict[str, Path], tmp_path: 
     biases = [f"model.layers.0.self_attn.{p}_proj.bias" for p in "qkv"]
     assert [artifact.has(b) for b in biases] == [family == "qwen2"] * 3
     assert m.quantization.calib_samples == 8 and len(m.quantization.calib_tokens_sha256) == 64
+    assert m.quantization.search == "gram"
     q = m.tensors["model.layers.0.mlp.down_proj.qweight"]
     assert q.logical_shape == [96, 160] and q.padded_shape == [128, 192]
     assert (art / "chat_template.jinja").read_text().startswith("{% for m in messages %}")
@@ -126,20 +126,17 @@ def test_family_end_to_end(family: str, tiny_models: dict[str, Path], tmp_path: 
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_gram_objective_still_writes_its_recorded_tensors(
-    family: str, tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_block_search_writes_its_recorded_tensors(
+    family: str, tiny_models: dict[str, Path], tmp_path: Path
 ) -> None:
-    """With the block-output search switched off the run is the pre-issue-18 one, bit for bit:
-    the block search changes the default's numbers (CPU_ARTIFACT_SHA256), nothing else."""
-    from lite import auto_awq
-
-    gram = functools.partial(auto_awq.AwqConfig, block_objective=(), block_clip=())
-    monkeypatch.setattr(auto_awq, "AwqConfig", gram)
+    """`--search block` changes the numbers (BLOCK_ARTIFACT_SHA256), keeps writing the same
+    ones (its probes, replays and clip picks are deterministic) and says so in the manifest."""
     art = tmp_path / "art"
     args = ["auto_awq", str(tiny_models[family]), "--work-dir", str(art), *FAST]
-    code, out = lite(*args, "--device", "cpu")
+    code, out = lite(*args, "--device", "cpu", "--search", "block")
     assert code == 0, out
-    assert _saved_sha256(art / "model-00001.safetensors", tmp_path) == GRAM_ARTIFACT_SHA256[family]
+    assert _saved_sha256(art / "model-00001.safetensors", tmp_path) == BLOCK_ARTIFACT_SHA256[family]
+    assert Artifact(art).manifest.quantization.search == "block"
 
 
 def test_rtn_and_symmetric(tiny_models: dict[str, Path], tmp_path: Path) -> None:
@@ -159,6 +156,7 @@ def test_rtn_and_symmetric(tiny_models: dict[str, Path], tmp_path: Path) -> None
     assert code == 0, out
     q = Artifact(art).manifest.quantization
     assert (q.method, q.symmetric, q.zero_point, q.group_size) == ("rtn", True, False, 32)
+    assert q.search == "none"
     assert q.calib_tokens_sha256 is None
 
 

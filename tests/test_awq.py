@@ -269,18 +269,18 @@ def test_block_clip_strength_never_worse_than_full_or_no_clip() -> None:
 
 
 def test_block_objective_config_switches_the_search() -> None:
-    """block_objective=() is the Gram form everywhere (the pre-issue-18 search) and picks
-    what search_scale picks; the default may pick otherwise but keeps the fp function."""
+    """The default (block_objective=()) is the Gram form everywhere and picks what
+    search_scale picks; the block search may pick otherwise but keeps the fp function."""
     layer, x, pos = _layer(seed=0)
     groups = LAYER_GROUPS["llama"]
     spec = QuantSpec(group_size=64)
-    gram_cfg = AwqConfig(spec=spec, block_objective=())
-    gram = calibrate_layer(copy.deepcopy(layer), groups, x, pos, gram_cfg, "l")
+    gram = calibrate_layer(copy.deepcopy(layer), groups, x, pos, AwqConfig(spec=spec), "l")
     stats, _ = capture(layer, groups, x, pos)
     w = torch.cat([layer.get_submodule(n).weight.data for n in groups[0].linears])
     assert gram.ratios[groups[0].label] == search_scale(w, stats[groups[0]], spec).ratio
     blocked = copy.deepcopy(layer)
     before = run_layer(blocked, x, pos)
-    calibrate_layer(blocked, groups, x, pos, AwqConfig(spec=spec, block_clip=("mlp",)), "l")
+    block_cfg = AwqConfig(spec=spec, block_objective=("self_attn",), block_clip=("mlp",))
+    calibrate_layer(blocked, groups, x, pos, block_cfg, "l")
     after = run_layer(blocked, x, pos)
     assert torch.allclose(after, before, rtol=1e-4, atol=1e-4 * before.abs().max())

@@ -24,12 +24,12 @@ import torch
 BOTH = ["self_attn", "mlp"]
 VARIANTS: dict[str, dict[str, list[str] | int]] = {
     "rtn": {"calib_samples": 0},  # round-to-nearest, the floor
-    "gram": {"block_objective": [], "block_clip": []},  # the search before issue 18
+    "gram": {"block_objective": [], "block_clip": []},  # the default
     "attn": {"block_objective": ["self_attn"], "block_clip": []},  # block output: q/k/v only
     "mlp": {"block_objective": ["mlp"], "block_clip": []},  # block output: gate/up only
     "block": {"block_objective": BOTH, "block_clip": []},
     "block+clip": {"block_objective": BOTH, "block_clip": BOTH},
-    "attn+clip": {"block_objective": ["self_attn"], "block_clip": BOTH},  # the default
+    "attn+clip": {"block_objective": ["self_attn"], "block_clip": BOTH},  # the best block variant
     "block+clip-attn": {"block_objective": BOTH, "block_clip": ["self_attn"]},
     "block+clip-mlp": {"block_objective": BOTH, "block_clip": ["mlp"]},
 }

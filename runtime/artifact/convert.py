@@ -327,6 +327,7 @@ def _quantization(fmt: SourceFormat, gs: int) -> Quantization:
         n_grid=0,
         duo_scaling=False,
         clip_max_shrink=0.0,
+        search="none",
     )
 
 

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 FORMAT = "liteserve-artifact"
 # 2: producer.devices/torch/cuda (optional: schema-1 manifests still validate).
 # 3: source.format/quantization_config and the converted methods (`lite convert`).
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 MANIFEST_FILE = "manifest.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 MODEL_CARD_FILE = "README.md"
@@ -82,6 +82,10 @@ class Quantization(_Strict):
     n_grid: int
     duo_scaling: bool
     clip_max_shrink: float
+    # AWQ's objectives: "gram" (each linear's output error), "block" (q/k/v scales and clip
+    # strengths scored on the block output), "none" (RTN, converted); artifacts made before
+    # it was recorded ran the Gram search
+    search: str = "gram"
     fallbacks: list[str] = Field(default_factory=list)  # layers whose search fell back, and why
 
 
