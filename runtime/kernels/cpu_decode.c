@@ -319,7 +319,7 @@ void decode_attention(const void *q, int64_t q_stride, int q_dtype, void *out, c
         work += lens[b];
     }
     /* a parallel region costs more than the whole of a short single sequence */
-#pragma omp parallel for collapse(2) schedule(dynamic, 1) if (work * kv_heads >= 4096)
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) if (work * kv_heads >= 256)
     for (int64_t b = 0; b < batch; b++) {
         for (int64_t h = 0; h < kv_heads; h++) {
             int64_t len = lens[b], start = (window > 0 && len > window) ? len - window : 0;

@@ -266,28 +266,50 @@ static inline __m256i reduce8(const I p[8]) {
                             _mm256_permute2x128_si256(a, b, 0x31));
 }
 
+/* Eight scalars p[i + c * stride], c < 8, as floats: the 8 columns' values of one group. */
+static inline __m256 load8(const void *p, int dtype, int64_t i, int64_t stride) {
+    if (dtype == F32) {
+        const float *f = (const float *)p + i;
+        return _mm256_setr_ps(f[0], f[stride], f[2 * stride], f[3 * stride], f[4 * stride],
+                              f[5 * stride], f[6 * stride], f[7 * stride]);
+    }
+    const uint16_t *h = (const uint16_t *)p + i;
+    __m128i v = _mm_setr_epi16((short)h[0], (short)h[stride], (short)h[2 * stride],
+                               (short)h[3 * stride], (short)h[4 * stride], (short)h[5 * stride],
+                               (short)h[6 * stride], (short)h[7 * stride]);
+    if (dtype == F16) return _mm256_cvtph_ps(v);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
 /* One row (decode) over 8 columns, lane c: the same group-wise order as tile(). */
 static void tile18(const int8_t *q, const float *d, const float *xs, const Weights *w,
                    int64_t j0, float *out) {
     const int64_t groups = w->groups, gs = w->gs;
     __m256 acc = _mm256_setzero_ps(), bias = _mm256_setzero_ps(); /* lane-wise as tile()'s */
+    const int packed = w->form == PACKED4;
+    const int64_t row_bytes = packed ? w->k / 2 : w->k; /* PACKED4 or SIGNED8 (no tile unpack at m = 1) */
+    const uint8_t *rows[8];
+    for (int c = 0; c < 8; c++) rows[c] = w->codes + (j0 + c) * row_bytes;
     for (int64_t g = 0; g < groups; g++) {
         I p[8];
         for (int c = 0; c < 8; c++) p[c] = izero();
-        for (int64_t i = g * gs; i < (g + 1) * gs; i += 32) {
-            X x = load_x(q + i);
-            for (int c = 0; c < 8; c++)
-                p[c] = w->form == SIGNED8 ? idot8(p[c], chunk(w, j0 + c, i), x)
-                                          : idot(p[c], chunk(w, j0 + c, i), x);
+        if (packed) {
+            for (int64_t i = g * gs; i < (g + 1) * gs; i += 32) {
+                X x = load_x(q + i);
+                for (int c = 0; c < 8; c++) p[c] = idot(p[c], load_w(rows[c] + i / 2), x);
+            }
+        } else {
+            for (int64_t i = g * gs; i < (g + 1) * gs; i += 32) {
+                X x = load_x(q + i);
+                for (int c = 0; c < 8; c++) p[c] = idot8(p[c], load_w8((const int8_t *)rows[c] + i), x);
+            }
         }
-        float s[8], b[8];
-        for (int c = 0; c < 8; c++) {
-            s[c] = load_scalar(w->scale, w->s_dtype, (j0 + c) * groups + g);
-            b[c] = w->offset ? load_scalar(w->offset, w->s_dtype, (j0 + c) * groups + g) : 0.f;
-        }
-        __m256 sd = _mm256_mul_ps(_mm256_loadu_ps(s), _mm256_set1_ps(d[g]));
+        __m256 sv = load8(w->scale, w->s_dtype, j0 * groups + g, groups);
+        __m256 sd = _mm256_mul_ps(sv, _mm256_set1_ps(d[g]));
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(p)), sd, acc);
-        bias = _mm256_fmadd_ps(_mm256_loadu_ps(b), _mm256_set1_ps(xs[g]), bias);
+        if (w->offset)
+            bias = _mm256_fmadd_ps(load8(w->offset, w->s_dtype, j0 * groups + g, groups),
+                                   _mm256_set1_ps(xs[g]), bias);
     }
     _mm256_storeu_ps(out + j0, _mm256_add_ps(acc, bias));
 }
