@@ -137,6 +137,7 @@ def profile_decode(engine: Engine, batch: int) -> dict[str, float]:
         ("kv_write", "kv write"),
         ("rms_norm", "rms norms"),
         ("logits", "lm_head"),
+        ("decoder_layer", "fused decoder layers"),
     ):
         setattr(wrapped, op, timed(name, getattr(ops, op)))
     linears = [

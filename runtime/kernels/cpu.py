@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 
 from runtime.artifact.layout import pack_qparams, pack_qweight, unpack_qparams, unpack_qweight
-from runtime.kernels import cpu_dispatch, native, reference
+from runtime.kernels import cpu_dispatch, cpu_layer, native, reference
 from runtime.kernels.cpu_dispatch import Choice
-from runtime.kernels.ops import Backend, StepInputs, StepTensors
+from runtime.kernels.cpu_layer import FusedLayer
+from runtime.kernels.ops import Backend, LayerParts, StepInputs, StepTensors
 from runtime.kv.format import QMAX
 from runtime.kv.layer import LayerKV
 
@@ -612,6 +613,14 @@ class CpuBackend(Backend):
         if path not in logits_paths(head, self.lib):
             path = "torch"
         return logits(x, head, path, lib=self.lib)
+
+    def prepare_layer(self, parts: LayerParts) -> FusedLayer | None:
+        return cpu_layer.prepare_layer(parts, self.lib)
+
+    def decoder_layer(self, x, layer: FusedLayer, rope, kv: LayerKV, step: StepTensors):
+        if self.dispatch(x.dtype)["int4"].pick(x.shape[0]) != "int8":
+            return None
+        return cpu_layer.decoder_layer(self.lib, x, layer, rope, kv, step)
 
     def kv_write(self, kv: LayerKV, k, v, slot_mapping) -> None:
         kv_write(kv, k, v, slot_mapping, lib=self.lib)

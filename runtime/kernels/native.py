@@ -33,7 +33,9 @@ from runtime.kernels import isa
 from runtime.kernels.build_cache import BuildUnavailable, cached_build, load_typed
 from runtime.kv.format import STORAGE_KINDS
 
-SOURCES = (Path(__file__).with_name("cpu_decode.c"), Path(__file__).with_name("cpu_qlinear.c"))
+SOURCES = tuple(
+    Path(__file__).with_name(f"cpu_{name}.c") for name in ("decode", "qlinear", "layer")
+)
 FLAGS = ["-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]  # plus the ISA's
 # the kernels' dtype codes (cpu_decode.c's enum)
 DTYPE_CODES = {d: code for d, code in STORAGE_KINDS.items() if isinstance(d, torch.dtype)}
@@ -46,6 +48,7 @@ _SIGNATURES = {
     "kv_write_quantized": [_P, _I64, _P, _I64, _I32, _P, _I64, *[_P] * 6, _I64, _I64, _I32],
     "int4_int8_linear": [_P, _I64, _I32, _P, _P, _P, _I32, _P, _I64, _I64, _I64, _I64],
     "int8_int8_linear": [_P, _I64, _I32, _P, _P, _P, _I64, _I64, _I64],
+    "decode_layer": [_P, _P, _I64, *[_P] * 9, _I64, _P],
 }
 
 

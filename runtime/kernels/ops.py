@@ -60,6 +60,27 @@ class StepTensors:
     attn: Any
 
 
+@dataclass(frozen=True)
+class LayerParts:
+    """A decoder layer's weights in the backend's forms, and its shape: what prepare_layer
+    gets from the model (kernels never import the model)."""
+
+    linears: dict[str, Any]  # "qkv", "o", "gate_up", "down": prepare_int4's forms
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    hidden_act: str
+    sliding_window: int | None
+    scale: float
+
+
 class Backend(ABC):
     """The ops a model runs and the step metadata they read. Each backend builds its own
     metadata from :class:`StepInputs` in ``prepare_step``; the model runner never asks which
@@ -111,6 +132,23 @@ class Backend(ABC):
 
     @abstractmethod
     def prepare_step(self, step: StepInputs) -> StepTensors: ...
+
+    def prepare_layer(self, parts: LayerParts) -> Any:
+        """The backend's form of a whole decoder layer, for backends that run one in a single
+        call (`decoder_layer`); None: the model calls the ops one by one."""
+        return None
+
+    def decoder_layer(
+        self,
+        x: torch.Tensor,
+        layer: Any,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv: LayerKV,
+        step: StepTensors,
+    ) -> torch.Tensor | None:
+        """The layer's output for this step, or None when this step is not one the fused
+        layer runs (the model then calls the ops one by one)."""
+        return None
 
     def decode_attn(self, block_tables: torch.Tensor, context_lens: torch.Tensor) -> Any:
         """Attention metadata of an all-decode step over static buffers (what a CUDA graph

@@ -21,7 +21,7 @@ from runtime.artifact.manifest import Architecture
 from runtime.artifact.reader import Artifact, Span
 from runtime.distributed.group import TPGroup
 from runtime.distributed.shard import Shard
-from runtime.kernels.ops import Backend
+from runtime.kernels.ops import Backend, LayerParts
 from runtime.model.context import get_context
 from runtime.model.rotary import Rotary, apply_rotary
 
@@ -105,6 +105,27 @@ class Layer:
         self.act = _ACTS[arch.hidden_act]
         self.scale = self.head_dim**-0.5
         self.sliding_window = arch.sliding_window
+        self.fused = None if group is not None else ops.prepare_layer(self.parts(arch))
+
+    def parts(self, arch: Architecture) -> LayerParts:
+        """What a backend that runs the whole layer in one call needs of it."""
+        linears = {"qkv": self.qkv, "o": self.o, "gate_up": self.gate_up, "down": self.down}
+        return LayerParts(
+            linears={name: lin.weight for name, lin in linears.items()},
+            input_norm=self.input_norm,
+            post_norm=self.post_norm,
+            qkv_bias=self.qkv.bias,
+            q_norm=self.q_norm,
+            k_norm=self.k_norm,
+            heads=self.heads,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            intermediate=sum(self.gate_up.splits) // 2,
+            eps=self.eps,
+            hidden_act=arch.hidden_act,
+            sliding_window=self.sliding_window,
+            scale=self.scale,
+        )
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of a row-parallel linear's partial output (itself without TP)."""
@@ -128,6 +149,12 @@ class Layer:
         return self.reduce(self.o(o.reshape(t, -1)))
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if self.fused is not None:
+            ctx = get_context()
+            kv = ctx.cache.layer(self.index)
+            out = self.ops.decoder_layer(x, self.fused, rope, kv, ctx.step)
+            if out is not None:
+                return out
         norm = self.ops.rms_norm
         x = x + self.attention(norm(x, self.input_norm, self.eps), rope)
         gate, up = self.gate_up(norm(x, self.post_norm, self.eps)).chunk(2, dim=-1)

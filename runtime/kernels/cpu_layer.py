@@ -1,0 +1,154 @@
+"""A decoder layer of a decode step in one C call (cpu_layer.c).
+
+A batch-1 decode step of a small model is a few hundred small ops; called one by one from
+Python, each costs microseconds of torch and ctypes dispatch, a fifth of SmolLM2's step on
+AVX2 (evals/bench/RESULTS.md, issue 19). The fused layer runs the same kernels in the same
+order in C. It runs where the per-op path would run those kernels anyway: fp32 activations,
+every linear on the int4 x int8 path for the step's row count, an int8/int4 or fp32 KV pool,
+every token of the step decoding, SiLU, no tensor parallelism. Anything else returns None and
+the model calls the ops one by one. `LITESERVE_CPU_FUSE=0` turns it off (for comparisons).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+
+import torch
+
+from runtime.kernels import native
+from runtime.kernels.ops import LayerParts, StepTensors
+from runtime.kv.format import QMAX
+from runtime.kv.layer import LayerKV
+
+# cpu_layer.c's D_* and P_* orders
+LAYER_DIMS = (
+    "hidden", "heads", "kv_heads", "head_dim", "group", "s_dtype", "window", "kind", "qmax",
+    "block", "inter",
+)  # fmt: skip
+LINEARS = ("qkv", "o", "gate_up", "down")
+NORMS = ("input_norm", "post_norm", "qkv_bias", "q_norm", "k_norm")
+_FIELDS_PER_LINEAR = 5  # codes, scale, offset, n, kp
+_Ptrs = ctypes.c_void_p * (len(NORMS) + _FIELDS_PER_LINEAR * len(LINEARS))
+_Dims = ctypes.c_int64 * len(LAYER_DIMS)
+_Floats = ctypes.c_float * 2
+
+
+def enabled() -> bool:
+    return os.environ.get("LITESERVE_CPU_FUSE", "1") != "0"
+
+
+@dataclass
+class FusedLayer:
+    """The pointers and sizes cpu_layer.c reads, built once per layer; `keep` holds the
+    tensors they point into."""
+
+    ptrs: ctypes.Array
+    dims: ctypes.Array
+    floats: ctypes.Array
+    keep: tuple
+    kv_set: bool = False  # the pool's kind, qmax and block size are in dims
+
+
+def prepare_layer(parts: LayerParts, lib: ctypes.CDLL | None) -> FusedLayer | None:
+    """The layer's fused form, or None where cpu_layer.c does not run it."""
+    weights = [parts.linears[name] for name in LINEARS]
+    dtypes = {parts.input_norm.dtype, parts.post_norm.dtype}
+    if (
+        lib is None
+        or not enabled()
+        or parts.hidden_act != "silu"
+        or dtypes != {torch.float32}
+        or any(w.nibbles is None or w.scale.dtype != torch.float16 for w in weights)
+        or len({w.group_size for w in weights}) != 1
+    ):
+        return None
+    keep = [parts.input_norm.contiguous(), parts.post_norm.contiguous()]
+    ptrs: list[int | None] = [keep[0].data_ptr(), keep[1].data_ptr()]
+    for t in (parts.qkv_bias, parts.q_norm, parts.k_norm):
+        if t is not None and t.dtype != torch.float32:
+            return None
+        t = None if t is None else t.contiguous()
+        keep.append(t)
+        ptrs.append(None if t is None else t.data_ptr())
+    for w in weights:
+        ptrs += [w.nibbles.data_ptr(), w.scale.data_ptr(), w.offset.data_ptr(), w.n, w.kp]
+    dims = dict.fromkeys(LAYER_DIMS, 0)
+    dims |= {
+        "hidden": parts.linears["o"].n,
+        "heads": parts.heads,
+        "kv_heads": parts.kv_heads,
+        "head_dim": parts.head_dim,
+        "group": weights[0].group_size,
+        "s_dtype": native.DTYPE_CODES[torch.float16],
+        "window": parts.sliding_window or 0,
+        "inter": parts.intermediate,
+    }
+    return FusedLayer(
+        _Ptrs(*ptrs),
+        _Dims(*(dims[name] for name in LAYER_DIMS)),
+        _Floats(parts.eps, parts.scale),
+        (*keep, *weights),
+    )
+
+
+def _set_pool(layer: FusedLayer, kv: LayerKV) -> bool:
+    """The pool's format into the layer's dims (fixed for an engine's life); False where the
+    fused layer cannot write it."""
+    spec = kv.spec
+    if kv.quantized:
+        qmax = QMAX[spec.kv_quant]
+    elif kv.k.dtype == torch.float32:
+        qmax = 0
+    else:
+        return False
+    if (spec.num_kv_heads, spec.head_dim) != (layer.dims[2], layer.dims[3]):
+        return False
+    for name, value in (("kind", spec.storage_kind), ("qmax", qmax), ("block", spec.block_size)):
+        layer.dims[LAYER_DIMS.index(name)] = value
+    layer.kv_set = True
+    return True
+
+
+def _pool(kv: LayerKV) -> tuple[torch.Tensor | None, ...]:
+    """cpu_decode.c's six pool pointers: the parameters NULL when unquantized (it reads any
+    it is given)."""
+    return kv.k, kv.v, kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero
+
+
+def decoder_layer(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    layer: FusedLayer,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    kv: LayerKV,
+    step: StepTensors,
+) -> torch.Tensor | None:
+    """The layer's output [T, hidden] for an all-decode step, else None."""
+    d = step.attn.decode
+    t = x.shape[0]
+    if x.dtype != torch.float32 or d is None or d.rows.shape[0] != t or not x.is_contiguous():
+        return None
+    if not layer.kv_set and not _set_pool(layer, kv):
+        return None
+    cos, sin = (r.reshape(t, -1) for r in rope)
+    slots = step.slot_mapping
+    out = torch.empty_like(x)
+    lib.decode_layer(
+        x.data_ptr(),
+        out.data_ptr(),
+        t,
+        layer.ptrs,
+        layer.dims,
+        layer.floats,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        slots.data_ptr(),
+        (ctypes.c_void_p * 6)(*(None if p is None else p.data_ptr() for p in _pool(kv))),
+        d.rows.data_ptr(),
+        d.blocks.data_ptr(),
+        d.blocks.stride(0),
+        d.lens.data_ptr(),
+    )
+    return out
