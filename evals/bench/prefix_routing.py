@@ -6,19 +6,21 @@ A local Ray cluster, two engine replicas of ARTIFACT behind the liteserve ingres
 deployment routed round-robin and once with prefix affinity (a fresh deployment each time, so
 both start with empty caches), by --clients concurrent clients.
 
-The traffic is sessions over documents, the shape of chat and RAG services: --active sessions
-are open at a time; each request picks an open session at random and asks its next question
-about the session's document (a --prefix-chars window of Python's pydoc text, the same for
-every turn of the session: the shared prefix); a session ends after --turns requests and a new
-one, on a new document, takes its place. The hit rate is the replicas' own
-`liteserve:prefix_cache_hits_total / prefix_cache_queries_total` (KV blocks of the prompts found
-cached), summed over the replicas, scraped through the ingress.
+The traffic is sessions, the shape of chat and RAG services: --active sessions are open at a
+time; each request picks an open session at random and asks its next question; a session ends
+after --turns requests and a new one, on a new document (a --prefix-chars window of Python's
+pydoc text), takes its place. --shape documents (the default) sends the session's document and
+the new question each turn (the shared prefix is the document); --shape conversations resends
+the whole conversation so far, the document, each earlier question and an answer to it, as a
+chat client does (the shared prefix grows by a turn each time). The hit rate is the replicas'
+own `liteserve:prefix_cache_hits_total / prefix_cache_queries_total` (KV blocks of the prompts
+found cached), summed over the replicas, scraped through the ingress.
 
 Where the gain comes from, and where it does not: round-robin sends a session's turns to both
 replicas, so each document is computed twice before it is reused, and both replicas must cache
 every open session's document; affinity computes each once and lets each replica cache half.
 --num-blocks sets each replica's KV pool; the default holds --pool-share (0.65) of the open
-sessions' documents plus the running requests' own blocks: more than the half each replica
+sessions' longest prompts plus the running requests' own blocks: more than the half each replica
 needs under affinity, less than all under round-robin, the regime of a busy service. With a pool
 that holds everything and many turns per prefix, the two policies differ only by the second
 cold miss per prefix (--num-blocks 200 --turns 12 --active 8: about 1.1x).
@@ -57,31 +59,37 @@ def documents(count: int, chars: int) -> list[str]:
 
 
 def workload(
-    seed: int, count: int, turns: int, active: int, chars: int
-) -> tuple[list[list[dict]], int]:
-    """`count` chat requests from sessions: (requests, documents used)."""
+    seed: int, count: int, turns: int, active: int, chars: int, shape: str
+) -> tuple[list[list[dict]], list[int]]:
+    """`count` chat requests from sessions: (requests, the session each belongs to).
+
+    "documents": every turn is the session's document and one new question. "conversations":
+    every turn resends the whole conversation so far (the document, each earlier question
+    and an answer to it) and asks the next question, as a chat client does.
+    """
     rng = random.Random(seed)
     docs = documents(count // turns + active + 1, chars)
-    open_sessions = [[d, 0] for d in range(active)]  # [document, turns done]
+    answers = documents(count // turns + active + 1, chars // 4)[::-1]
+    open_sessions = [[d, []] for d in range(active)]  # [document, turns so far]
     next_doc = active
-    out = []
+    out, sessions = [], []
     for _ in range(count):
         session = rng.choice(open_sessions)
-        doc, turn = session
-        out.append(
-            [
-                {"role": "system", "content": f"Answer from this document.\n{docs[doc]}"},
-                {
-                    "role": "user",
-                    "content": f"Question {turn + 1}: what does part {rng.randrange(9)} say?",
-                },
-            ]
-        )
-        session[1] += 1
-        if session[1] == turns:
-            session[:] = [next_doc, 0]
+        doc, history = session
+        question = {
+            "role": "user",
+            "content": f"Question {len(history) + 1}: what does part {rng.randrange(9)} say?",
+        }
+        earlier = [m for turn in history for m in turn] if shape == "conversations" else []
+        system = {"role": "system", "content": f"Answer from this document.\n{docs[doc]}"}
+        out.append([system, *earlier, question])
+        sessions.append(doc)
+        answer = {"role": "assistant", "content": answers[(doc + len(history)) % len(answers)]}
+        history.append((question, answer))
+        if len(history) == turns:
+            session[:] = [next_doc, []]
             next_doc += 1
-    return out, next_doc
+    return out, sessions
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -182,6 +190,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("artifact", type=Path)
     ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument(
+        "--shape",
+        choices=("documents", "conversations"),
+        default="documents",
+        help="each turn resends the document only, or the conversation so far",
+    )
     ap.add_argument("--turns", type=int, default=3, help="requests per session (document)")
     ap.add_argument("--active", type=int, default=16, help="sessions open at a time")
     ap.add_argument("--prefix-chars", type=int, default=2000, help="characters per document")
@@ -192,14 +206,14 @@ def main() -> None:
     ap.add_argument(
         "--num-blocks",
         type=int,
-        help="KV blocks per replica (default: --pool-share of the open sessions' documents "
+        help="KV blocks per replica (default: --pool-share of the open sessions' longest prompts "
         "plus two blocks per client)",
     )
     ap.add_argument(
         "--pool-share",
         type=float,
         default=0.65,
-        help="the default pool's share of the open sessions' documents",
+        help="the default pool's share of the open sessions' longest prompts",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path)
@@ -210,11 +224,16 @@ def main() -> None:
 
     from runtime.artifact.reader import read_manifest
 
-    requests, used = workload(args.seed, args.requests, args.turns, args.active, args.prefix_chars)
+    requests, sessions = workload(
+        args.seed, args.requests, args.turns, args.active, args.prefix_chars, args.shape
+    )
     block = read_manifest(args.artifact).launch.cache_block_seq_len
     tok = Tokenizer.from_file(str(args.artifact / "tokenizer.json"))
-    docs = {r[0]["content"] for r in requests}
-    doc_blocks = sum(len(tok.encode(d).ids) // block for d in docs) / len(docs)
+    longest: dict[int, int] = {}  # session -> blocks of its longest prompt
+    for messages, session in zip(requests, sessions, strict=True):
+        text = "".join(m["content"] for m in messages)
+        longest[session] = max(longest.get(session, 0), len(tok.encode(text).ids) // block)
+    doc_blocks = sum(longest.values()) / len(longest)
     if args.num_blocks is None:
         args.num_blocks = math.ceil(args.pool_share * args.active * doc_blocks) + 2 * args.clients
 
@@ -236,10 +255,11 @@ def main() -> None:
         "artifact": str(args.artifact),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "command": " ".join(sys.argv),
-        "documents": used,
+        "shape": args.shape,
+        "documents": len(longest),
         "turns_per_session": args.turns,
         "open_sessions": args.active,
-        "blocks_per_document": round(doc_blocks, 2),
+        "blocks_per_session": round(doc_blocks, 2),
         "kv_block_tokens": block,
         "num_blocks_per_replica": args.num_blocks,
         "requests": args.requests,
