@@ -65,11 +65,15 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def auto_dtype(backend: Backend) -> torch.dtype:
-    """On a CPU, bf16 where it is native (torch's int4 kernel is fast only in bf16: 30x over
-    fp32 at decode, see runtime/kernels/cpu.py), fp32 elsewhere. On a GPU bf16 (fp16's range
-    overflows on some models' activations); under the Triton interpreter fp16, which numpy
-    computes exactly where its bf16 support is incomplete."""
+    """On a CPU, fp32 where the C kernels run the int8 linear path (its fused decode layer,
+    runtime/kernels/cpu_layer.py, decodes faster than bf16 even where bf16 is native: 97-104
+    against 81 tok/s on SmolLM2 at batch 1 on AVX-512 with bf16, evals/bench/RESULTS.md);
+    else bf16 where it is native (torch's int4 kernel is fast only in bf16), fp32 elsewhere.
+    On a GPU bf16 (fp16's range overflows on some models' activations); under the Triton
+    interpreter fp16, which numpy computes exactly where its bf16 support is incomplete."""
     if backend.name == "cpu":
+        if backend.fuses_layers:
+            return torch.float32
         return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
     return torch.bfloat16 if backend.device.type == "cuda" else torch.float16
 

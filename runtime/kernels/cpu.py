@@ -572,6 +572,11 @@ class CpuBackend(Backend):
             self.detail += ", float activations only (LITESERVE_CPU_INT8=0)"
         self._dispatch: dict[torch.dtype, dict[str, Choice]] = {}
 
+    @property
+    def fuses_layers(self) -> bool:
+        """Whether fp32 decode steps run a whole decoder layer per C call (cpu_layer.py)."""
+        return self.lib is not None and self.int8 and cpu_layer.enabled()
+
     def dispatch(self, dtype: torch.dtype) -> dict[str, Choice]:
         """The measured table for activations of `dtype` (from the cache after the first run
         on this host), logged once per process."""
