@@ -66,12 +66,14 @@ def _emulated(x: torch.Tensor, gs: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("m", "n", "k", "gs"), [(1, 70, 128, 32), (5, 33, 192, 64), (9, 64, 256, 128)]
+    ("m", "n", "k", "gs"),
+    [(1, 70, 128, 32), (5, 33, 192, 64), (9, 64, 256, 128), (131, 19, 128, 32)],
 )
 def test_int4_int8_kernel_matches_its_emulation(isa_lib, m: int, n: int, k: int, gs: int) -> None:
     """The integer dots are exact; only the fp32 sums of group partials differ in order from
     the fp64 emulation: 1e-5 of the largest output. Rows cover the 1-row tile, the 4 x 2 tile
-    and leftovers; n odd covers the last columns."""
+    and leftovers, and past 128 rows the column tiles unpacked once; n odd covers the last
+    columns."""
     _, lib = isa_lib
     g = torch.Generator().manual_seed(m * n)
     q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
@@ -109,9 +111,10 @@ def test_int8_int8_kernel_matches_its_emulation(isa_lib, m: int, n: int, k: int)
 
 
 def test_int8_kernels_give_a_row_the_same_bits_in_any_batch(isa_lib) -> None:
-    """A row alone (the decode tile) and at every position of batches of 2-9 rows (the 4 x 2
-    tiles and the leftovers): bit-identical outputs, for int4 and int8 weights, so a sequence's
-    tokens do not depend on the batch it shares."""
+    """A row alone (the decode tile), at every position of batches of 2-9 rows (the 4 x 2
+    tiles and the leftovers) and in a batch of 131 (unpacked column tiles): bit-identical
+    outputs, for int4 and int8 weights, so a sequence's tokens do not depend on the batch it
+    shares."""
     _, lib = isa_lib
     g = torch.Generator().manual_seed(5)
     n, k, gs = 37, 192, 64
@@ -119,7 +122,7 @@ def test_int8_kernels_give_a_row_the_same_bits_in_any_batch(isa_lib) -> None:
     scale, offset = torch.rand(n, k // gs, generator=g) / 50, -torch.rand(n, k // gs, generator=g)
     codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     scales = torch.rand(n, k // 32, generator=g) / 100
-    x = torch.randn(9, k, generator=g)
+    x = torch.randn(131, k, generator=g)
 
     def int4(rows: torch.Tensor) -> torch.Tensor:
         out = torch.empty(rows.shape[0], n)
@@ -138,7 +141,8 @@ def test_int8_kernels_give_a_row_the_same_bits_in_any_batch(isa_lib) -> None:
         return out
 
     for kernel in (int4, int8):
-        alone = torch.cat([kernel(x[i : i + 1]) for i in range(9)])
+        alone = torch.cat([kernel(x[i : i + 1]) for i in range(131)])
+        assert torch.equal(kernel(x), alone)
         for m in range(2, 10):
             for start in range(0, 10 - m):
                 assert torch.equal(
