@@ -65,14 +65,16 @@ def _emulated(x: torch.Tensor, gs: int) -> torch.Tensor:
     return (torch.round(g * inv).double() * (amax / 127).double()).view(m, k)
 
 
+@pytest.mark.parametrize("unpack", [0, 1])
 @pytest.mark.parametrize(
-    ("m", "n", "k", "gs"),
-    [(1, 70, 128, 32), (5, 33, 192, 64), (9, 64, 256, 128), (131, 19, 128, 32)],
+    ("m", "n", "k", "gs"), [(1, 70, 128, 32), (5, 33, 192, 64), (9, 64, 256, 128)]
 )
-def test_int4_int8_kernel_matches_its_emulation(isa_lib, m: int, n: int, k: int, gs: int) -> None:
+def test_int4_int8_kernel_matches_its_emulation(
+    isa_lib, m: int, n: int, k: int, gs: int, unpack: int
+) -> None:
     """The integer dots are exact; only the fp32 sums of group partials differ in order from
     the fp64 emulation: 1e-5 of the largest output. Rows cover the 1-row tile, the 4 x 2 tile
-    and leftovers, and past 128 rows the column tiles unpacked once; n odd covers the last
+    and leftovers, with column tiles read packed or unpacked once; n odd covers the last
     columns."""
     _, lib = isa_lib
     g = torch.Generator().manual_seed(m * n)
@@ -83,7 +85,7 @@ def test_int4_int8_kernel_matches_its_emulation(isa_lib, m: int, n: int, k: int,
     out, nibbles = torch.empty(m, n), cpu._nibbles(q, gs)  # named: alive through the call
     lib.int4_int8_linear(
         x.data_ptr(), k, 0, nibbles.data_ptr(), scale.data_ptr(), offset.data_ptr(), 0,
-        out.data_ptr(), m, n, k, gs,
+        out.data_ptr(), m, n, k, gs, unpack,
     )  # fmt: skip
     w = q.double().view(n, -1, gs) * scale.double()[..., None] + offset.double()[..., None]
     want = _emulated(x, gs) @ w.view(n, k).T
@@ -111,10 +113,10 @@ def test_int8_int8_kernel_matches_its_emulation(isa_lib, m: int, n: int, k: int)
 
 
 def test_int8_kernels_give_a_row_the_same_bits_in_any_batch(isa_lib) -> None:
-    """A row alone (the decode tile), at every position of batches of 2-9 rows (the 4 x 2
-    tiles and the leftovers) and in a batch of 131 (unpacked column tiles): bit-identical
+    """A row alone (the decode tile) and at every position of batches of 2-9 rows (the 4 x 2
+    tiles and the leftovers, int4 column tiles read packed or unpacked): bit-identical
     outputs, for int4 and int8 weights, so a sequence's tokens do not depend on the batch it
-    shares."""
+    shares nor on the dispatch's choice between the two int8 paths."""
     _, lib = isa_lib
     g = torch.Generator().manual_seed(5)
     n, k, gs = 37, 192, 64
@@ -122,15 +124,18 @@ def test_int8_kernels_give_a_row_the_same_bits_in_any_batch(isa_lib) -> None:
     scale, offset = torch.rand(n, k // gs, generator=g) / 50, -torch.rand(n, k // gs, generator=g)
     codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     scales = torch.rand(n, k // 32, generator=g) / 100
-    x = torch.randn(131, k, generator=g)
+    x = torch.randn(9, k, generator=g)
 
-    def int4(rows: torch.Tensor) -> torch.Tensor:
+    def int4(rows: torch.Tensor, unpack: int = 0) -> torch.Tensor:
         out = torch.empty(rows.shape[0], n)
         lib.int4_int8_linear(
             rows.data_ptr(), k, 0, nibbles.data_ptr(), scale.data_ptr(), offset.data_ptr(), 0,
-            out.data_ptr(), rows.shape[0], n, k, gs,
+            out.data_ptr(), rows.shape[0], n, k, gs, unpack,
         )  # fmt: skip
         return out
+
+    def int4_unpacked(rows: torch.Tensor) -> torch.Tensor:
+        return int4(rows, 1)
 
     def int8(rows: torch.Tensor) -> torch.Tensor:
         out = torch.empty(rows.shape[0], n)
@@ -140,9 +145,11 @@ def test_int8_kernels_give_a_row_the_same_bits_in_any_batch(isa_lib) -> None:
         )  # fmt: skip
         return out
 
-    for kernel in (int4, int8):
-        alone = torch.cat([kernel(x[i : i + 1]) for i in range(131)])
-        assert torch.equal(kernel(x), alone)
+    alone_int4 = torch.cat([int4(x[i : i + 1]) for i in range(9)])
+    for kernel in (int4, int4_unpacked, int8):
+        alone = torch.cat([kernel(x[i : i + 1]) for i in range(9)])
+        if kernel is int4_unpacked:
+            assert torch.equal(alone, alone_int4)
         for m in range(2, 10):
             for start in range(0, 10 - m):
                 assert torch.equal(

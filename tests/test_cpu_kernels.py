@@ -31,7 +31,7 @@ def test_int4_linear_matches_reference_dequantize(path, dtype, rows, ns, k, gs) 
     at 2^-8 and 2^-11 (2e-2); the int8 path rounds each group of activations to 1/254 of its
     largest magnitude, about 0.6% relative error on Gaussian inputs (bound 1.5e-2)."""
     parts = [_packed(n, k, gs, seed=i) for i, n in enumerate(ns)]
-    lib = native.library() if path == "int8" else None
+    lib = native.library() if path in cpu.INT8_PATHS else None
     w = cpu.prepare_int4(parts, k, gs, dtype, lib=lib, paths={path})
     assert path in cpu.int4_paths(w)
     assert (w.packed is not None) == (path == "torch-int4")
@@ -41,7 +41,7 @@ def test_int4_linear_matches_reference_dequantize(path, dtype, rows, ns, k, gs) 
     assert got.shape == ref.shape and got.dtype == dtype
     rel = float((got.float() - ref).norm() / ref.norm())
     bound = 1e-5 if dtype == torch.float32 else 2e-2
-    assert rel < (1.5e-2 if path == "int8" else bound), rel
+    assert rel < (1.5e-2 if path in cpu.INT8_PATHS else bound), rel
 
 
 def test_row_buckets_are_few_and_tight() -> None:

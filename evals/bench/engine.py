@@ -34,7 +34,7 @@ import torch
 from runtime.config import EngineConfig
 from runtime.engine.engine import Engine
 from runtime.engine.sampler import SamplingParams
-from runtime.kernels import native
+from runtime.kernels import cpu, native
 
 PROMPT_LEN = 128
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "asimd",
@@ -182,7 +182,8 @@ def weight_bytes(engine: Engine) -> int:
             if int4_path == "torch-int4":
                 forms += [w.packed, w.scales_zeros]
             else:
-                forms += [w.nibbles if int4_path == "int8" else w.codes, w.scale, w.offset]
+                codes = w.nibbles if int4_path in cpu.INT8_PATHS else w.codes
+                forms += [codes, w.scale, w.offset]
     return sum(t.numel() * t.element_size() for t in forms if t is not None)
 
 

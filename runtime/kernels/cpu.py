@@ -30,9 +30,12 @@ from runtime.kv.layer import LayerKV
 
 log = logging.getLogger(__name__)
 
-INT4_PATHS = ("int8", "torch-int4", "dense")  # what cpu_dispatch chooses among for int4 linears
+# what cpu_dispatch chooses among for int4 linears ("int8-unpacked": the same kernel unpacking
+# each column tile's codes once for all its row tiles; same bits, faster only at many rows)
+INT4_PATHS = ("int8", "int8-unpacked", "torch-int4", "dense")
 LOGITS_PATHS = ("int8", "c", "torch")  # and for the logits
-INT8_PATHS = {"int8"}  # the paths that quantize activations (LITESERVE_CPU_INT8=0 drops them)
+# the paths that quantize activations (LITESERVE_CPU_INT8=0 drops them)
+INT8_PATHS = {"int8", "int8-unpacked"}
 # the shapes the dispatch is measured on: a mid-size linear (n, k, group) and lm_head (n, k)
 CALIBRATION_INT4 = (2048, 1024, 64)
 CALIBRATION_LOGITS = (16384, 1024)
@@ -128,7 +131,8 @@ def dequantize_dense(w: CpuInt4Weight, dtype: torch.dtype) -> torch.Tensor:
 
 def int4_paths(w: CpuInt4Weight) -> tuple[str, ...]:
     """The paths this weight's forms can run."""
-    have = {"int8": w.nibbles is not None, "torch-int4": w.packed is not None, "dense": True}
+    int8 = w.nibbles is not None
+    have = {"int8": int8, "int8-unpacked": int8, "torch-int4": w.packed is not None, "dense": True}
     return tuple(p for p in INT4_PATHS if have[p])
 
 
@@ -139,8 +143,8 @@ def int4_linear(
     K is zero-padded to the packed width (padded codes meet zeros)."""
     if x.shape[-1] != w.kp:
         x = torch.nn.functional.pad(x, (0, w.kp - x.shape[-1]))
-    if path == "int8":
-        return _int8_linear(lib, x, w)
+    if path in INT8_PATHS:
+        return _int8_linear(lib, x, w, unpack=path == "int8-unpacked")
     m, rows = x.shape[0], bucket_rows(x.shape[0])
     if rows != m:
         x = torch.nn.functional.pad(x, (0, 0, 0, rows - m))
@@ -162,7 +166,9 @@ def bucket_rows(m: int) -> int:
     return -(-m // step) * step
 
 
-def _int8_linear(lib: ctypes.CDLL, x: torch.Tensor, w: CpuInt4Weight) -> torch.Tensor:
+def _int8_linear(
+    lib: ctypes.CDLL, x: torch.Tensor, w: CpuInt4Weight, unpack: bool = False
+) -> torch.Tensor:
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(x.shape[0], w.n, dtype=torch.float32)
@@ -179,6 +185,7 @@ def _int8_linear(lib: ctypes.CDLL, x: torch.Tensor, w: CpuInt4Weight) -> torch.T
         w.n,
         w.kp,
         w.group_size,
+        unpack,
     )
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
@@ -623,9 +630,10 @@ class CpuBackend(Backend):
         return cpu_layer.prepare_layer(parts, self.lib)
 
     def decoder_layer(self, x, layer: FusedLayer, rope, kv: LayerKV, step: StepTensors):
-        if self.dispatch(x.dtype)["int4"].pick(x.shape[0]) != "int8":
+        path = self.dispatch(x.dtype)["int4"].pick(x.shape[0])
+        if path not in INT8_PATHS:
             return None
-        return cpu_layer.decoder_layer(self.lib, x, layer, rope, kv, step)
+        return cpu_layer.decoder_layer(self.lib, x, layer, rope, kv, step, path == "int8-unpacked")
 
     def kv_write(self, kv: LayerKV, k, v, slot_mapping) -> None:
         kv_write(kv, k, v, slot_mapping, lib=self.lib)

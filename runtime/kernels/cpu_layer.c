@@ -19,14 +19,14 @@
 enum { F32 = 0 };
 enum {
     D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_GROUP, D_S_DTYPE, D_WINDOW, D_KIND, D_QMAX,
-    D_BLOCK, D_INTER, D_COUNT
+    D_BLOCK, D_INTER, D_UNPACK, D_COUNT
 };
 enum { P_IN_NORM, P_POST_NORM, P_QKV_BIAS, P_Q_NORM, P_K_NORM, P_LINEARS, P_COUNT = P_LINEARS + 4 * 5 };
 enum { L_QKV, L_O, L_GATE_UP, L_DOWN };
 
 void int4_int8_linear(const void *x, int64_t x_stride, int x_dtype, const uint8_t *codes,
                       const void *scale, const void *offset, int s_dtype, float *out, int64_t m,
-                      int64_t n, int64_t k, int64_t gs);
+                      int64_t n, int64_t k, int64_t gs, int unpack_tiles);
 void rms_norm(const void *x, int64_t x_stride, const void *weight, void *out, int dtype,
               int64_t rows, int64_t dim, float eps);
 void kv_write_quantized(const void *k, int64_t k_stride, const void *v, int64_t v_stride,
@@ -57,7 +57,7 @@ static Lin linear_at(const void *const *ptrs, int which) {
 static void run_linear(const float *x, int64_t x_stride, Lin l, const int64_t *dims, float *out,
                        int64_t t) {
     int4_int8_linear(x, x_stride, F32, l.codes, l.scale, l.offset, (int)dims[D_S_DTYPE], out, t,
-                     l.n, l.kp, dims[D_GROUP]);
+                     l.n, l.kp, dims[D_GROUP], (int)dims[D_UNPACK]);
 }
 
 /* Rows of `width` floats at stride `stride`: the columns past width (the linear's K padding)

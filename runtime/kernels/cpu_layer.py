@@ -25,7 +25,7 @@ from runtime.kv.layer import LayerKV
 # cpu_layer.c's D_* and P_* orders
 LAYER_DIMS = (
     "hidden", "heads", "kv_heads", "head_dim", "group", "s_dtype", "window", "kind", "qmax",
-    "block", "inter",
+    "block", "inter", "unpack",
 )  # fmt: skip
 LINEARS = ("qkv", "o", "gate_up", "down")
 NORMS = ("input_norm", "post_norm", "qkv_bias", "q_norm", "k_norm")
@@ -124,14 +124,17 @@ def decoder_layer(
     rope: tuple[torch.Tensor, torch.Tensor],
     kv: LayerKV,
     step: StepTensors,
+    unpack: bool = False,
 ) -> torch.Tensor | None:
-    """The layer's output [T, hidden] for an all-decode step, else None."""
+    """The layer's output [T, hidden] for an all-decode step, else None; `unpack`: the
+    linears on the dispatch's "int8-unpacked" path."""
     d = step.attn.decode
     t = x.shape[0]
     if x.dtype != torch.float32 or d is None or d.rows.shape[0] != t or not x.is_contiguous():
         return None
     if not layer.kv_set and not _set_pool(layer, kv):
         return None
+    layer.dims[LAYER_DIMS.index("unpack")] = unpack
     cos, sin = (r.reshape(t, -1) for r in rope)
     slots = step.slot_mapping
     out = torch.empty_like(x)

@@ -165,7 +165,6 @@ static inline int32_t isum(I v) { return v; }
 const char *isa_path(void) { return PATH; }
 
 enum { RB = 4, CB = 2, DECODE_CB = 8 }; /* row and column tiles; one row: more columns */
-enum { UNPACK_MIN_ROWS = 128 };
 
 /*
  * Per row r and group g of x [m, k] (row stride x_stride, x_dtype): q int8 [m, k],
@@ -412,17 +411,17 @@ static void column_pattern(const Weights *w, int64_t j0, float *pat) {
 #endif
 
 static void qlinear(const void *x, int64_t x_stride, int x_dtype, const Weights *w, float *out,
-                    int64_t m, int64_t n) {
+                    int64_t m, int64_t n, int unpack_tiles) {
     int64_t k = w->k, groups = w->groups;
     int8_t *q = malloc((size_t)(m * k));
     float *d = malloc(sizeof(float) * (size_t)(2 * m * groups)), *xs = d + m * groups;
     quantize_rows(x, x_stride, x_dtype, m, k, w->gs, q, d, xs);
     int64_t cols = m == 1 ? DECODE_CB : CB, tiles = (n + cols - 1) / cols;
-    /* Many row tiles over each column tile: unpack its int4 codes once, not once per row tile.
-     * Only past UNPACK_MIN_ROWS: below it, unpacking a column tile costs more than reading its
-     * packed codes again from L1 (SmolLM2's linears at 8 rows: 27.4 ms unpacked, 12.0 ms not,
-     * AVX2 and AVX-512 alike; even at 128 rows, 11% slower unpacked). */
-    int unpack = w->form == PACKED4 && m > UNPACK_MIN_ROWS;
+    /* unpack_tiles: many row tiles over each column tile unpack its int4 codes once instead of
+     * once per row tile. Whether that beats re-reading the packed codes from L1 depends on the
+     * row count and the machine (at 8 rows it cost 2.3x here), so the caller's measured
+     * dispatch decides (runtime/kernels/cpu.py, the "int8-unpacked" path). */
+    int unpack = unpack_tiles && w->form == PACKED4 && m > RB;
     float *rowpat = NULL; /* tile42's per-lane activation steps and sums, per full row tile */
 #if defined(__AVX2__)
     rowpat = malloc(sizeof(float) * (size_t)((m / RB) * groups * 16 + 1));
@@ -465,13 +464,13 @@ static void qlinear(const void *x, int64_t x_stride, int x_dtype, const Weights 
 
 /*
  * out [m, n] fp32 = x [m, k] (row stride x_stride, x_dtype) @ W^T, W int4 as above; k a
- * multiple of gs, gs a multiple of 32.
+ * multiple of gs, gs a multiple of 32. unpack_tiles: see qlinear (the same bits either way).
  */
 void int4_int8_linear(const void *x, int64_t x_stride, int x_dtype, const uint8_t *codes,
                       const void *scale, const void *offset, int s_dtype, float *out, int64_t m,
-                      int64_t n, int64_t k, int64_t gs) {
+                      int64_t n, int64_t k, int64_t gs, int unpack_tiles) {
     Weights w = {codes, scale, offset, s_dtype, PACKED4, k / gs, gs, k, 0};
-    qlinear(x, x_stride, x_dtype, &w, out, m, n);
+    qlinear(x, x_stride, x_dtype, &w, out, m, n, unpack_tiles);
 }
 
 /*
@@ -481,5 +480,5 @@ void int4_int8_linear(const void *x, int64_t x_stride, int x_dtype, const uint8_
 void int8_int8_linear(const void *x, int64_t x_stride, int x_dtype, const int8_t *codes,
                       const float *scale, float *out, int64_t m, int64_t n, int64_t k) {
     Weights w = {(const uint8_t *)codes, scale, NULL, F32, SIGNED8, k / 32, 32, k, 0};
-    qlinear(x, x_stride, x_dtype, &w, out, m, n);
+    qlinear(x, x_stride, x_dtype, &w, out, m, n, 0);
 }

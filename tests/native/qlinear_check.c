@@ -12,7 +12,7 @@
 const char *isa_path(void);
 void int4_int8_linear(const void *x, int64_t x_stride, int x_dtype, const uint8_t *codes,
                       const void *scale, const void *offset, int s_dtype, float *out, int64_t m,
-                      int64_t n, int64_t k, int64_t gs);
+                      int64_t n, int64_t k, int64_t gs, int unpack_tiles);
 void int8_int8_linear(const void *x, int64_t x_stride, int x_dtype, const int8_t *codes,
                       const float *scale, float *out, int64_t m, int64_t n, int64_t k);
 
@@ -49,7 +49,7 @@ static int compare(const char *what, const float *got, const double *want, int64
     return 0;
 }
 
-static int check_int4(int64_t m, int64_t n, int64_t k, int64_t gs) {
+static int check_int4(int64_t m, int64_t n, int64_t k, int64_t gs, int unpack) {
     int64_t groups = k / gs;
     float *x = malloc(sizeof(float) * m * k), *scale = malloc(sizeof(float) * n * groups);
     float *offset = malloc(sizeof(float) * n * groups), *out = malloc(sizeof(float) * m * n);
@@ -76,7 +76,7 @@ static int check_int4(int64_t m, int64_t n, int64_t k, int64_t gs) {
             want[r * n + j] = s;
         }
     int64_t x_stride = k;
-    int4_int8_linear(x, x_stride, 0, packed, scale, offset, 0, out, m, n, k, gs);
+    int4_int8_linear(x, x_stride, 0, packed, scale, offset, 0, out, m, n, k, gs, unpack);
     char what[64];
     snprintf(what, sizeof what, "int4 m=%ld n=%ld k=%ld gs=%ld", (long)m, (long)n, (long)k, (long)gs);
     int bad = compare(what, out, want, m * n);
@@ -110,8 +110,9 @@ static int check_int8(int64_t m, int64_t n, int64_t k) {
 }
 
 int main(void) {
-    int bad = check_int4(1, 70, 128, 32) + check_int4(5, 33, 192, 64) +
-              check_int4(9, 64, 256, 128) + check_int4(1, 64, 576, 64) +
+    int bad = check_int4(1, 70, 128, 32, 0) + check_int4(5, 33, 192, 64, 0) +
+              check_int4(5, 33, 192, 64, 1) + check_int4(9, 64, 256, 128, 1) +
+              check_int4(1, 64, 576, 64, 0) +
               check_int8(1, 50, 64) + check_int8(6, 77, 160);
     printf("%s %s\n", isa_path(), bad ? "FAILED" : "ok");
     return bad != 0;
