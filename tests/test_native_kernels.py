@@ -68,6 +68,29 @@ def test_decode_attention_matches_reference(kv_quant, kv_dtype, q_dtype, lens) -
         assert rel < 1e-2, rel
 
 
+@pytest.mark.parametrize("kv_quant", ["none", "int8", "int4"])
+def test_decode_attention_gives_a_sequence_the_same_bits_alone_and_in_a_batch(kv_quant) -> None:
+    """Alone (few tasks: one per query head) and among others (one per KV head, its query
+    heads together), a sequence's attention output is bit-identical, so its tokens do not
+    depend on the batch it shares."""
+    g = torch.Generator().manual_seed(3)
+    lens = [300, 64, 129, 5]
+    cache, tables = _filled_cache(kv_quant, torch.float32, lens, g)
+    q = torch.randn(len(lens), HEADS, DIM, generator=g)
+
+    def attend(rows: list[int]) -> torch.Tensor:
+        ts, ls = [tables[i] for i in rows], [lens[i] for i in rows]
+        ones = [1] * len(rows)
+        attn = cpu.CpuAttention(ts, ls, ones, cpu.decode_batch(ts, ls, ones, BLOCK))
+        return cpu.paged_attention(
+            q[rows].contiguous(), cache.layer(0), attn, DIM**-0.5, None, lib=native.library()
+        )
+
+    together = attend([0, 1, 2, 3])
+    for i in range(len(lens)):
+        assert torch.equal(attend([i])[0], together[i])
+
+
 def _hard_rows(g: torch.Generator, tokens: int) -> torch.Tensor:
     """[tokens, KV_HEADS, DIM]: random scales plus the quantizer's edge cases."""
     x = torch.randn(tokens, KV_HEADS, DIM, generator=g)
