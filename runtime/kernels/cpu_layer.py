@@ -48,7 +48,7 @@ class FusedLayer:
     dims: ctypes.Array
     floats: ctypes.Array
     keep: tuple
-    kv_set: bool = False  # the pool's kind, qmax and block size are in dims
+    pool_ok: bool | None = None  # the pool's format is in dims (True), or unsupported (False)
 
 
 def prepare_layer(parts: LayerParts, lib: ctypes.CDLL | None) -> FusedLayer | None:
@@ -103,11 +103,14 @@ def _set_pool(layer: FusedLayer, kv: LayerKV) -> bool:
         qmax = 0
     else:
         return False
-    if (spec.num_kv_heads, spec.head_dim) != (layer.dims[2], layer.dims[3]):
+    dim = LAYER_DIMS.index
+    if (spec.num_kv_heads, spec.head_dim) != (
+        layer.dims[dim("kv_heads")],
+        layer.dims[dim("head_dim")],
+    ):
         return False
     for name, value in (("kind", spec.storage_kind), ("qmax", qmax), ("block", spec.block_size)):
-        layer.dims[LAYER_DIMS.index(name)] = value
-    layer.kv_set = True
+        layer.dims[dim(name)] = value
     return True
 
 
@@ -132,7 +135,9 @@ def decoder_layer(
     t = x.shape[0]
     if x.dtype != torch.float32 or d is None or d.rows.shape[0] != t or not x.is_contiguous():
         return None
-    if not layer.kv_set and not _set_pool(layer, kv):
+    if layer.pool_ok is None:
+        layer.pool_ok = _set_pool(layer, kv)
+    if not layer.pool_ok:
         return None
     layer.dims[LAYER_DIMS.index("unpack")] = unpack
     cos, sin = (r.reshape(t, -1) for r in rope)
