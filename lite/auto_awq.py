@@ -114,10 +114,8 @@ class AwqConfig:
         if self.method == "rtn":
             return "none"
         chosen = (self.block_objective, self.block_clip)
-        named = [name for name, blocks in SEARCHES.items() if blocks == chosen]
-        if named:
-            return named[0]
-        return f"block(scale={','.join(self.block_objective)}; clip={','.join(self.block_clip)})"
+        custom = f"block(scale={','.join(chosen[0])}; clip={','.join(chosen[1])})"
+        return next((name for name, blocks in SEARCHES.items() if blocks == chosen), custom)
 
 
 # `lite auto_awq --search`: (block_objective, block_clip) by name. "block" is the best block

@@ -211,9 +211,6 @@ def test_measure_picks_the_fastest_keeps_near_ties_and_drops_losers(monkeypatch)
     assert choice.paths() == {"a", "b"}
     assert choice.describe() == "a up to 8 rows, b up to 64 rows, a above"
     assert Choice(((1, "x"), (8, "x"))).describe() == "x always"
-    assert cpu_dispatch.choose(timings, {"b"}).describe() == "b always"
-    with pytest.raises(ValueError, match="no allowed path was timed at 8 rows"):
-        cpu_dispatch.choose(timings, {"slow"})
 
 
 def test_an_op_never_mixes_int8_and_float_paths(monkeypatch) -> None:

@@ -70,8 +70,8 @@ def test_decode_attention_matches_reference(kv_quant, kv_dtype, q_dtype, lens) -
 
 @pytest.mark.parametrize("kv_quant", ["none", "int8", "int4"])
 def test_decode_attention_gives_a_sequence_the_same_bits_alone_and_in_a_batch(kv_quant) -> None:
-    """Alone (few tasks: one per query head) and among others (one per KV head, its query
-    heads together), a sequence's attention output is bit-identical, so its tokens do not
+    """Alone (serial below the parallel threshold) and among others (parallel tasks finishing
+    in any order), a sequence's attention output is bit-identical, so its tokens do not
     depend on the batch it shares."""
     g = torch.Generator().manual_seed(3)
     lens = [300, 64, 129, 5]

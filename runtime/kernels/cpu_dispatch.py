@@ -92,14 +92,11 @@ def measure(candidates: Candidates, points: tuple[int, ...] = ROW_POINTS) -> Tim
     return timings
 
 
-def choose(timings: Timings, allowed: set[str] | None = None) -> Choice:
-    """The fastest allowed path at each row count, keeping the previous one through near ties;
-    a path without a timing at some row count (dropped as a loser) is out there."""
+def choose(timings: Timings) -> Choice:
+    """The fastest path at each row count, keeping the previous one through near ties; a path
+    without a timing at some row count (dropped as a loser) is out there."""
     chosen: list[tuple[int, str]] = []
-    for rows, measured in timings.items():
-        times = {p: t for p, t in measured.items() if allowed is None or p in allowed}
-        if not times:
-            raise ValueError(f"no allowed path was timed at {rows} rows")
+    for rows, times in timings.items():
         fastest = min(times, key=times.get)
         previous = chosen[-1][1] if chosen else None
         if previous in times and times[previous] <= KEEP_FACTOR * times[fastest]:

@@ -48,7 +48,9 @@ class FusedLayer:
     dims: ctypes.Array
     floats: ctypes.Array
     keep: tuple
-    pool_ok: bool | None = None  # the pool's format is in dims (True), or unsupported (False)
+    pool_for: int = 0  # the pool (its K tensor's address) that pool_ok and pool describe
+    pool_ok: bool = False  # the pool's format is in dims, or it is one cpu_layer.c cannot write
+    pool: ctypes.Array | None = None  # its six pointers
 
 
 def prepare_layer(parts: LayerParts, lib: ctypes.CDLL | None) -> FusedLayer | None:
@@ -111,6 +113,7 @@ def _set_pool(layer: FusedLayer, kv: LayerKV) -> bool:
         return False
     for name, value in (("kind", spec.storage_kind), ("qmax", qmax), ("block", spec.block_size)):
         layer.dims[dim(name)] = value
+    layer.pool = (ctypes.c_void_p * 6)(*(None if p is None else p.data_ptr() for p in _pool(kv)))
     return True
 
 
@@ -135,8 +138,8 @@ def decoder_layer(
     t = x.shape[0]
     if x.dtype != torch.float32 or d is None or d.rows.shape[0] != t or not x.is_contiguous():
         return None
-    if layer.pool_ok is None:
-        layer.pool_ok = _set_pool(layer, kv)
+    if layer.pool_for != kv.k.data_ptr():
+        layer.pool_ok, layer.pool_for = _set_pool(layer, kv), kv.k.data_ptr()
     if not layer.pool_ok:
         return None
     layer.dims[LAYER_DIMS.index("unpack")] = unpack
@@ -153,7 +156,7 @@ def decoder_layer(
         cos.data_ptr(),
         sin.data_ptr(),
         slots.data_ptr(),
-        (ctypes.c_void_p * 6)(*(None if p is None else p.data_ptr() for p in _pool(kv))),
+        layer.pool,
         d.rows.data_ptr(),
         d.blocks.data_ptr(),
         d.blocks.stride(0),

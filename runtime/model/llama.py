@@ -109,9 +109,8 @@ class Layer:
 
     def parts(self, arch: Architecture) -> LayerParts:
         """What a backend that runs the whole layer in one call needs of it."""
-        linears = {"qkv": self.qkv, "o": self.o, "gate_up": self.gate_up, "down": self.down}
         return LayerParts(
-            linears={name: lin.weight for name, lin in linears.items()},
+            linears={name: getattr(self, name).weight for name in FUSED_LINEARS},
             input_norm=self.input_norm,
             post_norm=self.post_norm,
             qkv_bias=self.qkv.bias,
