@@ -82,9 +82,10 @@ def test_int4_int8_kernel_matches_its_emulation(
     scale = torch.rand(n, k // gs, generator=g) / 50 + 1e-3
     offset = -8 * scale * (1 + 0.2 * torch.randn(n, k // gs, generator=g))
     x = torch.randn(m, k, generator=g) * torch.rand(1, k, generator=g) * 4  # uneven channels
-    out, nibbles = torch.empty(m, n), cpu._nibbles(q, gs)  # named: alive through the call
+    out, nibbles = torch.empty(m, n), cpu.tile_codes(q, gs)  # named: alive through the call
+    tiled = cpu.tile_params(scale), cpu.tile_params(offset)
     lib.int4_int8_linear(
-        x.data_ptr(), k, 0, nibbles.data_ptr(), scale.data_ptr(), offset.data_ptr(), 0,
+        x.data_ptr(), k, 0, nibbles.data_ptr(), tiled[0].data_ptr(), tiled[1].data_ptr(), 0,
         out.data_ptr(), m, n, k, gs, unpack,
     )  # fmt: skip
     w = q.double().view(n, -1, gs) * scale.double()[..., None] + offset.double()[..., None]
@@ -103,9 +104,9 @@ def test_int8_int8_kernel_matches_its_emulation(isa_lib, m: int, n: int, k: int)
     scales = torch.rand(n, k // 32, generator=g) / 100
     x = torch.randn(m, k, generator=g)
     x[0, :32] = torch.linspace(-3, 3, 32)
-    out = torch.empty(m, n)
+    out, tiled = torch.empty(m, n), cpu.tile_head(codes, scales)
     lib.int8_int8_linear(
-        x.data_ptr(), k, 0, codes.data_ptr(), scales.data_ptr(), out.data_ptr(), m, n, k
+        x.data_ptr(), k, 0, tiled[0].data_ptr(), tiled[1].data_ptr(), out.data_ptr(), m, n, k
     )
     w = (codes.double().view(n, -1, 32) * scales.double()[..., None]).view(n, k)
     want = _emulated(x, 32) @ w.T
@@ -120,10 +121,15 @@ def test_int8_kernels_give_a_row_the_same_bits_in_any_batch(isa_lib) -> None:
     _, lib = isa_lib
     g = torch.Generator().manual_seed(5)
     n, k, gs = 37, 192, 64
-    nibbles = cpu._nibbles(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8), gs)
-    scale, offset = torch.rand(n, k // gs, generator=g) / 50, -torch.rand(n, k // gs, generator=g)
-    codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
-    scales = torch.rand(n, k // 32, generator=g) / 100
+    nibbles = cpu.tile_codes(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8), gs)
+    scale, offset = (
+        cpu.tile_params(t)
+        for t in (torch.rand(n, k // gs, generator=g) / 50, -torch.rand(n, k // gs, generator=g))
+    )
+    codes, scales = cpu.tile_head(
+        torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8),
+        torch.rand(n, k // 32, generator=g) / 100,
+    )
     x = torch.randn(9, k, generator=g)
 
     def int4(rows: torch.Tensor, unpack: int = 0) -> torch.Tensor:

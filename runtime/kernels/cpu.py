@@ -44,12 +44,12 @@ _TORCH_ZERO_OFFSET = 8  # torch's int4 kernels compute (q - 8) * scale + zero
 
 @dataclass
 class CpuInt4Weight:
-    nibbles: torch.Tensor | None  # uint8 [N padded to 16, Kp / 2] in the C kernel's layout
+    nibbles: torch.Tensor | None  # uint8 [N padded to 16, Kp / 2] in the C kernel's tiles
     codes: torch.Tensor | None  # uint8 [N padded, Kp]: only where there are no nibbles
     packed: torch.Tensor | None  # torch's CPU int4 pack, where its kernel is one of the paths
     scales_zeros: torch.Tensor | None  # [Kp / gs, N, 2] in torch's (scale, zero) convention
-    scale: torch.Tensor  # fp16 [N padded to 16, Kp / gs], the artifact's own values
-    offset: torch.Tensor  # fp16 [N padded to 16, Kp / gs], the artifact's -z*s
+    scale: torch.Tensor  # fp16 [N padded to 16, Kp / gs], the artifact's values, tile_params'd
+    offset: torch.Tensor  # fp16, the artifact's -z*s, laid out as scale
     n: int
     k: int
     group_size: int
@@ -86,7 +86,7 @@ def prepare_int4(
     q = torch.nn.functional.pad(torch.cat(codes), (0, 0, 0, pad))
     s = torch.nn.functional.pad(torch.cat(scales), (0, 0, 0, pad))
     b = torch.nn.functional.pad(torch.cat(offsets), (0, 0, 0, pad))
-    nibbles = _nibbles(q, group_size) if lib is not None else None
+    nibbles = tile_codes(q, group_size) if lib is not None else None
     packed = scales_zeros = None
     if "torch-int4" in paths:
         torch_zero = b + _TORCH_ZERO_OFFSET * s
@@ -97,35 +97,75 @@ def prepare_int4(
         q if nibbles is None else None,
         packed,
         scales_zeros,
-        s.half(),  # exact (the artifact stores them in fp16), and half the bytes of fp32
-        b.half(),
+        tile_params(s.half()),  # exact (the artifact stores fp16), half the bytes of fp32
+        tile_params(b.half()),
         n,
         k,
         group_size,
     )
 
 
-def _nibbles(q: torch.Tensor, group_size: int) -> torch.Tensor | None:
-    """Codes [N, Kp] two a byte for the C kernel: in each chunk of 32, byte i holds element i
-    (low nibble) and i + 16 (high), so one 16-byte load unpacks into the chunk's 32 codes."""
+TILE = 8  # columns the C kernels' weight tiles interleave (cpu_qlinear.c's header)
+
+
+def tile_codes(q: torch.Tensor, group_size: int) -> torch.Tensor | None:
+    """Codes [N, Kp] two a byte in the C kernel's tiles: in each chunk of 32, byte i holds
+    element i (low nibble) and i + 16 (high); a tile's 8 columns keep their chunks of the same
+    inputs together, in pairs (c, c + 4). N is padded to the tile with zero codes."""
     if group_size % 32 or group_size > 256 or q.shape[1] % group_size:  # int16 sums: <= 8 chunks
         return None
-    chunks = q.view(q.shape[0], -1, 2, 16)
-    return (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(q.shape[0], -1).contiguous()
+    q = _pad_rows(q, TILE)
+    n, c = q.shape[0], q.shape[1] // 32
+    chunks = q.view(n, c, 2, 16)
+    nib = chunks[:, :, 0] | (chunks[:, :, 1] << 4)  # [N, C, 16]
+    tiles = nib.view(n // TILE, 2, TILE // 2, c, 16).permute(0, 3, 2, 1, 4)
+    return tiles.contiguous().view(n, c * 16)
+
+
+def _untile_codes(nibbles: torch.Tensor) -> torch.Tensor:
+    """tile_codes' inverse: uint8 [N padded to the tile, Kp]."""
+    n, c = nibbles.shape[0], nibbles.shape[1] // 16
+    nib = nibbles.view(n // TILE, c, TILE // 2, 2, 16).permute(0, 3, 2, 1, 4).reshape(n, c, 1, 16)
+    return torch.cat((nib & 15, nib >> 4), dim=2).view(n, c * 32)
+
+
+def tile_params(t: torch.Tensor) -> torch.Tensor:
+    """Per-column group values [N, G] as the C kernels read them: [N / 8, G, 8], one vector
+    load a group for a tile's 8 columns (N padded to the tile with zeros), viewed as [N, G]."""
+    t = _pad_rows(t, TILE)
+    n, g = t.shape
+    return t.view(n // TILE, TILE, g).transpose(1, 2).contiguous().view(n, g)
+
+
+def untile_params(t: torch.Tensor) -> torch.Tensor:
+    """tile_params' inverse."""
+    n, g = t.shape
+    return t.view(n // TILE, g, TILE).transpose(1, 2).reshape(n, g)
+
+
+def tile_head(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 head's codes [V, Kp] and scales [V, Kp / 32] as the C kernel reads them: a tile's
+    8 columns' 32-byte chunks of the same inputs together, in column order; scales as
+    tile_params. V is padded to the tile."""
+    codes = _pad_rows(codes, TILE)
+    v, kp = codes.shape
+    tiles = codes.view(v // TILE, TILE, kp // 32, 32).transpose(1, 2)
+    return tiles.contiguous().view(v, kp), tile_params(scales)
+
+
+def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (0, 0, 0, -t.shape[0] % multiple))
 
 
 def _codes(w: CpuInt4Weight) -> torch.Tensor:
     """uint8 [N padded, Kp], from the nibbles when the weight keeps only those."""
-    if w.codes is not None:
-        return w.codes
-    chunks = w.nibbles.view(w.nibbles.shape[0], -1, 1, 16)
-    return torch.cat((chunks & 15, chunks >> 4), dim=2).view(w.nibbles.shape[0], -1)
+    return w.codes if w.codes is not None else _untile_codes(w.nibbles)
 
 
 def dequantize_dense(w: CpuInt4Weight, dtype: torch.dtype) -> torch.Tensor:
     """[N, Kp] in `dtype`."""
     q = _codes(w)[: w.n].view(w.n, -1, w.group_size).to(dtype)
-    scale, offset = (t[: w.n].to(dtype).unsqueeze(-1) for t in (w.scale, w.offset))
+    scale, offset = (untile_params(t)[: w.n].to(dtype).unsqueeze(-1) for t in (w.scale, w.offset))
     return (q * scale + offset).view(w.n, -1)
 
 
@@ -411,8 +451,8 @@ class CpuHead:
     """The lm_head: the dense weight, and its int8 form where the int8 path may run."""
 
     weight: torch.Tensor  # [V, K] in the activations' dtype
-    codes: torch.Tensor | None = None  # int8 [V, K padded to 32]
-    scales: torch.Tensor | None = None  # fp32 [V, K padded / 32]
+    codes: torch.Tensor | None = None  # int8 [V padded to 8, K padded to 32], tile_head's
+    scales: torch.Tensor | None = None  # fp32 [V padded to 8, K padded / 32], tile_head's
 
 
 HEAD_CHUNK_ROWS = 8192  # rows quantized at a time: bounds the fp32 copy a large vocabulary needs
@@ -436,7 +476,7 @@ def prepare_head(weight: torch.Tensor, paths: tuple[str, ...] | set[str] = LOGIT
             torch.round(blocks * inv[..., None]).view(rows.shape[0], kp).to(torch.int8)
         )
         scales[start : start + rows.shape[0]] = step
-    return CpuHead(weight, codes, scales)
+    return CpuHead(weight, *tile_head(codes, scales))
 
 
 def logits_paths(head: CpuHead, lib: ctypes.CDLL | None) -> tuple[str, ...]:
@@ -484,7 +524,8 @@ def _int8_logits(lib: ctypes.CDLL, x: torch.Tensor, head: CpuHead) -> torch.Tens
     kp = head.codes.shape[1]
     if x.shape[1] != kp or x.stride(1) != 1:
         x = torch.nn.functional.pad(x, (0, kp - x.shape[1])).contiguous()
-    out = torch.empty(x.shape[0], head.codes.shape[0], dtype=torch.float32)
+    vocab = head.weight.shape[0]
+    out = torch.empty(x.shape[0], vocab, dtype=torch.float32)
     lib.int8_int8_linear(
         x.data_ptr(),
         x.stride(0),
@@ -493,7 +534,7 @@ def _int8_logits(lib: ctypes.CDLL, x: torch.Tensor, head: CpuHead) -> torch.Tens
         head.scales.data_ptr(),
         out.data_ptr(),
         x.shape[0],
-        head.codes.shape[0],
+        vocab,
         kp,
     )
     return out

@@ -22,14 +22,21 @@
  * offsets likewise. A row's result therefore does not depend on how many rows share the call
  * or where it sits among them: a sequence's tokens do not change with the batch it shares.
  *
- * Codes: [n, k / 2] bytes in chunks of 32 elements, byte i of a chunk holding element i (low
- * nibble) and i + 16 (high), as runtime/kernels/cpu.py lays them out: one 16-byte load
- * unpacks into the chunk's 32 codes in order. Scales and offsets: [n, k / gs] in s_dtype.
+ * Codes: chunks of 32 elements, 16 bytes, byte i of a chunk holding element i (low nibble) and
+ * i + 16 (high), so one 16-byte load unpacks into the chunk's 32 codes in order. Columns come
+ * in tiles of 8 (n padded to 8), and a tile stores its 8 columns' chunks of the same 32 inputs
+ * together, 128 bytes, in pairs (c, c + 4): the decode tile streams one contiguous run of
+ * memory instead of 8 (one pointer, one hardware prefetch stream, no register pressure from
+ * 8 row pointers: with them GCC spilled the accumulators), and one 32-byte load gives two
+ * columns' codes. Scales and offsets, [n / 8, k / gs, 8] in s_dtype, are tiled alike: a
+ * group's 8 columns are one vector load. runtime/kernels/cpu.py lays them out (tile_codes,
+ * tile_params, tile_head) and reads them back.
  * Rows go RB at a time over each weight column tile of CB columns while it is in L1, so the
  * weights are read from memory once whatever m is (decode and prefill alike).
  *
  * The lm_head (dense in the artifact) is quantized at load to int8 per 32 inputs, symmetric,
- * as llama.cpp's Q8_0 stores it: the same tiles with 32-byte weight chunks, the s8 x s8 dot
+ * as llama.cpp's Q8_0 stores it: the same tiles with 32-byte weight chunks (in column order
+ * within a tile), the s8 x s8 dot
  * done on x86 as |w| (u8) x sign(x, w) (s8), llama.cpp's trick, since the x86 instructions
  * multiply unsigned by signed bytes. It reads a quarter of the fp32 head's bytes.
  *
@@ -209,10 +216,29 @@ typedef struct {
     int64_t first; /* UNPACKED4: the column codes[0] holds */
 } Weights;
 
-static inline W chunk(const Weights *w, int64_t j, int64_t i) {
-    if (w->form == PACKED4) return load_w(w->codes + j * (w->k / 2) + i / 2);
-    const uint8_t *row = w->codes + (w->form == UNPACKED4 ? j - w->first : j) * w->k;
-    return load_w8((const int8_t *)row + i);
+/* Where column j's first chunk (inputs 0..31) starts: in the tiled codes (see the header), or
+ * in an unpacked tile's buffer (one code a byte, a column's codes in order). */
+static inline const uint8_t *column_at(const Weights *w, int64_t j) {
+    if (w->form == UNPACKED4) return w->codes + (j - w->first) * w->k;
+    const uint8_t *tile = w->codes + (j / 8) * 8 * (w->form == PACKED4 ? w->k / 2 : w->k);
+    if (w->form == PACKED4) return tile + (j % 4) * 32 + (j % 8 / 4) * 16;
+    return tile + (j % 8) * 32;
+}
+
+/* Bytes from one chunk of a column to its next: a tile's chunk of 8 columns, or 32 codes. */
+static inline int64_t chunk_step(const Weights *w) {
+    return w->form == PACKED4 ? 128 : w->form == SIGNED8 ? 256 : 32;
+}
+
+/* The chunk of inputs [i, i + 32) of the column at `col` (column_at). */
+static inline W chunk(const Weights *w, const uint8_t *col, int64_t i) {
+    const uint8_t *p = col + (i / 32) * chunk_step(w);
+    return w->form == PACKED4 ? load_w(p) : load_w8((const int8_t *)p);
+}
+
+/* Column j's scale (or offset) of group g in the tiled [n / 8, groups, 8] layout. */
+static inline float param(const void *p, const Weights *w, int64_t j, int64_t g) {
+    return load_scalar(p, w->s_dtype, (j / 8) * w->groups * 8 + g * 8 + j % 8);
 }
 
 /* out[r, j0 + c] for r < rows <= RB, c < cols <= DECODE_CB: the tile's weight chunks are
@@ -223,13 +249,15 @@ static inline __attribute__((always_inline)) void tile(const int8_t *q, const fl
                                                        int64_t n) {
     const int64_t groups = w->groups, gs = w->gs, k = w->k;
     float acc[RB][DECODE_CB] = {{0}};
+    const uint8_t *col[DECODE_CB];
+    for (int c = 0; c < cols; c++) col[c] = column_at(w, j0 + c);
     for (int64_t g = 0; g < groups; g++) {
         I part[RB][DECODE_CB];
         for (int r = 0; r < rows; r++)
             for (int c = 0; c < cols; c++) part[r][c] = izero();
         for (int64_t i = g * gs; i < (g + 1) * gs; i += 32) {
             W wc[DECODE_CB];
-            for (int c = 0; c < cols; c++) wc[c] = chunk(w, j0 + c, i);
+            for (int c = 0; c < cols; c++) wc[c] = chunk(w, col[c], i);
             for (int r = 0; r < rows; r++) {
                 X x = load_x(q + r * k + i);
                 for (int c = 0; c < cols; c++)
@@ -238,7 +266,7 @@ static inline __attribute__((always_inline)) void tile(const int8_t *q, const fl
             }
         }
         for (int c = 0; c < cols; c++) {
-            float s = load_scalar(w->scale, w->s_dtype, (j0 + c) * groups + g);
+            float s = param(w->scale, w, j0 + c, g);
             for (int r = 0; r < rows; r++)
                 acc[r][c] = fmaf((float)isum(pfinish(part[r][c])), s * d[r * groups + g], acc[r][c]);
         }
@@ -246,7 +274,7 @@ static inline __attribute__((always_inline)) void tile(const int8_t *q, const fl
     for (int c = 0; c < cols; c++) {
         float bias[RB] = {0};
         for (int64_t g = 0; w->offset && g < groups; g++) {
-            float b = load_scalar(w->offset, w->s_dtype, (j0 + c) * groups + g);
+            float b = param(w->offset, w, j0 + c, g);
             for (int r = 0; r < rows; r++) bias[r] = fmaf(b, xs[r * groups + g], bias[r]);
         }
         for (int r = 0; r < rows; r++) out[r * n + j0 + c] = acc[r][c] + bias[r];
@@ -266,50 +294,68 @@ static inline __m256i reduce8(const I p[8]) {
                             _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-/* Eight scalars p[i + c * stride], c < 8, as floats: the 8 columns' values of one group. */
-static inline __m256 load8(const void *p, int dtype, int64_t i, int64_t stride) {
-    if (dtype == F32) {
-        const float *f = (const float *)p + i;
-        return _mm256_setr_ps(f[0], f[stride], f[2 * stride], f[3 * stride], f[4 * stride],
-                              f[5 * stride], f[6 * stride], f[7 * stride]);
-    }
-    const uint16_t *h = (const uint16_t *)p + i;
-    __m128i v = _mm_setr_epi16((short)h[0], (short)h[stride], (short)h[2 * stride],
-                               (short)h[3 * stride], (short)h[4 * stride], (short)h[5 * stride],
-                               (short)h[6 * stride], (short)h[7 * stride]);
+/* A group's 8 tiled scales (or offsets) from p[i], as floats. */
+static inline __m256 load8(const void *p, int dtype, int64_t i) {
+    if (dtype == F32) return _mm256_loadu_ps((const float *)p + i);
+    __m128i v = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
     if (dtype == F16) return _mm256_cvtph_ps(v);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
 }
 
-/* One row (decode) over 8 columns, lane c: the same group-wise order as tile(). */
-static void tile18(const int8_t *q, const float *d, const float *xs, const Weights *w,
-                   int64_t j0, float *out) {
-    const int64_t groups = w->groups, gs = w->gs;
-    __m256 acc = _mm256_setzero_ps(), bias = _mm256_setzero_ps(); /* lane-wise as tile()'s */
-    const int packed = w->form == PACKED4;
-    const int64_t row_bytes = packed ? w->k / 2 : w->k; /* PACKED4 or SIGNED8 (no tile unpack at m = 1) */
-    const uint8_t *rows[8];
-    for (int c = 0; c < 8; c++) rows[c] = w->codes + (j0 + c) * row_bytes;
-    for (int64_t g = 0; g < groups; g++) {
-        I p[8];
-        for (int c = 0; c < 8; c++) p[c] = izero();
-        if (packed) {
-            for (int64_t i = g * gs; i < (g + 1) * gs; i += 32) {
-                X x = load_x(q + i);
-                for (int c = 0; c < 8; c++) p[c] = idot(p[c], load_w(rows[c] + i / 2), x);
-            }
-        } else {
-            for (int64_t i = g * gs; i < (g + 1) * gs; i += 32) {
-                X x = load_x(q + i);
-                for (int c = 0; c < 8; c++) p[c] = idot8(p[c], load_w8((const int8_t *)rows[c] + i), x);
+/* The 8 columns' int32 sums of one group of int4 codes against one row: each 32-byte load is
+ * a pair (c, c + 4) of columns' chunks; its low nibbles meet the chunk's first 16 activations
+ * broadcast to both halves, its high nibbles the last 16. Without VNNI the u8 x s8 products
+ * gather 4 to an int16 lane per chunk (at most 4 * 15 * 127 = 7620), so the lanes widen to
+ * int32 every 4 chunks. The lanes come out in column order. */
+static inline __m256i group_sums4(const int8_t *q, const uint8_t *tile, int64_t i0, int64_t gs) {
+    const __m256i low = _mm256_set1_epi8(15);
+    I s[4] = {izero(), izero(), izero(), izero()};
+    for (int64_t i1 = i0; i1 < i0 + gs; i1 += 128) {
+        I p[4] = {izero(), izero(), izero(), izero()};
+        int64_t end = i1 + 128 < i0 + gs ? i1 + 128 : i0 + gs;
+        for (int64_t i = i1; i < end; i += 32) {
+            __m256i xl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + i)));
+            __m256i xh = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + i + 16)));
+            const uint8_t *b = tile + (i / 32) * 128;
+            for (int pr = 0; pr < 4; pr++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(b + 32 * pr));
+                p[pr] = idot(idot(p[pr], _mm256_and_si256(v, low), xl),
+                             _mm256_and_si256(_mm256_srli_epi16(v, 4), low), xh);
             }
         }
-        __m256 sv = load8(w->scale, w->s_dtype, j0 * groups + g, groups);
-        __m256 sd = _mm256_mul_ps(sv, _mm256_set1_ps(d[g]));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(p)), sd, acc);
+        for (int pr = 0; pr < 4; pr++) s[pr] = _mm256_add_epi32(s[pr], pfinish(p[pr]));
+    }
+    /* s[pr] holds column pr's 4 partials in its low half, column pr + 4's in its high half */
+    __m256i h01 = _mm256_hadd_epi32(s[0], s[1]), h23 = _mm256_hadd_epi32(s[2], s[3]);
+    return _mm256_hadd_epi32(h01, h23);
+}
+
+/* The same for 8 columns of int8 codes (32-byte chunks in column order), one int32 each. */
+static inline __m256i group_sums8(const int8_t *q, const uint8_t *tile, int64_t i0, int64_t gs) {
+    I p[8];
+    for (int c = 0; c < 8; c++) p[c] = izero();
+    for (int64_t i = i0; i < i0 + gs; i += 32) {
+        X x = load_x(q + i);
+        const int8_t *b = (const int8_t *)tile + (i / 32) * 256;
+        for (int c = 0; c < 8; c++) p[c] = idot8(p[c], load_w8(b + 32 * c), x);
+    }
+    return reduce8(p);
+}
+
+/* One row (decode) over the 8 columns of tile j0 / 8, lane c: the same group-wise order as
+ * tile()'s (the integer sums are exact, so the same bits). */
+static void tile18(const int8_t *q, const float *d, const float *xs, const Weights *w,
+                   int64_t j0, float *out) {
+    const int64_t groups = w->groups, gs = w->gs, at = j0 * groups; /* the tile's params */
+    __m256 acc = _mm256_setzero_ps(), bias = _mm256_setzero_ps(); /* lane-wise as tile()'s */
+    const int packed = w->form == PACKED4; /* or SIGNED8: no tile unpack at m = 1 */
+    const uint8_t *tile = w->codes + j0 * (packed ? w->k / 2 : w->k);
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i sums = packed ? group_sums4(q, tile, g * gs, gs) : group_sums8(q, tile, g * gs, gs);
+        __m256 sd = _mm256_mul_ps(load8(w->scale, w->s_dtype, at + g * 8), _mm256_set1_ps(d[g]));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), sd, acc);
         if (w->offset)
-            bias = _mm256_fmadd_ps(load8(w->offset, w->s_dtype, j0 * groups + g, groups),
-                                   _mm256_set1_ps(xs[g]), bias);
+            bias = _mm256_fmadd_ps(load8(w->offset, w->s_dtype, at + g * 8), _mm256_set1_ps(xs[g]), bias);
     }
     _mm256_storeu_ps(out + j0, _mm256_add_ps(acc, bias));
 }
@@ -324,11 +370,12 @@ static void tile42(const int8_t *q, const Weights *w, int64_t j0, const float *r
                    const float *colpat, float *out, int64_t n) {
     const int64_t groups = w->groups, gs = w->gs, k = w->k;
     __m256 acc = _mm256_setzero_ps(), bias = _mm256_setzero_ps();
+    const uint8_t *col0 = column_at(w, j0), *col1 = column_at(w, j0 + 1);
     for (int64_t g = 0; g < groups; g++) {
         I p[8];
         for (int i = 0; i < 8; i++) p[i] = izero();
         for (int64_t i = g * gs; i < (g + 1) * gs; i += 32) {
-            W w0 = chunk(w, j0, i), w1 = chunk(w, j0 + 1, i);
+            W w0 = chunk(w, col0, i), w1 = chunk(w, col1, i);
             for (int r = 0; r < 4; r++) {
                 X x = load_x(q + r * k + i);
                 if (w->form == SIGNED8) {
@@ -379,13 +426,15 @@ static void run_tile(const int8_t *q, const float *d, const float *xs, int rows,
 /* Columns [j0, j0 + cols) of packed int4 codes, one code a byte, in order, into buf. */
 static void unpack_tile(const Weights *w, int64_t j0, int cols, uint8_t *buf) {
     for (int c = 0; c < cols; c++) {
-        const uint8_t *src = w->codes + (j0 + c) * (w->k / 2);
         uint8_t *dst = buf + c * w->k;
-        for (int64_t i = 0; i < w->k; i += 32)
+        const uint8_t *col = column_at(w, j0 + c);
+        for (int64_t i = 0; i < w->k; i += 32) {
+            const uint8_t *src = col + (i / 32) * chunk_step(w);
             for (int b = 0; b < 16; b++) {
-                dst[i + b] = src[i / 2 + b] & 15;
-                dst[i + b + 16] = src[i / 2 + b] >> 4;
+                dst[i + b] = src[b] & 15;
+                dst[i + b + 16] = src[b] >> 4;
             }
+        }
     }
 }
 
@@ -403,9 +452,9 @@ static void row_pattern(const float *d, const float *xs, int64_t groups, float *
 static void column_pattern(const Weights *w, int64_t j0, float *pat) {
     for (int64_t g = 0; g < w->groups; g++)
         for (int lane = 0; lane < 8; lane++) {
-            int64_t at = (j0 + lane % 2) * w->groups + g;
-            pat[g * 16 + lane] = load_scalar(w->scale, w->s_dtype, at);
-            pat[g * 16 + 8 + lane] = w->offset ? load_scalar(w->offset, w->s_dtype, at) : 0.f;
+            int64_t j = j0 + lane % 2;
+            pat[g * 16 + lane] = param(w->scale, w, j, g);
+            pat[g * 16 + 8 + lane] = w->offset ? param(w->offset, w, j, g) : 0.f;
         }
 }
 #endif

@@ -22,6 +22,17 @@ static double uniform(void) { /* xorshift64: the same inputs on every target */
     return (double)(state >> 11) / 9007199254740992.0;
 }
 
+/* The kernels' tiled layouts (cpu_qlinear.c's header): columns in tiles of 8, n padded. */
+static int64_t padded(int64_t n) { return (n + 7) / 8 * 8; }
+
+/* [n, groups] per-column values into [n / 8, groups, 8], zeros past n */
+static float *tiled_params(const float *v, int64_t n, int64_t groups) {
+    float *t = calloc((size_t)(padded(n) * groups), sizeof(float));
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t g = 0; g < groups; g++) t[(j / 8) * groups * 8 + g * 8 + j % 8] = v[j * groups + g];
+    return t;
+}
+
 /* x quantized per group as the kernel does, dequantized: q * step */
 static void dequantized_rows(const float *x, int64_t m, int64_t k, int64_t gs, double *out) {
     for (int64_t r = 0; r < m; r++)
@@ -53,7 +64,7 @@ static int check_int4(int64_t m, int64_t n, int64_t k, int64_t gs, int unpack) {
     int64_t groups = k / gs;
     float *x = malloc(sizeof(float) * m * k), *scale = malloc(sizeof(float) * n * groups);
     float *offset = malloc(sizeof(float) * n * groups), *out = malloc(sizeof(float) * m * n);
-    uint8_t *codes = malloc(n * k), *packed = malloc(n * k / 2);
+    uint8_t *codes = malloc(n * k), *packed = calloc((size_t)(padded(n) * k / 2), 1);
     double *xd = malloc(sizeof(double) * m * k), *want = malloc(sizeof(double) * m * n);
     for (int64_t i = 0; i < m * k; i++) x[i] = (float)(uniform() * 8 - 4);
     for (int64_t i = 0; i < n * k; i++) codes[i] = (uint8_t)(uniform() * 16);
@@ -61,11 +72,15 @@ static int check_int4(int64_t m, int64_t n, int64_t k, int64_t gs, int unpack) {
         scale[i] = (float)(uniform() / 50 + 1e-3);
         offset[i] = -8 * scale[i] * (float)(1 + 0.2 * (uniform() - 0.5));
     }
-    for (int64_t j = 0; j < n; j++) /* chunks of 32: byte b holds element b and b + 16 */
-        for (int64_t c = 0; c < k; c += 32)
+    /* chunks of 32: byte b holds element b and b + 16; a tile's 8 columns' chunks of the same
+     * inputs together, 128 bytes, in pairs (c, c + 4) */
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t c = 0; c < k; c += 32) {
+            uint8_t *chunk = packed + (j / 8) * 8 * (k / 2) + (c / 32) * 128 + (j % 4) * 32 + (j % 8 / 4) * 16;
             for (int b = 0; b < 16; b++)
-                packed[j * k / 2 + c / 2 + b] =
-                    (uint8_t)(codes[j * k + c + b] | (codes[j * k + c + b + 16] << 4));
+                chunk[b] = (uint8_t)(codes[j * k + c + b] | (codes[j * k + c + b + 16] << 4));
+        }
+    float *tscale = tiled_params(scale, n, groups), *toffset = tiled_params(offset, n, groups);
     dequantized_rows(x, m, k, gs, xd);
     for (int64_t r = 0; r < m; r++)
         for (int64_t j = 0; j < n; j++) {
@@ -76,11 +91,12 @@ static int check_int4(int64_t m, int64_t n, int64_t k, int64_t gs, int unpack) {
             want[r * n + j] = s;
         }
     int64_t x_stride = k;
-    int4_int8_linear(x, x_stride, 0, packed, scale, offset, 0, out, m, n, k, gs, unpack);
+    int4_int8_linear(x, x_stride, 0, packed, tscale, toffset, 0, out, m, n, k, gs, unpack);
     char what[64];
     snprintf(what, sizeof what, "int4 m=%ld n=%ld k=%ld gs=%ld", (long)m, (long)n, (long)k, (long)gs);
     int bad = compare(what, out, want, m * n);
     free(x), free(scale), free(offset), free(out), free(codes), free(packed), free(xd), free(want);
+    free(tscale), free(toffset);
     return bad;
 }
 
@@ -101,7 +117,14 @@ static int check_int8(int64_t m, int64_t n, int64_t k) {
                 s += xd[r * k + i] * codes[j * k + i] * (double)scale[j * k / 32 + i / 32];
             want[r * n + j] = s;
         }
-    int8_int8_linear(x, k, 0, codes, scale, out, m, n, k);
+    int8_t *tcodes = calloc((size_t)(padded(n) * k), 1); /* 32-byte chunks, column order */
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t c = 0; c < k; c += 32)
+            for (int b = 0; b < 32; b++)
+                tcodes[(j / 8) * 8 * k + (c / 32) * 256 + (j % 8) * 32 + b] = codes[j * k + c + b];
+    float *tscale = tiled_params(scale, n, k / 32);
+    int8_int8_linear(x, k, 0, tcodes, tscale, out, m, n, k);
+    free(tcodes), free(tscale);
     char what[64];
     snprintf(what, sizeof what, "int8 m=%ld n=%ld k=%ld", (long)m, (long)n, (long)k);
     int bad = compare(what, out, want, m * n);
