@@ -56,7 +56,7 @@ def test_each_build_reports_its_path(isa_lib) -> None:
 
 
 def _emulated(x: torch.Tensor, gs: int) -> torch.Tensor:
-    """quantize_rows in torch: per row and group, step = max|x| / 127, q = round-half-even(x /
+    """quantize_row in torch: per row and group, step = max|x| / 127, q = round-half-even(x /
     step); returns the dequantized activations q * step in fp64."""
     m, k = x.shape
     g = x.float().view(m, k // gs, gs)

@@ -174,33 +174,32 @@ const char *isa_path(void) { return PATH; }
 enum { RB = 4, CB = 2, DECODE_CB = 8 }; /* row and column tiles; one row: more columns */
 
 /*
- * Per row r and group g of x [m, k] (row stride x_stride, x_dtype): q int8 [m, k],
- * d [m, groups] the step, xs [m, groups] = d * sum(q) over the group.
+ * Row r of x [m, k] (row stride x_stride, x_dtype), per group g: q int8 [k], d [groups] the
+ * step, xs [groups] = d * sum(q) over the group. `row`: k floats of scratch. The max is a plain
+ * compare, not fmaxf (a libm call per element where NaNs are possible).
  */
-void quantize_rows(const void *x, int64_t x_stride, int x_dtype, int64_t m, int64_t k,
-                   int64_t gs, int8_t *q, float *d, float *xs) {
-    int64_t groups = k / gs, elem = x_dtype == F32 ? 4 : 2;
-    float *row = malloc(sizeof(float) * (size_t)k);
-    for (int64_t r = 0; r < m; r++) {
-        const uint8_t *src = (const uint8_t *)x + r * x_stride * elem;
-        for (int64_t i = 0; i < k; i++) row[i] = load_scalar(src, x_dtype, i);
-        for (int64_t g = 0; g < groups; g++) {
-            const float *v = row + g * gs;
-            float amax = 0.f;
-            for (int64_t i = 0; i < gs; i++) amax = fmaxf(amax, fabsf(v[i]));
-            float step = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-            int32_t total = 0;
-            int8_t *out = q + r * k + g * gs;
-            for (int64_t i = 0; i < gs; i++) {
-                int32_t c = (int32_t)rintf(v[i] * inv);
-                out[i] = (int8_t)c;
-                total += c;
-            }
-            d[r * groups + g] = step;
-            xs[r * groups + g] = step * (float)total;
+static void quantize_row(const void *x, int64_t x_stride, int x_dtype, int64_t r, int64_t k,
+                         int64_t gs, float *row, int8_t *q, float *d, float *xs) {
+    const uint8_t *src = (const uint8_t *)x + r * x_stride * (x_dtype == F32 ? 4 : 2);
+    for (int64_t i = 0; i < k; i++) row[i] = load_scalar(src, x_dtype, i);
+    for (int64_t g = 0; g < k / gs; g++) {
+        const float *v = row + g * gs;
+        float amax = 0.f;
+        for (int64_t i = 0; i < gs; i++) {
+            float a = fabsf(v[i]);
+            amax = a > amax ? a : amax;
         }
+        float step = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        int32_t total = 0;
+        int8_t *out = q + g * gs;
+        for (int64_t i = 0; i < gs; i++) {
+            int32_t c = (int32_t)rintf(v[i] * inv);
+            out[i] = (int8_t)c;
+            total += c;
+        }
+        d[g] = step;
+        xs[g] = step * (float)total;
     }
-    free(row);
 }
 
 /* How a weight's chunk of 32 codes is stored. */
@@ -464,7 +463,6 @@ static void qlinear(const void *x, int64_t x_stride, int x_dtype, const Weights 
     int64_t k = w->k, groups = w->groups;
     int8_t *q = malloc((size_t)(m * k));
     float *d = malloc(sizeof(float) * (size_t)(2 * m * groups)), *xs = d + m * groups;
-    quantize_rows(x, x_stride, x_dtype, m, k, w->gs, q, d, xs);
     int64_t cols = m == 1 ? DECODE_CB : CB, tiles = (n + cols - 1) / cols;
     /* unpack_tiles: many row tiles over each column tile unpack its int4 codes once instead of
      * once per row tile. Whether that beats re-reading the packed codes from L1 depends on the
@@ -474,11 +472,20 @@ static void qlinear(const void *x, int64_t x_stride, int x_dtype, const Weights 
     float *rowpat = NULL; /* tile42's per-lane activation steps and sums, per full row tile */
 #if defined(__AVX2__)
     rowpat = malloc(sizeof(float) * (size_t)((m / RB) * groups * 16 + 1));
-    for (int64_t rt = 0; rt < m / RB; rt++)
-        row_pattern(d + rt * RB * groups, xs + rt * RB * groups, groups, rowpat + rt * groups * 16);
 #endif
 #pragma omp parallel if (n * k * (m < 8 ? m : 8) >= 65536)
     {
+        float *row = malloc(sizeof(float) * (size_t)k);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++)
+            quantize_row(x, x_stride, x_dtype, r, k, w->gs, row, q + r * k, d + r * groups,
+                         xs + r * groups);
+        free(row);
+#if defined(__AVX2__)
+#pragma omp for schedule(static)
+        for (int64_t rt = 0; rt < m / RB; rt++)
+            row_pattern(d + rt * RB * groups, xs + rt * RB * groups, groups, rowpat + rt * groups * 16);
+#endif
         uint8_t *buf = unpack ? malloc((size_t)(cols * k)) : NULL;
         float *colpat = NULL; /* tile42's per-lane scales and offsets of this column tile */
 #if defined(__AVX2__)
