@@ -49,6 +49,8 @@ from lite.compute import (
 )
 from lite.data import CalibrationSet, build_calibration
 from lite.families import LAYER_GROUPS, NO_CLIP, ScaleGroup
+from lite.gptq import DAMP as GPTQ_DAMP
+from lite.gptq import gptq_quantize
 from lite.hf import architecture_from_config, load_config
 from lite.model_card import write_model_card
 from lite.plan import Plan, default_rows, device_rows, make_plan, skeleton
@@ -101,8 +103,22 @@ class AwqConfig:
     block_objective: tuple[str, ...] = ()
     block_clip: tuple[str, ...] = ()
     block_samples: int = 8
+    # How the scaled, clipped weights become codes: "nearest" (AWQ's round-to-nearest) or
+    # "gptq" (lite/gptq.py: each column's error compensated on the later ones through the
+    # inputs' Gram matrix, which the scale search collects anyway).
+    rounding: str = "nearest"
+    gptq_damp: float = GPTQ_DAMP  # an evaluation knob (evals/bench/awq_objectives.py)
     dtype: str = "float16"
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+    def __post_init__(self) -> None:
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"rounding {self.rounding!r}: choose one of {', '.join(ROUNDINGS)}")
+        if self.rounding == "gptq" and self.calib_samples == 0:
+            raise ValueError(
+                "--rounding gptq needs the calibration's statistics: give --calib-samples > 0, "
+                "or use --rounding nearest for round-to-nearest without calibration"
+            )
 
     @property
     def method(self) -> str:
@@ -117,6 +133,8 @@ class AwqConfig:
         custom = f"block(scale={','.join(chosen[0])}; clip={','.join(chosen[1])})"
         return next((name for name, blocks in SEARCHES.items() if blocks == chosen), custom)
 
+
+ROUNDINGS = ("nearest", "gptq")  # `lite auto_awq --rounding`
 
 # `lite auto_awq --search`: (block_objective, block_clip) by name. "block" is the best block
 # variant measured for issue 18 (evals/bench/awq_objectives.py).
@@ -282,6 +300,7 @@ class LayerCalibration:
     fallbacks: list[str]
     outputs: torch.Tensor
     ratios: dict[str, float | None] = field(default_factory=dict)  # group -> alpha (None: 1)
+    grams: dict[str, torch.Tensor] = field(default_factory=dict)  # linear -> its inputs' Gram
 
 
 def _can_scale(layer: torch.nn.Module, group: ScaleGroup) -> bool:
@@ -439,14 +458,20 @@ def calibrate_layer(
         stats[group].rescale(result.scales)
     del probes
     clip = _clip_layer(layer, groups, stats, x, pos, cfg, rows)
-    return LayerCalibration(clip, fallbacks, outputs, ratios)
+    grams = {n: stats[g].gram for g in groups for n in g.linears} if cfg.rounding == "gptq" else {}
+    return LayerCalibration(clip, fallbacks, outputs, ratios, grams)
 
 
 def pack_layer(
-    layer: torch.nn.Module, cfg: AwqConfig, prefix: str, clip: dict[str, torch.Tensor]
+    layer: torch.nn.Module,
+    cfg: AwqConfig,
+    prefix: str,
+    clip: dict[str, torch.Tensor],
+    grams: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Every linear quantized and packed in the artifact layout; the rest in `cfg.dtype`.
-    Computed where the layer is; returned on the host, to be written."""
+    """Every linear quantized (GPTQ rounding where `grams` has its inputs' Gram matrix) and
+    packed in the artifact layout; the rest in `cfg.dtype`. Computed where the layer is;
+    returned on the host, to be written."""
     dtype = DTYPES[cfg.dtype]
     gs = cfg.spec.group_size
     tensors: dict[str, torch.Tensor] = {}
@@ -454,7 +479,11 @@ def pack_layer(
     for name, lin in linears.items():
         w = lin.weight.data
         k = w.shape[1]
-        qw = quantize(w, cfg.spec, clip.get(name, 1.0))
+        gram, ratio = (grams or {}).get(name), clip.get(name, 1.0)
+        if gram is None:
+            qw = quantize(w, cfg.spec, ratio)
+        else:
+            qw = gptq_quantize(w, gram, cfg.spec, ratio, cfg.gptq_damp)
         tensors[f"{prefix}{name}.qweight"] = layout.pack_qweight(qw.q, gs)
         tensors[f"{prefix}{name}.qparams"] = layout.pack_qparams(qw.scale, qw.zero, gs, k)
         if lin.bias is not None:
@@ -600,7 +629,8 @@ def quantize_layer(
             return pack_layer(layer, cfg, prefix, {}), None, []
         groups = LAYER_GROUPS[config.model_type]
         result = calibrate_layer(layer, groups, x, pos, cfg, f"model.layers.{i}", rows)
-        return pack_layer(layer, cfg, prefix, result.clip), result.outputs, result.fallbacks
+        tensors = pack_layer(layer, cfg, prefix, result.clip, result.grams)
+        return tensors, result.outputs, result.fallbacks
     except torch.OutOfMemoryError as e:
         raise out_of_memory(device, i, rows if x is not None else 0) from e
 
@@ -755,6 +785,7 @@ def _assemble(
             duo_scaling=cfg.duo_scaling,
             clip_max_shrink=cfg.clip_max_shrink,
             search=cfg.search,
+            rounding=cfg.rounding,
             fallbacks=state.fallbacks,
         ),
         layout=Layout(

@@ -43,7 +43,8 @@ tokenizer and chat template. Serve it with `runtime serve {root.name}`.
 {"symmetric" if q.symmetric else "asymmetric with zero points"} |
 | calibration | {calib} |
 | search | {q.search} objective, {q.n_grid}-point scale grid\
-{" with duo scaling" if q.duo_scaling else ""}, clip shrink up to {q.clip_max_shrink} |
+{" with duo scaling" if q.duo_scaling else ""}, clip shrink up to {q.clip_max_shrink}, \
+{q.rounding} rounding |
 | search fallbacks | {fallbacks} |
 | launch config | session {launch.session_len}, kv {launch.kv_quant}, \
 block {launch.cache_block_seq_len}, batch {launch.max_batch_size} |

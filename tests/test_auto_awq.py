@@ -139,6 +139,27 @@ def test_block_search_writes_its_recorded_tensors(
     assert Artifact(art).manifest.quantization.search == "block"
 
 
+def test_gptq_rounding_changes_the_codes_and_says_so(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """`--rounding gptq` writes other codes from the same search (lite/gptq.py's own tests
+    check their output error), a valid artifact that serves, and records it in the manifest
+    and model card; the default records nearest."""
+    arts = {}
+    for rounding in ("nearest", "gptq"):
+        art = arts[rounding] = tmp_path / rounding
+        args = ["auto_awq", str(tiny_models["llama"]), "--work-dir", str(art), *FAST]
+        code, out = lite(*args, "--device", "cpu", "--rounding", rounding)
+        assert code == 0, out
+        assert Artifact(art).manifest.quantization.rounding == rounding
+        assert f"{rounding} rounding" in (art / "README.md").read_text()
+    code, out = lite("inspect", str(arts["gptq"]), "--verify", "--json")
+    assert code == 0, out
+    shas = {r: _saved_sha256(a / "model-00001.safetensors", tmp_path) for r, a in arts.items()}
+    assert shas["nearest"] == CPU_ARTIFACT_SHA256["llama"][1]  # the default is unchanged
+    assert shas["gptq"] != shas["nearest"]
+
+
 def test_rtn_and_symmetric(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     art = tmp_path / "rtn"
     code, out = lite(
@@ -282,6 +303,7 @@ def _bad_inputs(tmp_path: Path, tiny: Path) -> list[tuple[list[str], str]]:
         ([str(tiny), "--calib-dataset", str(empty)], "is empty"),
         ([str(tiny), "--calib-dataset", str(no_field)], "line 2"),
         ([str(tiny), "--calib-dataset", "pileval-typo"], "unknown calibration dataset"),
+        ([str(tiny), "--calib-samples", "0", "--rounding", "gptq"], "give --calib-samples > 0"),
     ] + [([str(tiny), "--work-dir", str(blocker / "sub")], "choose a writable --work-dir")]
 
 

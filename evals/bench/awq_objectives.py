@@ -32,6 +32,12 @@ VARIANTS: dict[str, dict[str, list[str] | int]] = {
     "attn+clip": {"block_objective": ["self_attn"], "block_clip": BOTH},  # the best block variant
     "block+clip-attn": {"block_objective": BOTH, "block_clip": ["self_attn"]},
     "block+clip-mlp": {"block_objective": BOTH, "block_clip": ["mlp"]},
+    "gptq": {"rounding": "gptq"},  # the Gram search, then GPTQ rounding (lite/gptq.py)
+    "gptq-damp0.01": {"rounding": "gptq", "gptq_damp": 0.01},  # GPTQ's own damping
+    "gptq-noclip": {"rounding": "gptq", "gptq_damp": 0.01, "clip_max_shrink": 0},  # no clip
+    "gptq-damp0.1": {"rounding": "gptq", "gptq_damp": 0.1},
+    "gptq-damp1": {"rounding": "gptq", "gptq_damp": 1.0},
+    "gptq-damp10": {"rounding": "gptq", "gptq_damp": 10.0},
 }
 
 _CHILD = """

@@ -328,6 +328,7 @@ def _quantization(fmt: SourceFormat, gs: int) -> Quantization:
         duo_scaling=False,
         clip_max_shrink=0.0,
         search="none",
+        rounding="none",
     )
 
 

@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field
 FORMAT = "liteserve-artifact"
 # 2: producer.devices/torch/cuda (optional: schema-1 manifests still validate).
 # 3: source.format/quantization_config and the converted methods (`lite convert`).
-SCHEMA_VERSION = 4
+# 4: quantization.search. 5: quantization.rounding.
+SCHEMA_VERSION = 5
 MANIFEST_FILE = "manifest.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 MODEL_CARD_FILE = "README.md"
@@ -86,6 +87,10 @@ class Quantization(_Strict):
     # strengths scored on the block output), "none" (RTN, converted); artifacts made before
     # it was recorded ran the Gram search
     search: str = "gram"
+    # how the scaled weights became codes: "nearest" (round-to-nearest), "gptq" (GPTQ's
+    # error-compensating rounding), "none" (converted: the codes came as they were);
+    # artifacts made before it was recorded rounded to nearest
+    rounding: str = "nearest"
     fallbacks: list[str] = Field(default_factory=list)  # layers whose search fell back, and why
 
 
