@@ -31,8 +31,12 @@
  * columns' codes. Scales and offsets, [n / 8, k / gs, 8] in s_dtype, are tiled alike: a
  * group's 8 columns are one vector load. runtime/kernels/cpu.py lays them out (tile_codes,
  * tile_params, tile_head) and reads them back.
- * Rows go RB at a time over each weight column tile of CB columns while it is in L1, so the
- * weights are read from memory once whatever m is (decode and prefill alike).
+ * Rows go a few at a time over each weight column tile while it is in L1, so the weights are
+ * read from memory once per pass whatever m is (decode and prefill alike); a pass takes as many
+ * rows as keep their activations in L2. On x86 int4 tiles are 8 columns by up to 3 rows
+ * (tile_r8: each unpacked weight register meets three rows' activations, which quantize_row
+ * then lays out doubled so they are memory operands of the multiply); elsewhere, and for the
+ * int8 head and unpacked tiles, RB rows by CB columns.
  *
  * The lm_head (dense in the artifact) is quantized at load to int8 per 32 inputs, symmetric,
  * as llama.cpp's Q8_0 stores it: the same tiles with 32-byte weight chunks (in column order
@@ -171,15 +175,17 @@ static inline int32_t isum(I v) { return v; }
 
 const char *isa_path(void) { return PATH; }
 
-enum { RB = 4, CB = 2, DECODE_CB = 8 }; /* row and column tiles; one row: more columns */
+/* row and column tiles; one row: more columns; x86 int4: WIDE_RB rows over 8 columns */
+enum { RB = 4, CB = 2, DECODE_CB = 8, WIDE_RB = 3, L2_ACTIVATIONS = 96 * 1024 };
 
 /*
  * Row r of x [m, k] (row stride x_stride, x_dtype), per group g: q int8 [k], d [groups] the
  * step, xs [groups] = d * sum(q) over the group. `row`: k floats of scratch. The max is a plain
- * compare, not fmaxf (a libm call per element where NaNs are possible).
+ * compare, not fmaxf (a libm call per element where NaNs are possible). `doubled`: q [2k], each
+ * 16 codes written twice in a row (the layout tile_r8 reads).
  */
 static void quantize_row(const void *x, int64_t x_stride, int x_dtype, int64_t r, int64_t k,
-                         int64_t gs, float *row, int8_t *q, float *d, float *xs) {
+                         int64_t gs, float *row, int8_t *q, float *d, float *xs, int doubled) {
     const uint8_t *src = (const uint8_t *)x + r * x_stride * (x_dtype == F32 ? 4 : 2);
     for (int64_t i = 0; i < k; i++) row[i] = load_scalar(src, x_dtype, i);
     for (int64_t g = 0; g < k / gs; g++) {
@@ -191,10 +197,14 @@ static void quantize_row(const void *x, int64_t x_stride, int x_dtype, int64_t r
         }
         float step = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
         int32_t total = 0;
-        int8_t *out = q + g * gs;
         for (int64_t i = 0; i < gs; i++) {
             int32_t c = (int32_t)rintf(v[i] * inv);
-            out[i] = (int8_t)c;
+            int64_t at = g * gs + i;
+            if (doubled) {
+                at = 2 * at - at % 16;
+                q[at + 16] = (int8_t)c;
+            }
+            q[at] = (int8_t)c;
             total += c;
         }
         d[g] = step;
@@ -301,32 +311,51 @@ static inline __m256 load8(const void *p, int dtype, int64_t i) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
 }
 
-/* The 8 columns' int32 sums of one group of int4 codes against one row: each 32-byte load is
- * a pair (c, c + 4) of columns' chunks; its low nibbles meet the chunk's first 16 activations
- * broadcast to both halves, its high nibbles the last 16. Without VNNI the u8 x s8 products
- * gather 4 to an int16 lane per chunk (at most 4 * 15 * 127 = 7620), so the lanes widen to
- * int32 every 4 chunks. The lanes come out in column order. */
-static inline __m256i group_sums4(const int8_t *q, const uint8_t *tile, int64_t i0, int64_t gs) {
+/* R <= 3 rows' int32 sums of inputs [i0, i0 + len) (len <= 128) over the 8 columns of an int4
+ * tile, p[r][pair] after pfinish: each 32-byte weight load is a pair (c, c + 4) of columns'
+ * chunks; its low nibbles meet the chunk's first 16 activations, its high nibbles the last 16.
+ * `doubled` activations (quantize_row) hold each 16 twice, so they are plain memory operands
+ * of the multiply and the registers go to accumulators: 4 a row, 12 at R = 3, with the
+ * unpacked pair and the mask 15 in all, no spills. Without VNNI the u8 x s8 products gather 4
+ * to an int16 lane per chunk (at most 4 * 15 * 127 = 7620), so at most 4 chunks (128 inputs)
+ * before the lanes widen to int32. Lane l of pair pr's low half is column pr's inputs
+ * 4l..4l+3 and 16+4l..16+4l+3 of each chunk, of its high half column pr + 4's. */
+static inline __attribute__((always_inline)) void block_sums4(const int8_t *q, int64_t qs, int rows,
+                                                              const uint8_t *tile, int64_t i0,
+                                                              int64_t len, I p[3][4]) {
     const __m256i low = _mm256_set1_epi8(15);
-    I s[4] = {izero(), izero(), izero(), izero()};
-    for (int64_t i1 = i0; i1 < i0 + gs; i1 += 128) {
-        I p[4] = {izero(), izero(), izero(), izero()};
-        int64_t end = i1 + 128 < i0 + gs ? i1 + 128 : i0 + gs;
-        for (int64_t i = i1; i < end; i += 32) {
-            __m256i xl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + i)));
-            __m256i xh = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + i + 16)));
-            const uint8_t *b = tile + (i / 32) * 128;
-            for (int pr = 0; pr < 4; pr++) {
-                __m256i v = _mm256_loadu_si256((const __m256i *)(b + 32 * pr));
-                p[pr] = idot(idot(p[pr], _mm256_and_si256(v, low), xl),
-                             _mm256_and_si256(_mm256_srli_epi16(v, 4), low), xh);
-            }
+    for (int r = 0; r < rows; r++)
+        for (int pr = 0; pr < 4; pr++) p[r][pr] = izero();
+    for (int64_t i = i0; i < i0 + len; i += 32) {
+        const uint8_t *b = tile + (i / 32) * 128;
+        const int8_t *x = q + 2 * i;
+        for (int pr = 0; pr < 4; pr++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(b + 32 * pr));
+            __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            for (int r = 0; r < rows; r++)
+                p[r][pr] = idot(idot(p[r][pr], lo, load_x(x + r * qs)), hi, load_x(x + r * qs + 32));
         }
-        for (int pr = 0; pr < 4; pr++) s[pr] = _mm256_add_epi32(s[pr], pfinish(p[pr]));
     }
-    /* s[pr] holds column pr's 4 partials in its low half, column pr + 4's in its high half */
-    __m256i h01 = _mm256_hadd_epi32(s[0], s[1]), h23 = _mm256_hadd_epi32(s[2], s[3]);
-    return _mm256_hadd_epi32(h01, h23);
+    for (int r = 0; r < rows; r++)
+        for (int pr = 0; pr < 4; pr++) p[r][pr] = pfinish(p[r][pr]);
+}
+
+/* A group's sums per row, lanes in column order: block_sums4 over its blocks of 128 inputs
+ * (one block for every group size the artifact allows), the pairs' lanes added up. */
+static inline __attribute__((always_inline)) void group_sums4(const int8_t *q, int64_t qs, int rows,
+                                                              const uint8_t *tile, int64_t i0,
+                                                              int64_t gs, __m256i out[3]) {
+    I s[3][4];
+    block_sums4(q, qs, rows, tile, i0, gs < 128 ? gs : 128, s);
+    for (int64_t i1 = i0 + 128; i1 < i0 + gs; i1 += 128) {
+        I t[3][4];
+        block_sums4(q, qs, rows, tile, i1, i0 + gs - i1 < 128 ? i0 + gs - i1 : 128, t);
+        for (int r = 0; r < rows; r++)
+            for (int pr = 0; pr < 4; pr++) s[r][pr] = _mm256_add_epi32(s[r][pr], t[r][pr]);
+    }
+    for (int r = 0; r < rows; r++)
+        out[r] = _mm256_hadd_epi32(_mm256_hadd_epi32(s[r][0], s[r][1]),
+                                   _mm256_hadd_epi32(s[r][2], s[r][3]));
 }
 
 /* The same for 8 columns of int8 codes (32-byte chunks in column order), one int32 each. */
@@ -341,22 +370,47 @@ static inline __m256i group_sums8(const int8_t *q, const uint8_t *tile, int64_t 
     return reduce8(p);
 }
 
-/* One row (decode) over the 8 columns of tile j0 / 8, lane c: the same group-wise order as
- * tile()'s (the integer sums are exact, so the same bits). */
-static void tile18(const int8_t *q, const float *d, const float *xs, const Weights *w,
-                   int64_t j0, float *out) {
+/* Rows r < R <= 3 of doubled activations (row stride qs bytes) over the 8 columns of packed
+ * int4 tile j0 / 8, lane c: per row the same group-wise order as tile()'s (the integer sums are
+ * exact, so the same bits), so a row's result does not depend on the rows beside it. x86's int4
+ * tile for every row count: each unpacked weight register meets up to three rows. */
+static inline __attribute__((always_inline)) void tile_r8(const int8_t *q, int64_t qs, int rows,
+                                                          const float *d, const float *xs,
+                                                          const Weights *w, int64_t j0, int cols,
+                                                          float *out, int64_t n) {
     const int64_t groups = w->groups, gs = w->gs, at = j0 * groups; /* the tile's params */
-    __m256 acc = _mm256_setzero_ps(), bias = _mm256_setzero_ps(); /* lane-wise as tile()'s */
-    const int packed = w->form == PACKED4; /* or SIGNED8: no tile unpack at m = 1 */
-    const uint8_t *tile = w->codes + j0 * (packed ? w->k / 2 : w->k);
+    __m256 acc[3], bias[3];
+    for (int r = 0; r < rows; r++) acc[r] = bias[r] = _mm256_setzero_ps();
+    const uint8_t *tile = w->codes + j0 * (w->k / 2);
     for (int64_t g = 0; g < groups; g++) {
-        __m256i sums = packed ? group_sums4(q, tile, g * gs, gs) : group_sums8(q, tile, g * gs, gs);
+        __m256i sums[3];
+        group_sums4(q, qs, rows, tile, g * gs, gs, sums);
+        __m256 s = load8(w->scale, w->s_dtype, at + g * 8), b = load8(w->offset, w->s_dtype, at + g * 8);
+        for (int r = 0; r < rows; r++) {
+            __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(d[r * groups + g]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), sd, acc[r]);
+            bias[r] = _mm256_fmadd_ps(b, _mm256_set1_ps(xs[r * groups + g]), bias[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) { /* a last tile of n % 8 columns: its codes are padded */
+        float lanes[8];
+        _mm256_storeu_ps(cols == 8 ? out + r * n + j0 : lanes, _mm256_add_ps(acc[r], bias[r]));
+        if (cols < 8) memcpy(out + r * n + j0, lanes, sizeof(float) * (size_t)cols);
+    }
+}
+
+/* One row (decode) over the 8 columns of an int8 tile j0 / 8 (the lm_head), lane c: tile()'s
+ * order, as tile_r8's. */
+static void tile18(const int8_t *q, const float *d, const Weights *w, int64_t j0, float *out) {
+    const int64_t groups = w->groups, gs = w->gs, at = j0 * groups;
+    __m256 acc = _mm256_setzero_ps();
+    const uint8_t *tile = w->codes + j0 * w->k;
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i sums = group_sums8(q, tile, g * gs, gs);
         __m256 sd = _mm256_mul_ps(load8(w->scale, w->s_dtype, at + g * 8), _mm256_set1_ps(d[g]));
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), sd, acc);
-        if (w->offset)
-            bias = _mm256_fmadd_ps(load8(w->offset, w->s_dtype, at + g * 8), _mm256_set1_ps(xs[g]), bias);
     }
-    _mm256_storeu_ps(out + j0, _mm256_add_ps(acc, bias));
+    _mm256_storeu_ps(out + j0, _mm256_add_ps(acc, _mm256_setzero_ps()));
 }
 
 /* The full 4 x 2 tile of prefill-sized batches on x86. Each group's eight (row, column) int32
@@ -399,13 +453,22 @@ static void tile42(const int8_t *q, const Weights *w, int64_t j0, const float *r
 }
 #endif
 
-/* A constant (rows, cols) per case, so the accumulators become registers. */
-static void run_tile(const int8_t *q, const float *d, const float *xs, int rows, int cols,
-                     const Weights *w, int64_t j0, const float *rowpat, const float *colpat,
-                     float *out, int64_t n) {
+/* A constant (rows, cols) per case, so the accumulators become registers. q: row stride qs
+ * bytes (doubled where w is packed int4 on x86, see qlinear). */
+static void run_tile(const int8_t *q, int64_t qs, const float *d, const float *xs, int rows,
+                     int cols, const Weights *w, int64_t j0, const float *rowpat,
+                     const float *colpat, float *out, int64_t n) {
+#if defined(__AVX2__)
+    if (w->form == PACKED4) { /* qlinear's wide tiles */
+        if (rows == 1) tile_r8(q, qs, 1, d, xs, w, j0, cols, out, n);
+        else if (rows == 2) tile_r8(q, qs, 2, d, xs, w, j0, cols, out, n);
+        else tile_r8(q, qs, 3, d, xs, w, j0, cols, out, n);
+        return;
+    }
+#endif
     switch (rows * 16 + cols) {
 #if defined(__AVX2__)
-    case 1 * 16 + 8: tile18(q, d, xs, w, j0, out); break;
+    case 1 * 16 + 8: tile18(q, d, w, j0, out); break;
     case 4 * 16 + 2: tile42(q, w, j0, rowpat, colpat, out, n); break;
 #else
     case 1 * 16 + 8: tile(q, d, xs, 1, 8, w, j0, out, n); break;
@@ -461,36 +524,45 @@ static void column_pattern(const Weights *w, int64_t j0, float *pat) {
 static void qlinear(const void *x, int64_t x_stride, int x_dtype, const Weights *w, float *out,
                     int64_t m, int64_t n, int unpack_tiles) {
     int64_t k = w->k, groups = w->groups;
-    int8_t *q = malloc((size_t)(m * k));
     float *d = malloc(sizeof(float) * (size_t)(2 * m * groups)), *xs = d + m * groups;
-    int64_t cols = m == 1 ? DECODE_CB : CB, tiles = (n + cols - 1) / cols;
     /* unpack_tiles: many row tiles over each column tile unpack its int4 codes once instead of
      * once per row tile. Whether that beats re-reading the packed codes from L1 depends on the
      * row count and the machine (at 8 rows it cost 2.3x here), so the caller's measured
      * dispatch decides (runtime/kernels/cpu.py, the "int8-unpacked" path). */
-    int unpack = unpack_tiles && w->form == PACKED4 && m > RB;
+    int unpack = unpack_tiles && w->form == PACKED4 && m > RB, wide = 0;
+#if defined(__AVX2__)
+    wide = w->form == PACKED4 && !unpack; /* tile_r8 for every row count */
+#endif
+    int64_t rb = wide ? WIDE_RB : RB, cols = m == 1 || wide ? DECODE_CB : CB;
+    int64_t tiles = (n + cols - 1) / cols, qs = wide ? 2 * k : k;
+    /* Rows a pass over the weights takes: their activations stay in L2 while the weights stream
+     * past (one pass over all m rows at 128 ran at 0.6x the rate of 64 on a Zen 3; 512 KB L2) */
+    int64_t mc = wide ? (L2_ACTIVATIONS / qs) / rb * rb : m;
+    mc = mc < rb ? rb : mc;
+    int8_t *q = malloc((size_t)(m * qs));
     float *rowpat = NULL; /* tile42's per-lane activation steps and sums, per full row tile */
 #if defined(__AVX2__)
-    rowpat = malloc(sizeof(float) * (size_t)((m / RB) * groups * 16 + 1));
+    if (!wide) rowpat = malloc(sizeof(float) * (size_t)((m / RB) * groups * 16 + 1));
 #endif
 #pragma omp parallel if (n * k * (m < 8 ? m : 8) >= 65536)
     {
         float *row = malloc(sizeof(float) * (size_t)k);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; r++)
-            quantize_row(x, x_stride, x_dtype, r, k, w->gs, row, q + r * k, d + r * groups,
-                         xs + r * groups);
+            quantize_row(x, x_stride, x_dtype, r, k, w->gs, row, q + r * qs, d + r * groups,
+                         xs + r * groups, wide);
         free(row);
 #if defined(__AVX2__)
 #pragma omp for schedule(static)
-        for (int64_t rt = 0; rt < m / RB; rt++)
+        for (int64_t rt = 0; rt < (rowpat ? m / RB : 0); rt++)
             row_pattern(d + rt * RB * groups, xs + rt * RB * groups, groups, rowpat + rt * groups * 16);
 #endif
         uint8_t *buf = unpack ? malloc((size_t)(cols * k)) : NULL;
         float *colpat = NULL; /* tile42's per-lane scales and offsets of this column tile */
 #if defined(__AVX2__)
-        colpat = m >= RB ? malloc(sizeof(float) * (size_t)(groups * 16)) : NULL;
+        colpat = m >= RB && !wide ? malloc(sizeof(float) * (size_t)(groups * 16)) : NULL;
 #endif
+        for (int64_t m0 = 0; m0 < m; m0 += mc) {
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
             int64_t j0 = t * cols;
@@ -503,12 +575,13 @@ static void qlinear(const void *x, int64_t x_stride, int x_dtype, const Weights 
 #if defined(__AVX2__)
             if (colpat && c == CB) column_pattern(w, j0, colpat);
 #endif
-            for (int64_t r0 = 0; r0 < m; r0 += RB) {
-                int rows = (int)(m - r0 < RB ? m - r0 : RB);
+            for (int64_t r0 = m0; r0 < m && r0 < m0 + mc; r0 += rb) {
+                int rows = (int)(m - r0 < rb ? m - r0 : rb);
                 const float *rp = rowpat && rows == RB ? rowpat + (r0 / RB) * groups * 16 : NULL;
-                run_tile(q + r0 * k, d + r0 * groups, xs + r0 * groups, rows, c, &tw, j0, rp,
+                run_tile(q + r0 * qs, qs, d + r0 * groups, xs + r0 * groups, rows, c, &tw, j0, rp,
                          colpat, out + r0 * n, n);
             }
+        }
         }
         free(buf);
         free(colpat);
