@@ -288,8 +288,8 @@ def paged_attention(
     lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
     """Decoding sequences in one call per layer (the C kernel when `lib` is loaded, else a
-    few batched torch ops); prefill chunks through the reference, one sequence at a time (they
-    are compute-bound)."""
+    few batched torch ops); prefill chunks one sequence at a time, through the C kernel's
+    blocks of tokens when loaded, else the reference."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     d = attn.decode
     if d is not None and lib is not None:
@@ -299,12 +299,49 @@ def paged_attention(
         out[d.rows] = _batched_decode(q[d.rows], kv, d, valid, scale)
     start = 0
     for table, length, n in zip(attn.block_tables, attn.context_lens, attn.query_lens, strict=True):
-        if n != 1:  # every single-token sequence is in the decode batch
+        if n != 1 and lib is not None:  # every single-token sequence is in the decode batch
+            _native_prefill(lib, q, out, kv, (table, length, n, start), scale, sliding_window)
+        elif n != 1:
             out[start : start + n] = reference.paged_attention(
                 q[start : start + n], kv, [table], [length], [n], scale, sliding_window
             )
         start += n
     return out
+
+
+def _native_prefill(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    out: torch.Tensor,
+    kv: LayerKV,
+    seq: tuple[torch.Tensor, int, int, int],
+    scale: float,
+    window: int | None,
+) -> None:
+    """One sequence's chunk: `seq` is (block table, context length, chunk length, first row)."""
+    table, length, n, row0 = seq
+    q, table, spec = _heads_contiguous(q), table.contiguous(), kv.spec
+    params = (kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero)
+    lib.prefill_attention(
+        q.data_ptr(),
+        q.stride(0),
+        native.DTYPE_CODES[q.dtype],
+        out.data_ptr(),
+        row0,
+        n,
+        kv.k.data_ptr(),
+        kv.v.data_ptr(),
+        *(None if t is None else t.data_ptr() for t in params),
+        spec.storage_kind,
+        table.data_ptr(),
+        length,
+        window or 0,
+        q.shape[1],
+        spec.num_kv_heads,
+        spec.head_dim,
+        spec.block_size,
+        scale,
+    )
 
 
 def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:

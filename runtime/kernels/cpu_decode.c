@@ -208,93 +208,138 @@ static inline float exp_nonpositive(float x) {
     return p * two_n;
 }
 
-/* out[i] += sum_t w[t] * rows[t][i]: 4 * LANES outputs at a time in four independent register
- * accumulators (one would wait on its own FMA latency every token). */
-static inline void accumulate(float *restrict out, const float *restrict w,
-                              const float *restrict rows, int64_t m, int64_t d) {
-    int64_t i = 0;
-    for (; i + 4 * LANES <= d; i += 4 * LANES) {
-        vf a0 = loadv(out + i), a1 = loadv(out + i + LANES), a2 = loadv(out + i + 2 * LANES),
-           a3 = loadv(out + i + 3 * LANES);
-        for (int64_t t = 0; t < m; t++) {
-            const float *r = rows + t * d + i;
-            a0 += w[t] * loadv(r);
-            a1 += w[t] * loadv(r + LANES);
-            a2 += w[t] * loadv(r + 2 * LANES);
-            a3 += w[t] * loadv(r + 3 * LANES);
+enum { TILE = 64 }; /* tokens widened at a time: a tile of fp32 rows stays in L1/L2 */
+enum { QT = 4 };    /* queries a micro-tile: QT x 2 vectors of accumulators, no spills */
+
+/* s[j][t] = q_j . k_t for QT queries (q [QT][d]) and a tile's TILE keys, kt [d][TILE]
+ * transposed (zeros past its keys): each key vector loaded once for QT queries and no
+ * horizontal sums. s: row stride `stride`. */
+static inline void qk_tile(const float *restrict q, int64_t d, const float *restrict kt,
+                           float *restrict s, int64_t stride) {
+    for (int64_t t0 = 0; t0 < TILE; t0 += 2 * LANES) {
+        vf a[QT][2];
+        memset(a, 0, sizeof a);
+        for (int64_t i = 0; i < d; i++) {
+            vf k0 = loadv(kt + i * TILE + t0), k1 = loadv(kt + i * TILE + t0 + LANES);
+            for (int j = 0; j < QT; j++) {
+                float x = q[j * d + i];
+                a[j][0] += x * k0;
+                a[j][1] += x * k1;
+            }
         }
-        memcpy(out + i, &a0, sizeof a0);
-        memcpy(out + i + LANES, &a1, sizeof a1);
-        memcpy(out + i + 2 * LANES, &a2, sizeof a2);
-        memcpy(out + i + 3 * LANES, &a3, sizeof a3);
+        for (int j = 0; j < QT; j++) {
+            memcpy(s + j * stride + t0, &a[j][0], sizeof(vf));
+            memcpy(s + j * stride + t0 + LANES, &a[j][1], sizeof(vf));
+        }
     }
-    for (; i + LANES <= d; i += LANES) {
-        vf acc = loadv(out + i);
-        for (int64_t t = 0; t < m; t++) acc += w[t] * loadv(rows + t * d + i);
-        memcpy(out + i, &acc, sizeof acc);
-    }
-    for (; i < d; i++)
-        for (int64_t t = 0; t < m; t++) out[i] += w[t] * rows[t * d + i];
 }
 
-enum { TILE = 64 }; /* tokens widened at a time: a tile of fp32 rows stays in L1/L2 */
+/* o[j] += sum_t w[j][t] v_t for QT queries (w: row stride TILE) over m rows v [m][d]: each
+ * value vector loaded once for QT queries. */
+static inline void pv_tile(const float *restrict w, const float *restrict v, int64_t m,
+                           int64_t d, float *restrict o) {
+    int64_t i0 = 0;
+    for (; i0 + 2 * LANES <= d; i0 += 2 * LANES) {
+        vf a[QT][2];
+        for (int j = 0; j < QT; j++) a[j][0] = loadv(o + j * d + i0), a[j][1] = loadv(o + j * d + i0 + LANES);
+        for (int64_t t = 0; t < m; t++) {
+            vf v0 = loadv(v + t * d + i0), v1 = loadv(v + t * d + i0 + LANES);
+            for (int j = 0; j < QT; j++) {
+                float x = w[j * TILE + t];
+                a[j][0] += x * v0;
+                a[j][1] += x * v1;
+            }
+        }
+        for (int j = 0; j < QT; j++) {
+            memcpy(o + j * d + i0, &a[j][0], sizeof(vf));
+            memcpy(o + j * d + i0 + LANES, &a[j][1], sizeof(vf));
+        }
+    }
+    for (; i0 < d; i0++)
+        for (int j = 0; j < QT; j++)
+            for (int64_t t = 0; t < m; t++) o[j * d + i0] += w[j * TILE + t] * v[t * d + i0];
+}
 
-/* Widen the stored rows of `m` slots into `tile` [m, d]; quantized: their scale and zero. */
+/* The stored rows of `m` slots widened into `rows` [m, d], or (transposed) into [d, TILE] with
+ * zeros past m; quantized: their scale and zero. */
 static void load_tile(const Pool *p, const uint8_t *codes, const uint16_t *scales,
                       const uint16_t *zeros, const int64_t *slots, int64_t m, int64_t kvh,
-                      float *tile, float *scale, float *zero) {
+                      int transposed, float *rows, float *scale, float *zero) {
+    const int64_t d = p->head_dim;
+    float row[d];
+    if (transposed && m < TILE)
+        for (int64_t i = 0; i < d; i++) memset(rows + i * TILE + m, 0, sizeof(float) * (size_t)(TILE - m));
     for (int64_t t = 0; t < m; t++) {
         int64_t idx = slots[t] * p->kv_heads + kvh;
-        widen(codes + idx * p->row_bytes, p->kind, p->head_dim, tile + t * p->head_dim);
+        widen(codes + idx * p->row_bytes, p->kind, d, transposed ? row : rows + t * d);
+        if (transposed)
+            for (int64_t i = 0; i < d; i++) rows[i * TILE + t] = row[i];
         scale[t] = scales ? f16_to_f32(scales[idx]) : 1.f;
         zero[t] = zeros ? f16_to_f32(zeros[idx]) : 0.f;
     }
 }
 
-/* Attention of the `group` query heads sharing KV head `kvh` over the n slots given.
- * scratch: group * n + TILE * (head_dim + group + 2) floats. */
+static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+
+/* Floats of scratch attend() needs. */
+static size_t attend_floats(int64_t group, int64_t n, int64_t d) {
+    int64_t gp = round_up(group, QT);
+    return (size_t)(gp * (round_up(n, TILE) + 2 * d + TILE) + TILE * (d + 2));
+}
+
+/* Attention of `group` queries [group, head_dim] sharing KV head `kvh` over the n slots given:
+ * the query heads of one decoding token, or (lo, hi not NULL) a block of prefill tokens'
+ * where query g sees slots [lo[g], hi[g]) only. Queries go QT at a time through the tile
+ * kernels (padded with zero queries). scratch: attend_floats(group, n, head_dim). */
 static void attend(const Pool *p, const float *q, int64_t group, const int64_t *slots, int64_t n,
-                   int64_t kvh, float scale, float *scratch, float *out) {
-    const int64_t d = p->head_dim;
-    float *scores = scratch, *tile = scores + group * n, *w = tile + TILE * d,
-          *ts = w + group * TILE, *tz = ts + TILE;
-    float qsum[group], pz[group];
-    for (int64_t g = 0; g < group; g++) {
+                   const int64_t *lo, const int64_t *hi, int64_t kvh, float scale, float *scratch,
+                   float *out) {
+    const int64_t d = p->head_dim, gp = round_up(group, QT), np = round_up(n, TILE);
+    float *scores = scratch, *qp = scores + gp * np, *op = qp + gp * d, *w = op + gp * d,
+          *tile = w + gp * TILE, *ts = tile + TILE * d, *tz = ts + TILE;
+    float qsum[gp], pz[gp];
+    memcpy(qp, q, sizeof(float) * (size_t)(group * d));
+    memset(qp + group * d, 0, sizeof(float) * (size_t)((gp - group) * d));
+    for (int64_t g = 0; g < gp; g++) {
         float s = 0.f;
-        for (int64_t i = 0; i < d; i++) s += q[g * d + i];
+        for (int64_t i = 0; i < d; i++) s += qp[g * d + i];
         qsum[g] = s;
         pz[g] = 0.f;
     }
     /* scores: q . k, where for codes k = c * s + z gives s (q . c) + z sum(q) */
     for (int64_t t0 = 0; t0 < n; t0 += TILE) {
         int64_t m = n - t0 < TILE ? n - t0 : TILE;
-        load_tile(p, p->k, p->k_scale, p->k_zero, slots + t0, m, kvh, tile, ts, tz);
-        for (int64_t g = 0; g < group; g++)
-            for (int64_t t = 0; t < m; t++)
-                scores[g * n + t0 + t] =
-                    (dot(q + g * d, tile + t * d, d) * ts[t] + qsum[g] * tz[t]) * scale;
-    }
-    for (int64_t g = 0; g < group; g++) { /* softmax in place */
-        float *s = scores + g * n, m = -INFINITY;
-        for (int64_t t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
-        for (int64_t t = 0; t < n; t++) s[t] = exp_nonpositive(s[t] - m);
-        float inv = 1.f / sum(s, n);
-        for (int64_t t = 0; t < n; t++) s[t] *= inv;
-    }
-    /* out = sum_t p_t v_t, where for codes v = c * s + z: sum (p s) c + sum p z */
-    memset(out, 0, (size_t)(group * d) * sizeof(float));
-    for (int64_t t0 = 0; t0 < n; t0 += TILE) {
-        int64_t m = n - t0 < TILE ? n - t0 : TILE;
-        load_tile(p, p->v, p->v_scale, p->v_zero, slots + t0, m, kvh, tile, ts, tz);
+        load_tile(p, p->k, p->k_scale, p->k_zero, slots + t0, m, kvh, 1, tile, ts, tz);
+        for (int64_t g0 = 0; g0 < gp; g0 += QT) qk_tile(qp + g0 * d, d, tile, scores + g0 * np + t0, np);
         for (int64_t g = 0; g < group; g++) {
-            const float *pg = scores + g * n + t0;
-            for (int64_t t = 0; t < m; t++) w[g * TILE + t] = pg[t] * ts[t];
-            pz[g] += dot(pg, tz, m);
-            accumulate(out + g * d, w + g * TILE, tile, m, d);
+            float *sg = scores + g * np + t0;
+            for (int64_t t = 0; t < m; t++) sg[t] = (sg[t] * ts[t] + qsum[g] * tz[t]) * scale;
         }
     }
+    for (int64_t g = 0; g < gp; g++) { /* softmax in place; zeros where g does not see */
+        int64_t a = g >= group ? 0 : lo ? lo[g] : 0, b = g >= group ? 0 : hi ? hi[g] : n;
+        float *sg = scores + g * np, m = -INFINITY;
+        for (int64_t t = a; t < b; t++) m = sg[t] > m ? sg[t] : m;
+        for (int64_t t = a; t < b; t++) sg[t] = exp_nonpositive(sg[t] - m);
+        float inv = b > a ? 1.f / sum(sg + a, b - a) : 0.f;
+        for (int64_t t = a; t < b; t++) sg[t] *= inv;
+        memset(sg, 0, sizeof(float) * (size_t)a);
+        memset(sg + b, 0, sizeof(float) * (size_t)(np - b));
+    }
+    /* out = sum_t p_t v_t, where for codes v = c * s + z: sum (p s) c + sum p z */
+    memset(op, 0, sizeof(float) * (size_t)(gp * d));
+    for (int64_t t0 = 0; t0 < n; t0 += TILE) {
+        int64_t m = n - t0 < TILE ? n - t0 : TILE;
+        load_tile(p, p->v, p->v_scale, p->v_zero, slots + t0, m, kvh, 0, tile, ts, tz);
+        for (int64_t g = 0; g < gp; g++) {
+            const float *pg = scores + g * np + t0;
+            for (int64_t t = 0; t < m; t++) w[g * TILE + t] = pg[t] * ts[t];
+            pz[g] += dot(pg, tz, m);
+        }
+        for (int64_t g0 = 0; g0 < gp; g0 += QT) pv_tile(w + g0 * TILE, tile, m, d, op + g0 * d);
+    }
     for (int64_t g = 0; g < group; g++)
-        for (int64_t i = 0; i < d; i++) out[g * d + i] += pz[g];
+        for (int64_t i = 0; i < d; i++) out[g * d + i] = op[g * d + i] + pz[g];
 }
 
 /*
@@ -323,14 +368,14 @@ void decode_attention(const void *q, int64_t q_stride, int q_dtype, void *out, c
     for (int64_t b = 0; b < batch; b++) {
         for (int64_t h = 0; h < kv_heads; h++) {
             int64_t len = lens[b], start = (window > 0 && len > window) ? len - window : 0;
-            size_t floats = (size_t)(group * (longest + 2 * head_dim) + TILE * (head_dim + group + 2));
+            size_t floats = (size_t)(2 * group * head_dim) + attend_floats(group, longest, head_dim);
             float *scratch = malloc(sizeof(float) * (floats + 1) + sizeof(int64_t) * (size_t)longest);
             float *qf = scratch, *o = qf + group * head_dim, *work_area = o + group * head_dim;
             int64_t *slots = (int64_t *)(scratch + floats + (floats & 1));
             const uint8_t *qrow = (const uint8_t *)q + (rows[b] * q_stride + h * group * head_dim) * q_elem;
             load_row(qrow, q_dtype, group * head_dim, qf);
             fill_slots(tables + b * table_stride, start, len, block_size, slots);
-            attend(&p, qf, group, slots, len - start, h, scale, work_area, o);
+            attend(&p, qf, group, slots, len - start, NULL, NULL, h, scale, work_area, o);
             uint8_t *orow = (uint8_t *)out + (rows[b] * heads + h * group) * head_dim * q_elem;
             store_row(o, q_dtype, group * head_dim, orow);
             free(scratch);
@@ -495,4 +540,55 @@ void dense_linear(const void *x, int64_t x_stride, int x_dtype, const void *w, i
             }
         }
     free(xf);
+}
+
+enum { QB = 16 }; /* prefill tokens a block: each K/V tile is widened once for all of them */
+
+/*
+ * Causal attention of one sequence's n newest tokens, rows [row0, row0 + n) of q and out (laid
+ * out as in decode_attention), over its ctx tokens in the pool (table: its block ids): the
+ * prefill path. Tokens go QB at a time per KV head, their group * QB query heads attending
+ * together over the keys the block's last token sees, each token's own causal (and window)
+ * bounds applied to the scores, so each K/V row is widened once a block instead of once a
+ * token.
+ */
+void prefill_attention(const void *q, int64_t q_stride, int q_dtype, void *out, int64_t row0,
+                       int64_t n, const uint8_t *k, const uint8_t *v, const uint16_t *k_scale,
+                       const uint16_t *k_zero, const uint16_t *v_scale, const uint16_t *v_zero,
+                       int kind, const int64_t *table, int64_t ctx, int64_t window, int64_t heads,
+                       int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale) {
+    int64_t code_dim = kind == INT4 ? head_dim / 2 : head_dim;
+    int64_t elem = kind == F32 ? 4 : (kind == BF16 || kind == F16) ? 2 : 1;
+    Pool p = {k, v, k_scale, k_zero, v_scale, v_zero, kind, kv_heads, head_dim, block_size,
+              code_dim * elem};
+    int64_t group = heads / kv_heads, q_elem = q_dtype == F32 ? 4 : 2, blocks = (n + QB - 1) / QB;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) if (n * ctx * kv_heads >= 4096)
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t h = 0; h < kv_heads; h++) {
+            int64_t r0 = b * QB, rows = n - r0 < QB ? n - r0 : QB, nq = rows * group;
+            int64_t first = ctx - n + r0, last = first + rows - 1; /* the block's positions */
+            int64_t start = window > 0 && first + 1 > window ? first + 1 - window : 0;
+            int64_t len = last + 1 - start; /* keys [start, last] */
+            size_t floats = (size_t)(2 * nq * head_dim) + attend_floats(nq, len, head_dim);
+            float *scratch = malloc(sizeof(float) * (floats + 1) + sizeof(int64_t) * (size_t)(len + 2 * nq));
+            float *qf = scratch, *o = qf + nq * head_dim, *work_area = o + nq * head_dim;
+            int64_t *slots = (int64_t *)(scratch + floats + (floats & 1)), *lo = slots + len, *hi = lo + nq;
+            for (int64_t i = 0; i < rows; i++) {
+                const uint8_t *qrow = (const uint8_t *)q + ((row0 + r0 + i) * q_stride + h * group * head_dim) * q_elem;
+                load_row(qrow, q_dtype, group * head_dim, qf + i * group * head_dim);
+                int64_t pos = first + i, from = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+                for (int64_t g = 0; g < group; g++) {
+                    lo[i * group + g] = from - start;
+                    hi[i * group + g] = pos + 1 - start;
+                }
+            }
+            fill_slots(table, start, last + 1, block_size, slots);
+            attend(&p, qf, nq, slots, len, lo, hi, h, scale, work_area, o);
+            for (int64_t i = 0; i < rows; i++) {
+                uint8_t *orow = (uint8_t *)out + ((row0 + r0 + i) * heads + h * group) * head_dim * q_elem;
+                store_row(o + i * group * head_dim, q_dtype, group * head_dim, orow);
+            }
+            free(scratch);
+        }
+    }
 }

@@ -43,6 +43,7 @@ DTYPE_CODES = {d: code for d, code in STORAGE_KINDS.items() if isinstance(d, tor
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "decode_attention": [_P, _I64, _I32, _P, _P, *[_P] * 6, _I32, _P, _I64, _P, *[_I64] * 6, _F32],
+    "prefill_attention": [_P, _I64, _I32, _P, _I64, _I64, *[_P] * 6, _I32, _P, *[_I64] * 6, _F32],
     "dense_linear": [_P, _I64, _I32, _P, _I32, _P, _I64, _I64, _I64],
     "rms_norm": [_P, _I64, _P, _P, _I32, _I64, _I64, _F32],
     "kv_write_quantized": [_P, _I64, _P, _I64, _I32, _P, _I64, *[_P] * 6, _I64, _I64, _I32],
