@@ -531,10 +531,14 @@ static void qlinear(const void *x, int64_t x_stride, int x_dtype, const Weights 
      * dispatch decides (runtime/kernels/cpu.py, the "int8-unpacked" path). */
     int unpack = unpack_tiles && w->form == PACKED4 && m > RB, wide = 0;
 #if defined(__AVX2__)
-    wide = w->form == PACKED4 && !unpack; /* tile_r8 for every row count */
+    /* tile_r8 for int4 at every row count; the int8 head one row at a time over 8-column tiles
+     * (tile18 while the tile is in L1: tile42's per-lane scale patterns, built per column pair
+     * and group of 32, cost more than its dots at 8 rows) */
+    wide = (w->form == PACKED4 && !unpack) || w->form == SIGNED8;
 #endif
-    int64_t rb = wide ? WIDE_RB : RB, cols = m == 1 || wide ? DECODE_CB : CB;
-    int64_t tiles = (n + cols - 1) / cols, qs = wide ? 2 * k : k;
+    int doubled = wide && w->form == PACKED4;
+    int64_t rb = !wide ? RB : doubled ? WIDE_RB : 1, cols = m == 1 || wide ? DECODE_CB : CB;
+    int64_t tiles = (n + cols - 1) / cols, qs = doubled ? 2 * k : k;
     /* Rows a pass over the weights takes: their activations stay in L2 while the weights stream
      * past (one pass over all m rows at 128 ran at 0.6x the rate of 64 on a Zen 3; 512 KB L2) */
     int64_t mc = wide ? (L2_ACTIVATIONS / qs) / rb * rb : m;
@@ -550,7 +554,7 @@ static void qlinear(const void *x, int64_t x_stride, int x_dtype, const Weights 
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; r++)
             quantize_row(x, x_stride, x_dtype, r, k, w->gs, row, q + r * qs, d + r * groups,
-                         xs + r * groups, wide);
+                         xs + r * groups, doubled);
         free(row);
 #if defined(__AVX2__)
 #pragma omp for schedule(static)
