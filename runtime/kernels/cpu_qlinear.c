@@ -35,8 +35,8 @@
  * read from memory once per pass whatever m is (decode and prefill alike); a pass takes as many
  * rows as keep their activations in L2. On x86 int4 tiles are 8 columns by up to 3 rows
  * (tile_r8: each unpacked weight register meets three rows' activations, which quantize_row
- * then lays out doubled so they are memory operands of the multiply); elsewhere, and for the
- * int8 head and unpacked tiles, RB rows by CB columns.
+ * then lays out doubled so they are memory operands of the multiply) and the int8 head goes a
+ * row at a time over 8 columns; elsewhere, and for unpacked tiles, RB rows by CB columns.
  *
  * The lm_head (dense in the artifact) is quantized at load to int8 per 32 inputs, symmetric,
  * as llama.cpp's Q8_0 stores it: the same tiles with 32-byte weight chunks (in column order
