@@ -3,9 +3,12 @@
 Both run the same int4 x int8 kernels in the same order; the fused layer computes rotary,
 SiLU, the q/k norms and the residual adds in C, so they agree to fp32 rounding, not bit for
 bit. Checked per family (Llama; Mistral; Qwen2's q/k/v biases; Qwen3's q/k norms) and KV
-format, on greedy generation of a small batch: the same tokens with logprobs within 1e-4,
-except where the two best tokens are within that of each other (a tie fp32 rounding may
-break either way).
+format, on greedy generation of a small batch whose steps are prefills, decodes and a step
+mixing both: the same tokens with logprobs within 1e-4, except where the two best tokens are
+within that of each other (a tie fp32 rounding may break either way), and except that an
+activation one ulp apart may land on the other side of an int8 rounding boundary in the
+linears: one code moves by one step, which moved a logprob by 1.1e-3 once (Qwen3, fp32 KV,
+where the pool keeps every ulp), so a sequence may have one position within FLIP.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 TOL = 1e-4
+FLIP = 5e-3
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +49,8 @@ def artifacts(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFac
 
 
 def _generate(art: Path, kv_quant: str, fuse: bool, monkeypatch: pytest.MonkeyPatch):
-    """(tokens, logprob lists, fused layer calls) of greedy generation on three prompts."""
+    """(tokens, logprob lists, whether each layer call ran fused) of greedy generation on four
+    prompts, the last arriving while the others decode."""
     monkeypatch.setenv("LITESERVE_CPU_FUSE", "1" if fuse else "0")
     cfg = EngineConfig(kv_quant=kv_quant, session_len=256, max_batch_size=4, dtype="float32")
     engine = Engine(art, cfg)
@@ -60,12 +65,15 @@ def _generate(art: Path, kv_quant: str, fuse: bool, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(engine.ops, "decoder_layer", counted)
     g = torch.Generator().manual_seed(1)
     params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True, logprobs=2)
-    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (9, 30, 3)]
-    seqs = [engine.add_request(p, params) for p in prompts]
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (9, 30, 3, 20)]
+    seqs = [engine.add_request(p, params) for p in prompts[:3]]
+    for _ in range(2):
+        engine.step()
+    seqs.append(engine.add_request(prompts[3], params))  # its prefill joins the decodes
     while any(not s.finished for s in seqs):
         engine.step()
     engine.close()
-    return [s.output_ids for s in seqs], [s.logprobs for s in seqs], sum(calls)
+    return [s.output_ids for s in seqs], [s.logprobs for s in seqs], calls
 
 
 @pytest.mark.parametrize("kv_quant", ["int8", "int4", "none"])
@@ -76,15 +84,18 @@ def test_fused_layer_matches_the_layer_op_by_op(
     monkeypatch.delenv("LITESERVE_CPU_INT8", raising=False)  # the int8 path the fusion needs
     fused_ids, fused_lp, fused_calls = _generate(artifacts[family], kv_quant, True, monkeypatch)
     ids, lp, calls = _generate(artifacts[family], kv_quant, False, monkeypatch)
-    assert calls == 0
-    assert fused_calls > 0, "the fused layer never ran"
+    assert not any(calls)
+    assert fused_calls and all(fused_calls), "a prefill, decode or mixed step ran op by op"
     for got, want, got_lp, want_lp in zip(fused_ids, ids, fused_lp, lp, strict=True):
+        flips = 0
         for i, (a, b) in enumerate(zip(got, want, strict=True)):
             if a != b:  # only a near-tie may flip; everything after it differs legitimately
                 top = want_lp[i].top
-                assert abs(top[0][1] - top[1][1]) < TOL, (i, a, b, top)
+                assert abs(top[0][1] - top[1][1]) < FLIP, (i, a, b, top)
                 break
-            assert abs(got_lp[i].logprob - want_lp[i].logprob) < TOL, (i, got_lp[i], want_lp[i])
+            diff = abs(got_lp[i].logprob - want_lp[i].logprob)
+            flips += diff >= TOL
+            assert diff < FLIP and flips <= 1, (i, got_lp[i], want_lp[i])
 
 
 def test_fused_layer_is_not_built_where_it_cannot_run(

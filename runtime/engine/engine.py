@@ -65,7 +65,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def auto_dtype(backend: Backend) -> torch.dtype:
-    """On a CPU, fp32 where the C kernels run the int8 linear path (its fused decode layer,
+    """On a CPU, fp32 where the C kernels run the int8 linear path (its fused layer,
     runtime/kernels/cpu_layer.py, decodes faster than bf16 even where bf16 is native: 97-104
     against 81 tok/s on SmolLM2 at batch 1 on AVX-512 with bf16, evals/bench/RESULTS.md);
     else bf16 where it is native (torch's int4 kernel is fast only in bf16), fp32 elsewhere.

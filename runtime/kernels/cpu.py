@@ -249,6 +249,20 @@ class CpuAttention:
     context_lens: list[int]
     query_lens: list[int]
     decode: DecodeBatch | None
+    chunks: torch.Tensor | None = None  # prefill_chunks' table for the fused layer
+
+
+def prefill_chunks(
+    tables: list[torch.Tensor], ctx_lens: list[int], query_lens: list[int]
+) -> torch.Tensor | None:
+    """int64 [P, 4]: (first row, tokens, context length, block table address) of each prefill
+    chunk, as cpu_layer.c reads them; the tables must outlive it (CpuAttention holds them)."""
+    rows, start = [], 0
+    for table, ctx, n in zip(tables, ctx_lens, query_lens, strict=True):
+        if n > 1:
+            rows.append((start, n, ctx, table.data_ptr()))
+        start += n
+    return torch.tensor(rows, dtype=torch.int64) if rows else None
 
 
 def decode_batch(
@@ -659,7 +673,7 @@ class CpuBackend(Backend):
 
     @property
     def fuses_layers(self) -> bool:
-        """Whether fp32 decode steps run a whole decoder layer per C call (cpu_layer.py)."""
+        """Whether fp32 steps run a whole decoder layer per C call (cpu_layer.py)."""
         return self.lib is not None and self.int8 and cpu_layer.enabled()
 
     def dispatch(self, dtype: torch.dtype) -> dict[str, Choice]:
@@ -727,6 +741,7 @@ class CpuBackend(Backend):
             step.context_lens,
             step.query_lens,
             decode_batch(tables, step.context_lens, step.query_lens, step.block_size),
+            prefill_chunks(tables, step.context_lens, step.query_lens),
         )
         return StepTensors(
             input_ids=torch.tensor(step.input_ids, dtype=torch.int64),

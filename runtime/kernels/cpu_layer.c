@@ -1,7 +1,8 @@
 /*
- * A whole decoder layer of a decode step in one call: RMSNorm, q/k/v (int4 x int8), the q/k
- * norms and bias where the family has them, rotary, the KV write, paged decode attention, o,
- * the residual, RMSNorm, gate/up, SiLU x up, down and the residual, in fp32 activations.
+ * A whole decoder layer of a step in one call: RMSNorm, q/k/v (int4 x int8), the q/k norms and
+ * bias where the family has them, rotary, the KV write, paged attention (the decoding tokens
+ * batched, each prefill chunk in blocks), o, the residual, RMSNorm, gate/up, SiLU x up, down
+ * and the residual, in fp32 activations.
  *
  * Why: a batch-1 decode step of a small model is a few hundred small ops, and each op called
  * from Python through torch and ctypes costs microseconds of dispatch that, summed, are a
@@ -39,6 +40,11 @@ void decode_attention(const void *q, int64_t q_stride, int q_dtype, void *out, c
                       int kind, const int64_t *tables, int64_t table_stride, const int64_t *lens,
                       int64_t window, int64_t batch, int64_t heads, int64_t kv_heads,
                       int64_t head_dim, int64_t block_size, float scale);
+void prefill_attention(const void *q, int64_t q_stride, int q_dtype, void *out, int64_t row0,
+                       int64_t n, const uint8_t *k, const uint8_t *v, const uint16_t *k_scale,
+                       const uint16_t *k_zero, const uint16_t *v_scale, const uint16_t *v_zero,
+                       int kind, const int64_t *table, int64_t ctx, int64_t window, int64_t heads,
+                       int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale);
 
 /* One linear of the layer: ptrs holds (codes, scale, offset, n, kp) per linear, the two
  * sizes as integers in pointer slots. */
@@ -87,10 +93,13 @@ __attribute__((optimize("fp-contract=off"))) static void rotary(float *x, int64_
         }
 }
 
+/* chunks: n_chunks prefill chunks of (first row, tokens, context length, block table address)
+ * each; rows, blocks, lens: the `batch` decoding tokens as decode_attention takes them. */
 void decode_layer(const float *x, float *out, int64_t t, const void *const *ptrs,
                   const int64_t *dims, const float *fdims, const float *cos, const float *sin,
                   const int64_t *slots, void *const *pool, const int64_t *rows,
-                  const int64_t *blocks, int64_t blocks_stride, const int64_t *lens) {
+                  const int64_t *blocks, int64_t blocks_stride, const int64_t *lens,
+                  int64_t batch, const int64_t *chunks, int64_t n_chunks) {
     const int64_t hidden = dims[D_HIDDEN], h = dims[D_HEADS], hkv = dims[D_KV_HEADS];
     const int64_t d = dims[D_HEAD_DIM], inter = dims[D_INTER];
     const float eps = fdims[0], scale = fdims[1];
@@ -133,9 +142,16 @@ void decode_layer(const float *x, float *out, int64_t t, const void *const *ptrs
             memcpy((float *)pool[1] + slots[r] * hkv * d, v + r * qkv.n, sizeof(float) * (size_t)(hkv * d));
         }
     }
-    decode_attention(mid, qkv.n, F32, in, rows, pool[0], pool[1], pool[2], pool[3], pool[4],
-                     pool[5], kind, blocks, blocks_stride, lens, dims[D_WINDOW], t, h, hkv, d,
-                     dims[D_BLOCK], scale);
+    if (batch)
+        decode_attention(mid, qkv.n, F32, in, rows, pool[0], pool[1], pool[2], pool[3], pool[4],
+                         pool[5], kind, blocks, blocks_stride, lens, dims[D_WINDOW], batch, h,
+                         hkv, d, dims[D_BLOCK], scale);
+    for (int64_t c = 0; c < n_chunks; c++) {
+        const int64_t *chunk = chunks + 4 * c;
+        prefill_attention(mid, qkv.n, F32, in, chunk[0], chunk[1], pool[0], pool[1], pool[2],
+                          pool[3], pool[4], pool[5], kind, (const int64_t *)(intptr_t)chunk[3],
+                          chunk[2], dims[D_WINDOW], h, hkv, d, dims[D_BLOCK], scale);
+    }
     if (o.kp > h * d) {
         for (int64_t r = t - 1; r > 0; r--) memmove(in + r * o.kp, in + r * h * d, sizeof(float) * (size_t)(h * d));
         zero_tail(in, t, h * d, o.kp);

@@ -1,11 +1,13 @@
-"""A decoder layer of a decode step in one C call (cpu_layer.c).
+"""A decoder layer of a step in one C call (cpu_layer.c).
 
 A batch-1 decode step of a small model is a few hundred small ops; called one by one from
 Python, each costs microseconds of torch and ctypes dispatch, a fifth of SmolLM2's step on
 AVX2 (evals/bench/RESULTS.md, issue 19). The fused layer runs the same kernels in the same
 order in C. It runs where the per-op path would run those kernels anyway: fp32 activations,
 every linear on the int4 x int8 path for the step's row count, an int8/int4 or fp32 KV pool,
-every token of the step decoding, SiLU, no tensor parallelism. Anything else returns None and
+SiLU, no tensor parallelism; decoding tokens and prefill chunks alike (a prefill of 128 tokens
+spent about a tenth of its time in the per-op Python between kernels, and a step that mixed
+one prefill chunk into the decodes left them all op by op). Anything else returns None and
 the model calls the ops one by one. `LITESERVE_CPU_FUSE=0` turns it off (for comparisons).
 """
 
@@ -132,11 +134,11 @@ def decoder_layer(
     step: StepTensors,
     unpack: bool = False,
 ) -> torch.Tensor | None:
-    """The layer's output [T, hidden] for an all-decode step, else None; `unpack`: the
-    linears on the dispatch's "int8-unpacked" path."""
-    d = step.attn.decode
+    """The layer's output [T, hidden], or None where the fused layer does not run; `unpack`:
+    the linears on the dispatch's "int8-unpacked" path."""
+    d, chunks = step.attn.decode, step.attn.chunks
     t = x.shape[0]
-    if x.dtype != torch.float32 or d is None or d.rows.shape[0] != t or not x.is_contiguous():
+    if x.dtype != torch.float32 or not x.is_contiguous():
         return None
     if layer.pool_for != kv.k.data_ptr():
         layer.pool_ok, layer.pool_for = _set_pool(layer, kv), kv.k.data_ptr()
@@ -157,9 +159,10 @@ def decoder_layer(
         sin.data_ptr(),
         slots.data_ptr(),
         layer.pool,
-        d.rows.data_ptr(),
-        d.blocks.data_ptr(),
-        d.blocks.stride(0),
-        d.lens.data_ptr(),
-    )
+        *((None, None, 0, None, 0) if d is None else
+          (d.rows.data_ptr(), d.blocks.data_ptr(), d.blocks.stride(0), d.lens.data_ptr(),
+           d.rows.shape[0])),
+        None if chunks is None else chunks.data_ptr(),
+        0 if chunks is None else chunks.shape[0],
+    )  # fmt: skip
     return out

@@ -91,7 +91,7 @@ class Backend(ABC):
     dtypes: tuple[torch.dtype, ...]  # activation dtypes it supports
     detail: str  # what it runs on, for logs, /health and `runtime check`
     graphs: bool = False  # decode steps can run from static buffers (CUDA graphs on a GPU)
-    fuses_layers: bool = False  # fp32 decode steps run a whole decoder layer per call
+    fuses_layers: bool = False  # fp32 steps run a whole decoder layer per call
     # step sizes (tokens) that compile kernels of their own: run once at start-up, so that no
     # request waits on a compile
     warmup_tokens: tuple[int, ...] = ()
