@@ -18,6 +18,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 enum { F32 = 0, BF16 = 1, F16 = 2, INT8 = 3, INT4 = 4 };
 
@@ -98,16 +101,32 @@ static inline void widen(const uint8_t *row, int kind, int64_t d, float *restric
         for (int64_t i = 0; i < d; i++) out[i] = (float)s[i];
         break;
     }
-    case INT8:
-#pragma omp simd
-        for (int64_t i = 0; i < d; i++) out[i] = (float)row[i];
+    case INT8: {
+        int64_t i = 0;
+#if defined(__AVX2__) /* GCC widens u8 through scalar or 16-bit steps otherwise */
+        for (; i + 8 <= d; i += 8)
+            _mm256_storeu_ps(out + i, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                          _mm_loadl_epi64((const __m128i *)(row + i)))));
+#endif
+        for (; i < d; i++) out[i] = (float)row[i];
         break;
-    default: /* INT4: element 2i in the low nibble, 2i + 1 in the high one */
-#pragma omp simd
-        for (int64_t i = 0; i < d / 2; i++) {
+    }
+    default: { /* INT4: element 2i in the low nibble, 2i + 1 in the high one */
+        int64_t i = 0;
+#if defined(__AVX2__)
+        for (; i + 8 <= d / 2; i += 8) {
+            __m128i b = _mm_loadl_epi64((const __m128i *)(row + i)), m = _mm_set1_epi8(15);
+            __m128i c = _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
+            _mm256_storeu_ps(out + 2 * i, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c)));
+            _mm256_storeu_ps(out + 2 * i + 8,
+                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c, 8))));
+        }
+#endif
+        for (; i < d / 2; i++) {
             out[2 * i] = (float)(row[i] & 0xf);
             out[2 * i + 1] = (float)(row[i] >> 4);
         }
+    }
     }
 }
 
@@ -208,6 +227,54 @@ static inline float exp_nonpositive(float x) {
     return p * two_n;
 }
 
+typedef int32_t vi __attribute__((vector_size(LANES * 4)));
+
+/* exp_nonpositive on a vector, the same arithmetic lane by lane (GCC does not vectorize the
+ * scalar one: its bit cast goes through memory). */
+static inline vf vexp_nonpositive(vf x) {
+    vi low = x > -87.f;
+    x = (vf)((low & (vi)x) | (~low & (vi)(x * 0.f - 87.f)));
+    vf n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
+    vf r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+    return p * (vf)bits;
+}
+
+/* Softmax of s[a, b) in place, vector by vector (the max, the exponentials and their sum; a
+ * scalar max and exp were a third of decode attention). */
+static void softmax(float *s, int64_t a, int64_t b) {
+    float *v = s + a;
+    int64_t n = b - a, i = 0;
+    vf mv = (vf){0} - INFINITY;
+    for (; i + LANES <= n; i += LANES) {
+        vf x = loadv(v + i);
+        vi more = x > mv;
+        mv = (vf)((more & (vi)x) | (~more & (vi)mv));
+    }
+    float m = -INFINITY;
+    for (int j = 0; j < LANES; j++) m = mv[j] > m ? mv[j] : m;
+    for (int64_t j = i; j < n; j++) m = v[j] > m ? v[j] : m;
+    vf acc = {0};
+    float tail = 0.f;
+    for (i = 0; i + LANES <= n; i += LANES) {
+        vf e = vexp_nonpositive(loadv(v + i) - m);
+        memcpy(v + i, &e, sizeof e);
+        acc += e;
+    }
+    for (int64_t j = i; j < n; j++) {
+        v[j] = exp_nonpositive(v[j] - m);
+        tail += v[j];
+    }
+    float inv = n > 0 ? 1.f / (hsum(acc) + tail) : 0.f;
+    for (i = 0; i < n; i++) v[i] *= inv;
+}
+
 /* out[i] += sum_t w[t] * rows[t][i]: 4 * LANES outputs at a time in four independent register
  * accumulators (one would wait on its own FMA latency every token). */
 static inline void accumulate(float *restrict out, const float *restrict w,
@@ -289,11 +356,27 @@ static inline void pv_tile(const float *restrict w, const float *restrict v, int
             for (int64_t t = 0; t < m; t++) o[j * d + i0] += w[j * TILE + t] * v[t * d + i0];
 }
 
-/* Widen the stored rows of `m` slots into `tile` [m, d]; quantized: their scale and zero. */
+enum { PREFETCH = 16 }; /* rows ahead: a row's line comes from DRAM or L3 in time for it */
+
+/* Ask for the K and V rows of a slot ahead of their use: a token's rows of one head are
+ * row_bytes apart from the other heads' and its blocks are scattered, so the hardware
+ * prefetcher does not see the walk, and waiting on each row's line was 70% of decode
+ * attention once the weights streaming through each step had evicted the pool. */
+static inline void prefetch_slot(const Pool *p, int64_t slot, int64_t kvh) {
+    int64_t at = (slot * p->kv_heads + kvh) * p->row_bytes;
+    for (int64_t b = 0; b < p->row_bytes; b += 64) {
+        __builtin_prefetch(p->k + at + b);
+        __builtin_prefetch(p->v + at + b);
+    }
+}
+
+/* Widen the stored rows of `m` slots into `tile` [m, d]; quantized: their scale and zero.
+ * `ahead`: slots valid past slots[m - 1], to prefetch (K loads pass theirs; V's then hit). */
 static void load_tile(const Pool *p, const uint8_t *codes, const uint16_t *scales,
-                      const uint16_t *zeros, const int64_t *slots, int64_t m, int64_t kvh,
-                      float *tile, float *scale, float *zero) {
+                      const uint16_t *zeros, const int64_t *slots, int64_t m, int64_t ahead,
+                      int64_t kvh, float *tile, float *scale, float *zero) {
     for (int64_t t = 0; t < m; t++) {
+        if (codes == p->k && t + PREFETCH < m + ahead) prefetch_slot(p, slots[t + PREFETCH], kvh);
         int64_t idx = slots[t] * p->kv_heads + kvh;
         widen(codes + idx * p->row_bytes, p->kind, p->head_dim, tile + t * p->head_dim);
         scale[t] = scales ? f16_to_f32(scales[idx]) : 1.f;
@@ -304,11 +387,13 @@ static void load_tile(const Pool *p, const uint8_t *codes, const uint16_t *scale
 /* The same rows transposed into `cols` [d, TILE], zeros past m (qk_tile's keys). */
 static void load_tile_transposed(const Pool *p, const uint8_t *codes, const uint16_t *scales,
                                  const uint16_t *zeros, const int64_t *slots, int64_t m,
-                                 int64_t kvh, float *row, float *cols, float *scale, float *zero) {
+                                 int64_t ahead, int64_t kvh, float *row, float *cols,
+                                 float *scale, float *zero) {
     const int64_t d = p->head_dim;
     for (int64_t i = 0; m < TILE && i < d; i++) memset(cols + i * TILE + m, 0, sizeof(float) * (size_t)(TILE - m));
     for (int64_t t = 0; t < m; t++) {
-        load_tile(p, codes, scales, zeros, slots + t, 1, kvh, row, scale + t, zero + t);
+        load_tile(p, codes, scales, zeros, slots + t, 1, m - t - 1 + ahead, kvh, row, scale + t,
+                  zero + t);
         for (int64_t i = 0; i < d; i++) cols[i * TILE + t] = row[i];
     }
 }
@@ -343,7 +428,8 @@ static void attend(const Pool *p, const float *q, int64_t group, const int64_t *
     /* scores: q . k, where for codes k = c * s + z gives s (q . c) + z sum(q) */
     for (int64_t t0 = 0; t0 < n; t0 += TILE) {
         int64_t m = n - t0 < TILE ? n - t0 : TILE;
-        load_tile_transposed(p, p->k, p->k_scale, p->k_zero, slots + t0, m, kvh, op, tile, ts, tz);
+        load_tile_transposed(p, p->k, p->k_scale, p->k_zero, slots + t0, m, n - t0 - m, kvh, op,
+                             tile, ts, tz);
         for (int64_t g0 = 0; g0 < gp; g0 += QT) qk_tile(qp + g0 * d, d, tile, scores + g0 * np + t0, np);
         for (int64_t g = 0; g < group; g++) {
             float *sg = scores + g * np + t0;
@@ -352,11 +438,8 @@ static void attend(const Pool *p, const float *q, int64_t group, const int64_t *
     }
     for (int64_t g = 0; g < gp; g++) { /* softmax in place; zeros where g does not see */
         int64_t a = g >= group ? 0 : lo[g], b = g >= group ? 0 : hi[g];
-        float *sg = scores + g * np, m = -INFINITY;
-        for (int64_t t = a; t < b; t++) m = sg[t] > m ? sg[t] : m;
-        for (int64_t t = a; t < b; t++) sg[t] = exp_nonpositive(sg[t] - m);
-        float inv = b > a ? 1.f / sum(sg + a, b - a) : 0.f;
-        for (int64_t t = a; t < b; t++) sg[t] *= inv;
+        float *sg = scores + g * np;
+        softmax(sg, a, b);
         memset(sg, 0, sizeof(float) * (size_t)a);
         memset(sg + b, 0, sizeof(float) * (size_t)(np - b));
     }
@@ -364,7 +447,7 @@ static void attend(const Pool *p, const float *q, int64_t group, const int64_t *
     memset(op, 0, sizeof(float) * (size_t)(gp * d));
     for (int64_t t0 = 0; t0 < n; t0 += TILE) {
         int64_t m = n - t0 < TILE ? n - t0 : TILE;
-        load_tile(p, p->v, p->v_scale, p->v_zero, slots + t0, m, kvh, tile, ts, tz);
+        load_tile(p, p->v, p->v_scale, p->v_zero, slots + t0, m, 0, kvh, tile, ts, tz);
         for (int64_t g = 0; g < gp; g++) {
             const float *pg = scores + g * np + t0;
             for (int64_t t = 0; t < m; t++) w[g * TILE + t] = pg[t] * ts[t];
@@ -374,6 +457,47 @@ static void attend(const Pool *p, const float *q, int64_t group, const int64_t *
     }
     for (int64_t g = 0; g < group; g++)
         for (int64_t i = 0; i < d; i++) out[g * d + i] = op[g * d + i] + pz[g];
+}
+
+/* s[g * stride + t] = q_g . k_t for G <= 4 queries q [G, d] and m key rows keys [m, d]: each
+ * key vector is loaded once for all G queries, each query with its own accumulator. */
+static inline __attribute__((always_inline)) void qk_rows_g(const float *restrict q, int64_t d,
+                                                            int G, const float *restrict keys,
+                                                            int64_t m, float *restrict s,
+                                                            int64_t stride) {
+    for (int64_t t = 0; t < m; t++) {
+        const float *k = keys + t * d;
+        vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}; /* named: an array went through the stack */
+        int64_t i = 0;
+        for (; i + LANES <= d; i += LANES) {
+            vf kv = loadv(k + i);
+            a0 += loadv(q + i) * kv;
+            if (G > 1) a1 += loadv(q + d + i) * kv;
+            if (G > 2) a2 += loadv(q + 2 * d + i) * kv;
+            if (G > 3) a3 += loadv(q + 3 * d + i) * kv;
+        }
+        vf a[4] = {a0, a1, a2, a3};
+        for (int g = 0; g < G; g++) {
+            float tail = 0.f;
+            for (int64_t j = i; j < d; j++) tail += q[g * d + j] * k[j];
+            s[g * stride + t] = hsum(a[g]) + tail;
+        }
+    }
+}
+
+/* qk_rows_g for any number of queries, four at a time. */
+static void qk_rows(const float *q, int64_t d, int64_t group, const float *keys, int64_t m,
+                    float *s, int64_t stride) {
+    for (int64_t g0 = 0; g0 < group; g0 += 4) {
+        const float *qg = q + g0 * d;
+        float *sg = s + g0 * stride;
+        switch (group - g0 < 4 ? group - g0 : 4) {
+        case 1: qk_rows_g(qg, d, 1, keys, m, sg, stride); break;
+        case 2: qk_rows_g(qg, d, 2, keys, m, sg, stride); break;
+        case 3: qk_rows_g(qg, d, 3, keys, m, sg, stride); break;
+        default: qk_rows_g(qg, d, 4, keys, m, sg, stride);
+        }
+    }
 }
 
 /* Attention of the `group` query heads of one decoding token sharing KV head `kvh` over the n
@@ -396,24 +520,19 @@ static void attend_rows(const Pool *p, const float *q, int64_t group, const int6
     /* scores: q . k, where for codes k = c * s + z gives s (q . c) + z sum(q) */
     for (int64_t t0 = 0; t0 < n; t0 += TILE) {
         int64_t m = n - t0 < TILE ? n - t0 : TILE;
-        load_tile(p, p->k, p->k_scale, p->k_zero, slots + t0, m, kvh, tile, ts, tz);
-        for (int64_t g = 0; g < group; g++)
-            for (int64_t t = 0; t < m; t++)
-                scores[g * n + t0 + t] =
-                    (dot(q + g * d, tile + t * d, d) * ts[t] + qsum[g] * tz[t]) * scale;
+        load_tile(p, p->k, p->k_scale, p->k_zero, slots + t0, m, n - t0 - m, kvh, tile, ts, tz);
+        qk_rows(q, d, group, tile, m, scores + t0, n);
+        for (int64_t g = 0; g < group; g++) {
+            float *restrict sg = scores + g * n + t0, qs = qsum[g];
+            for (int64_t t = 0; t < m; t++) sg[t] = (sg[t] * ts[t] + qs * tz[t]) * scale;
+        }
     }
-    for (int64_t g = 0; g < group; g++) { /* softmax in place */
-        float *s = scores + g * n, m = -INFINITY;
-        for (int64_t t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
-        for (int64_t t = 0; t < n; t++) s[t] = exp_nonpositive(s[t] - m);
-        float inv = 1.f / sum(s, n);
-        for (int64_t t = 0; t < n; t++) s[t] *= inv;
-    }
+    for (int64_t g = 0; g < group; g++) softmax(scores + g * n, 0, n);
     /* out = sum_t p_t v_t, where for codes v = c * s + z: sum (p s) c + sum p z */
     memset(out, 0, (size_t)(group * d) * sizeof(float));
     for (int64_t t0 = 0; t0 < n; t0 += TILE) {
         int64_t m = n - t0 < TILE ? n - t0 : TILE;
-        load_tile(p, p->v, p->v_scale, p->v_zero, slots + t0, m, kvh, tile, ts, tz);
+        load_tile(p, p->v, p->v_scale, p->v_zero, slots + t0, m, 0, kvh, tile, ts, tz);
         for (int64_t g = 0; g < group; g++) {
             const float *pg = scores + g * n + t0;
             for (int64_t t = 0; t < m; t++) w[g * TILE + t] = pg[t] * ts[t];
