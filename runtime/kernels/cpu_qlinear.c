@@ -176,6 +176,8 @@ static inline int32_t isum(I v) { return v; }
 const char *isa_path(void) { return PATH; }
 
 /* row and column tiles; one row: more columns; x86 int4: WIDE_RB rows over 8 columns */
+/* WIDE_RB: 4, 6 and 8 rows measured 0.8-0.95x of 3 at 8-128 rows (each row's activations are
+ * two loads a chunk, which more rows do not share) */
 enum { RB = 4, CB = 2, DECODE_CB = 8, WIDE_RB = 3, L2_ACTIVATIONS = 96 * 1024 };
 
 /*
@@ -311,51 +313,45 @@ static inline __m256 load8(const void *p, int dtype, int64_t i) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
 }
 
-/* R <= 3 rows' int32 sums of inputs [i0, i0 + len) (len <= 128) over the 8 columns of an int4
- * tile, p[r][pair] after pfinish: each 32-byte weight load is a pair (c, c + 4) of columns'
- * chunks; its low nibbles meet the chunk's first 16 activations, its high nibbles the last 16.
- * `doubled` activations (quantize_row) hold each 16 twice, so they are plain memory operands
- * of the multiply and the registers go to accumulators: 4 a row, 12 at R = 3, with the
- * unpacked pair and the mask 15 in all, no spills. Without VNNI the u8 x s8 products gather 4
- * to an int16 lane per chunk (at most 4 * 15 * 127 = 7620), so at most 4 chunks (128 inputs)
- * before the lanes widen to int32. Lane l of pair pr's low half is column pr's inputs
- * 4l..4l+3 and 16+4l..16+4l+3 of each chunk, of its high half column pr + 4's. */
-static inline __attribute__((always_inline)) void block_sums4(const int8_t *q, int64_t qs, int rows,
-                                                              const uint8_t *tile, int64_t i0,
-                                                              int64_t len, I p[3][4]) {
+/* R <= 3 rows' int32 sums of one group's inputs [i0, i0 + gs) over the 8 columns of an int4
+ * tile, lane c of out[r] for column c. Each 32-byte weight load is a pair (pr, pr + 4) of
+ * columns' chunks: its low nibbles meet the chunk's first 16 activations, its high nibbles the
+ * last 16. `doubled` activations (quantize_row) hold each 16 twice, so they are plain memory
+ * operands of the multiply. A pair at a time over the whole group: only R accumulators live
+ * (with all four pairs' 12 at once, GCC spilled them to the stack every chunk). Without VNNI
+ * the u8 x s8 products gather 4 to an int16 lane per chunk (at most 4 * 15 * 127 = 7620), so
+ * at most 4 chunks (128 inputs) before the lanes widen to int32. Lane l of pair pr's low half
+ * is column pr's inputs 4l..4l+3 and 16+4l..16+4l+3 of each chunk, of its high half column
+ * pr + 4's; the horizontal adds put the lanes in column order. */
+static inline __attribute__((always_inline)) void pair_sums(const int8_t *q, int64_t qs, int rows,
+                                                            const uint8_t *tile, int64_t i0,
+                                                            int64_t gs, int pr, I s[WIDE_RB]) {
     const __m256i low = _mm256_set1_epi8(15);
-    for (int r = 0; r < rows; r++)
-        for (int pr = 0; pr < 4; pr++) p[r][pr] = izero();
-    for (int64_t i = i0; i < i0 + len; i += 32) {
-        const uint8_t *b = tile + (i / 32) * 128;
-        const int8_t *x = q + 2 * i;
-        for (int pr = 0; pr < 4; pr++) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(b + 32 * pr));
+    for (int r = 0; r < rows; r++) s[r] = _mm256_setzero_si256();
+    for (int64_t i1 = i0; i1 < i0 + gs; i1 += 128) {
+        I p[WIDE_RB];
+        for (int r = 0; r < rows; r++) p[r] = izero();
+        for (int64_t i = i1; i < i1 + 128 && i < i0 + gs; i += 32) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(tile + (i / 32) * 128 + 32 * pr));
             __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            const int8_t *x = q + 2 * i;
             for (int r = 0; r < rows; r++)
-                p[r][pr] = idot(idot(p[r][pr], lo, load_x(x + r * qs)), hi, load_x(x + r * qs + 32));
+                p[r] = idot(idot(p[r], lo, load_x(x + r * qs)), hi, load_x(x + r * qs + 32));
         }
+        for (int r = 0; r < rows; r++) s[r] = _mm256_add_epi32(s[r], pfinish(p[r]));
     }
-    for (int r = 0; r < rows; r++)
-        for (int pr = 0; pr < 4; pr++) p[r][pr] = pfinish(p[r][pr]);
 }
 
-/* A group's sums per row, lanes in column order: block_sums4 over its blocks of 128 inputs
- * (one block for every group size the artifact allows), the pairs' lanes added up. */
 static inline __attribute__((always_inline)) void group_sums4(const int8_t *q, int64_t qs, int rows,
                                                               const uint8_t *tile, int64_t i0,
-                                                              int64_t gs, __m256i out[3]) {
-    I s[3][4];
-    block_sums4(q, qs, rows, tile, i0, gs < 128 ? gs : 128, s);
-    for (int64_t i1 = i0 + 128; i1 < i0 + gs; i1 += 128) {
-        I t[3][4];
-        block_sums4(q, qs, rows, tile, i1, i0 + gs - i1 < 128 ? i0 + gs - i1 : 128, t);
-        for (int r = 0; r < rows; r++)
-            for (int pr = 0; pr < 4; pr++) s[r][pr] = _mm256_add_epi32(s[r][pr], t[r][pr]);
-    }
-    for (int r = 0; r < rows; r++)
-        out[r] = _mm256_hadd_epi32(_mm256_hadd_epi32(s[r][0], s[r][1]),
-                                   _mm256_hadd_epi32(s[r][2], s[r][3]));
+                                                              int64_t gs, __m256i out[WIDE_RB]) {
+    I a[WIDE_RB], b[WIDE_RB], h01[WIDE_RB];
+    pair_sums(q, qs, rows, tile, i0, gs, 0, a);
+    pair_sums(q, qs, rows, tile, i0, gs, 1, b);
+    for (int r = 0; r < rows; r++) h01[r] = _mm256_hadd_epi32(a[r], b[r]);
+    pair_sums(q, qs, rows, tile, i0, gs, 2, a);
+    pair_sums(q, qs, rows, tile, i0, gs, 3, b);
+    for (int r = 0; r < rows; r++) out[r] = _mm256_hadd_epi32(h01[r], _mm256_hadd_epi32(a[r], b[r]));
 }
 
 /* The same for 8 columns of int8 codes (32-byte chunks in column order), one int32 each. */
@@ -377,13 +373,13 @@ static inline __m256i group_sums8(const int8_t *q, const uint8_t *tile, int64_t 
 static inline __attribute__((always_inline)) void tile_r8(const int8_t *q, int64_t qs, int rows,
                                                           const float *d, const float *xs,
                                                           const Weights *w, int64_t j0, int cols,
-                                                          float *out, int64_t n) {
-    const int64_t groups = w->groups, gs = w->gs, at = j0 * groups; /* the tile's params */
-    __m256 acc[3], bias[3];
+                                                          float *out, int64_t n, int64_t gs) {
+    const int64_t groups = w->groups, at = j0 * groups; /* the tile's params */
+    __m256 acc[WIDE_RB], bias[WIDE_RB];
     for (int r = 0; r < rows; r++) acc[r] = bias[r] = _mm256_setzero_ps();
     const uint8_t *tile = w->codes + j0 * (w->k / 2);
     for (int64_t g = 0; g < groups; g++) {
-        __m256i sums[3];
+        __m256i sums[WIDE_RB];
         group_sums4(q, qs, rows, tile, g * gs, gs, sums);
         __m256 s = load8(w->scale, w->s_dtype, at + g * 8), b = load8(w->offset, w->s_dtype, at + g * 8);
         for (int r = 0; r < rows; r++) {
@@ -460,9 +456,18 @@ static void run_tile(const int8_t *q, int64_t qs, const float *d, const float *x
                      const float *colpat, float *out, int64_t n) {
 #if defined(__AVX2__)
     if (w->form == PACKED4) { /* qlinear's wide tiles */
-        if (rows == 1) tile_r8(q, qs, 1, d, xs, w, j0, cols, out, n);
-        else if (rows == 2) tile_r8(q, qs, 2, d, xs, w, j0, cols, out, n);
-        else tile_r8(q, qs, 3, d, xs, w, j0, cols, out, n);
+        /* constant row counts and group sizes: registers for the accumulators, loops unrolled */
+#define TILE_R8(R)                                                                             \
+    switch (w->gs) {                                                                           \
+    case 32: tile_r8(q, qs, R, d, xs, w, j0, cols, out, n, 32); break;                         \
+    case 64: tile_r8(q, qs, R, d, xs, w, j0, cols, out, n, 64); break;                         \
+    case 128: tile_r8(q, qs, R, d, xs, w, j0, cols, out, n, 128); break;                       \
+    default: tile_r8(q, qs, R, d, xs, w, j0, cols, out, n, w->gs);                             \
+    }
+        if (rows == 1) TILE_R8(1)
+        else if (rows == 2) TILE_R8(2)
+        else TILE_R8(3)
+#undef TILE_R8
         return;
     }
 #endif
