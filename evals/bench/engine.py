@@ -138,6 +138,7 @@ def profile_decode(engine: Engine, batch: int) -> dict[str, float]:
         ("rms_norm", "rms norms"),
         ("logits", "lm_head"),
         ("decoder_layer", "fused decoder layers"),
+        ("decoder_layers", "fused decoder layers"),
     ):
         setattr(wrapped, op, timed(name, getattr(ops, op)))
     linears = [

@@ -727,6 +727,13 @@ class CpuBackend(Backend):
             return None
         return cpu_layer.decoder_layer(self.lib, x, layer, rope, kv, step, path == "int8-unpacked")
 
+    def decoder_layers(self, x, layers: list[FusedLayer], rope, cache, step: StepTensors):
+        path = self.dispatch(x.dtype)["int4"].pick(x.shape[0])
+        if path not in INT8_PATHS:
+            return None
+        unpack = path == "int8-unpacked"
+        return cpu_layer.decoder_layers(self.lib, x, layers, rope, cache, step, unpack)
+
     def kv_write(self, kv: LayerKV, k, v, slot_mapping) -> None:
         kv_write(kv, k, v, slot_mapping, lib=self.lib)
 

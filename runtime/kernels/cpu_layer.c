@@ -176,3 +176,26 @@ void decode_layer(const float *x, float *out, int64_t t, const void *const *ptrs
     for (int64_t i = 0; i < t * hidden; i++) out[i] += proj[i];
     free(in);
 }
+
+/*
+ * Every decoder layer of a step in one call: layer l's decode_layer with its own ptrs[l],
+ * dims[l], fdims[l] and pool[l], the layers' outputs in two buffers taken in turn so the last
+ * lands in `out`. Why: the Python call per layer (context lookups, argument conversion) was a
+ * tenth of a batch-1 step of SmolLM2 on the AVX2 Zen 3.
+ */
+void decode_layers(const float *x, float *out, int64_t t, int64_t layers,
+                   const void *const *const *ptrs, const int64_t *const *dims,
+                   const float *const *fdims, const float *cos, const float *sin,
+                   const int64_t *slots, void *const *const *pool, const int64_t *rows,
+                   const int64_t *blocks, int64_t blocks_stride, const int64_t *lens,
+                   int64_t batch, const int64_t *chunks, int64_t n_chunks) {
+    float *spare = layers > 1 ? malloc(sizeof(float) * (size_t)(t * dims[0][D_HIDDEN])) : NULL;
+    const float *in = x;
+    for (int64_t l = 0; l < layers; l++) {
+        float *dst = (layers - 1 - l) % 2 == 0 ? out : spare;
+        decode_layer(in, dst, t, ptrs[l], dims[l], fdims[l], cos, sin, slots, pool[l], rows,
+                     blocks, blocks_stride, lens, batch, chunks, n_chunks);
+        in = dst;
+    }
+    free(spare);
+}

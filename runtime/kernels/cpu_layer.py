@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,6 +36,7 @@ _FIELDS_PER_LINEAR = 5  # codes, scale, offset, n, kp
 _Ptrs = ctypes.c_void_p * (len(NORMS) + _FIELDS_PER_LINEAR * len(LINEARS))
 _Dims = ctypes.c_int64 * len(LAYER_DIMS)
 _Floats = ctypes.c_float * 2
+_UNPACK = LAYER_DIMS.index("unpack")
 
 
 def enabled() -> bool:
@@ -53,6 +55,7 @@ class FusedLayer:
     pool_for: int = 0  # the pool (its K tensor's address) that pool_ok and pool describe
     pool_ok: bool = False  # the pool's format is in dims, or it is one cpu_layer.c cannot write
     pool: ctypes.Array | None = None  # its six pointers
+    stack: _Stack | None = None  # on a model's first layer: decode_layers' tables
 
 
 def prepare_layer(parts: LayerParts, lib: ctypes.CDLL | None) -> FusedLayer | None:
@@ -125,6 +128,89 @@ def _pool(kv: LayerKV) -> tuple[torch.Tensor | None, ...]:
     return kv.k, kv.v, kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero
 
 
+@dataclass
+class _Stack:
+    """decode_layers' per-layer pointer tables, built once for a model's layers and KV cache."""
+
+    key: tuple[int, ...]  # the cache and its first and last pools: what the tables point at
+    ptrs: ctypes.Array
+    dims: ctypes.Array
+    floats: ctypes.Array
+    pools: ctypes.Array
+
+
+def _addresses(arrays: list[ctypes.Array]) -> ctypes.Array:
+    return (ctypes.c_void_p * len(arrays))(*(ctypes.addressof(a) for a in arrays))
+
+
+def _stack(layers: list[FusedLayer], cache: Any) -> _Stack | None:
+    """The layers' tables over this cache's pools (kept on the first layer), or None where a
+    pool is one the fused layer cannot write."""
+    first, last = cache.layer(0), cache.layer(len(layers) - 1)
+    key = (id(cache), first.k.data_ptr(), last.k.data_ptr())
+    stack = layers[0].stack
+    if stack is not None and stack.key == key:
+        return stack
+    for i, layer in enumerate(layers):
+        kv = cache.layer(i)
+        if layer.pool_for != kv.k.data_ptr():
+            layer.pool_ok, layer.pool_for = _set_pool(layer, kv), kv.k.data_ptr()
+        if not layer.pool_ok:
+            return None
+    layers[0].stack = _Stack(
+        key,
+        _addresses([layer.ptrs for layer in layers]),
+        _addresses([layer.dims for layer in layers]),
+        _addresses([layer.floats for layer in layers]),
+        _addresses([layer.pool for layer in layers]),
+    )
+    return layers[0].stack
+
+
+def decoder_layers(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    layers: list[FusedLayer],
+    rope: tuple[torch.Tensor, torch.Tensor],
+    cache: Any,
+    step: StepTensors,
+    unpack: bool = False,
+) -> torch.Tensor | None:
+    """Every layer's output in turn, the last returned, in one C call (layer i's pool is
+    cache.layer(i)); None where the fused layers do not run this step."""
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        return None
+    stack = _stack(layers, cache)
+    if stack is None:
+        return None
+    if layers[0].dims[_UNPACK] != unpack:
+        for layer in layers:
+            layer.dims[_UNPACK] = unpack
+    out, t = torch.empty_like(x), x.shape[0]
+    tables = (stack.ptrs, stack.dims, stack.floats)
+    lib.decode_layers(x.data_ptr(), out.data_ptr(), t, len(layers), *tables,
+                      *_step_args(t, rope, step, stack.pools))  # fmt: skip
+    return out
+
+
+def _step_args(t: int, rope: tuple[torch.Tensor, torch.Tensor], step: StepTensors, pool) -> tuple:
+    """decode_layer(s)' arguments from the rotary tables on: the step's, the same for every
+    layer (the pool or the pools' table where the layers take theirs)."""
+    d, chunks = step.attn.decode, step.attn.chunks
+    cos, sin = (r.reshape(t, -1) for r in rope)
+    return (
+        cos.data_ptr(),
+        sin.data_ptr(),
+        step.slot_mapping.data_ptr(),
+        pool,
+        *((None, None, 0, None, 0) if d is None else
+          (d.rows.data_ptr(), d.blocks.data_ptr(), d.blocks.stride(0), d.lens.data_ptr(),
+           d.rows.shape[0])),
+        None if chunks is None else chunks.data_ptr(),
+        0 if chunks is None else chunks.shape[0],
+    )  # fmt: skip
+
+
 def decoder_layer(
     lib: ctypes.CDLL,
     x: torch.Tensor,
@@ -136,7 +222,6 @@ def decoder_layer(
 ) -> torch.Tensor | None:
     """The layer's output [T, hidden], or None where the fused layer does not run; `unpack`:
     the linears on the dispatch's "int8-unpacked" path."""
-    d, chunks = step.attn.decode, step.attn.chunks
     t = x.shape[0]
     if x.dtype != torch.float32 or not x.is_contiguous():
         return None
@@ -144,25 +229,8 @@ def decoder_layer(
         layer.pool_ok, layer.pool_for = _set_pool(layer, kv), kv.k.data_ptr()
     if not layer.pool_ok:
         return None
-    layer.dims[LAYER_DIMS.index("unpack")] = unpack
-    cos, sin = (r.reshape(t, -1) for r in rope)
-    slots = step.slot_mapping
+    layer.dims[_UNPACK] = unpack
     out = torch.empty_like(x)
-    lib.decode_layer(
-        x.data_ptr(),
-        out.data_ptr(),
-        t,
-        layer.ptrs,
-        layer.dims,
-        layer.floats,
-        cos.data_ptr(),
-        sin.data_ptr(),
-        slots.data_ptr(),
-        layer.pool,
-        *((None, None, 0, None, 0) if d is None else
-          (d.rows.data_ptr(), d.blocks.data_ptr(), d.blocks.stride(0), d.lens.data_ptr(),
-           d.rows.shape[0])),
-        None if chunks is None else chunks.data_ptr(),
-        0 if chunks is None else chunks.shape[0],
-    )  # fmt: skip
+    lib.decode_layer(x.data_ptr(), out.data_ptr(), t, layer.ptrs, layer.dims, layer.floats,
+                     *_step_args(t, rope, step, layer.pool))  # fmt: skip
     return out

@@ -562,17 +562,21 @@ static void qlinear(const void *x, int64_t x_stride, int x_dtype, const Weights 
                          xs + r * groups, doubled);
         free(row);
 #if defined(__AVX2__)
+        if (rowpat) { /* every thread sees the same rowpat: all meet the loop's barrier or none */
 #pragma omp for schedule(static)
-        for (int64_t rt = 0; rt < (rowpat ? m / RB : 0); rt++)
-            row_pattern(d + rt * RB * groups, xs + rt * RB * groups, groups, rowpat + rt * groups * 16);
+            for (int64_t rt = 0; rt < m / RB; rt++)
+                row_pattern(d + rt * RB * groups, xs + rt * RB * groups, groups, rowpat + rt * groups * 16);
+        }
 #endif
         uint8_t *buf = unpack ? malloc((size_t)(cols * k)) : NULL;
         float *colpat = NULL; /* tile42's per-lane scales and offsets of this column tile */
 #if defined(__AVX2__)
         colpat = m >= RB && !wide ? malloc(sizeof(float) * (size_t)(groups * 16)) : NULL;
 #endif
+        /* no barrier between passes: each writes its own rows and reads what the quantize loop's
+         * barrier has finished (a barrier costs microseconds, a batch-1 linear tens of them) */
         for (int64_t m0 = 0; m0 < m; m0 += mc) {
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
         for (int64_t t = 0; t < tiles; t++) {
             int64_t j0 = t * cols;
             int c = (int)(n - j0 < cols ? n - j0 : cols);

@@ -50,6 +50,7 @@ _SIGNATURES = {
     "int4_int8_linear": [_P, _I64, _I32, _P, _P, _P, _I32, _P, _I64, _I64, _I64, _I64, _I32],
     "int8_int8_linear": [_P, _I64, _I32, _P, _P, _P, _I64, _I64, _I64],
     "decode_layer": [_P, _P, _I64, *[_P] * 9, _I64, _P, _I64, _P, _I64],
+    "decode_layers": [_P, _P, _I64, _I64, *[_P] * 9, _I64, _P, _I64, _P, _I64],
 }
 
 

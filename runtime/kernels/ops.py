@@ -151,6 +151,19 @@ class Backend(ABC):
         layer runs (the model then calls the ops one by one)."""
         return None
 
+    def decoder_layers(
+        self,
+        x: torch.Tensor,
+        layers: list[Any],
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: Any,
+        step: StepTensors,
+    ) -> torch.Tensor | None:
+        """The last of `layers`' outputs for this step in one call (layer i's KV is
+        cache.layer(i)), or None when the backend does not run the stack whole (the model
+        then calls `decoder_layer` for each)."""
+        return None
+
     def decode_attn(self, block_tables: torch.Tensor, context_lens: torch.Tensor) -> Any:
         """Attention metadata of an all-decode step over static buffers (what a CUDA graph
         replays); only backends with ``graphs`` have it."""

@@ -214,8 +214,15 @@ class LlamaModel:
         step = get_context().step
         x = self.embedding(step.input_ids)
         rope = self.rotary.tables(step.positions)
-        for layer in self.layers:
-            x = layer(x, rope)
+        fused = [layer.fused for layer in self.layers]
+        out = None
+        if all(f is not None for f in fused):
+            out = self.ops.decoder_layers(x, fused, rope, get_context().cache, step)
+        if out is not None:
+            x = out
+        else:
+            for layer in self.layers:
+                x = layer(x, rope)
         x = x[step.logits_indices]
         x = self.ops.rms_norm(x, self.norm, self.arch.rms_norm_eps)
         logits = self.ops.logits(x, self.lm_head)
