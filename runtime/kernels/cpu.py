@@ -12,6 +12,7 @@ bf16 it is fast in bf16 only: 30x slower in fp32). The dense path dequantizes fr
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import os
 from collections.abc import Callable
@@ -274,16 +275,19 @@ def decode_batch(
     """Padded block tables of every decoding sequence, built once per step for all layers:
     attention gathers whole blocks (contiguous runs of block_size tokens), not single slots.
     Sliding windows are masked per layer (``_window_valid``)."""
+    ends = list(itertools.accumulate(num_tokens))
     picked = [i for i, n in enumerate(num_tokens) if n == 1]
     if not picked:
         return None
-    rows = torch.tensor(num_tokens).cumsum(0)[picked] - 1
-    lens = torch.tensor([ctx_lens[i] for i in picked])
-    needed = -(-int(lens.max()) // block_size)
-    blocks = torch.nn.utils.rnn.pad_sequence([tables[i] for i in picked], batch_first=True)
-    pos = torch.arange(needed * block_size)
-    valid = pos[None, :] < lens[:, None]
-    return DecodeBatch(rows, blocks[:, :needed].contiguous(), valid, lens)
+    lens = [ctx_lens[i] for i in picked]
+    needed = -(-max(lens) // block_size)
+    blocks = torch.zeros(len(picked), needed, dtype=torch.int64)
+    for row, i in enumerate(picked):  # every step: fewer torch ops than pad_sequence and cumsum
+        n = min(needed, tables[i].shape[0])
+        blocks[row, :n] = tables[i][:n]
+    lens_t = torch.tensor(lens)
+    valid = torch.arange(needed * block_size)[None, :] < lens_t[:, None]
+    return DecodeBatch(torch.tensor([ends[i] - 1 for i in picked]), blocks, valid, lens_t)
 
 
 def _window_valid(d: DecodeBatch, window: int | None) -> torch.Tensor:
