@@ -6,7 +6,9 @@ bf16 (same process), and, when llama-cpp-python is there, llama.cpp on the sourc
 batch 1 (its Python binding, in a child process so that it may live in another virtualenv:
 --llama-python). Prints the CPU (model, ISA flags, the C kernels' path and dispatch table),
 ratios, the weight bytes a decode step reads over the measured step time as a fraction of this
-machine's measured copy bandwidth, and where a decode step's time goes.
+machine's measured copy bandwidth, and where a decode step's time goes. `--rounds N`
+measures batch-1 runtime and llama.cpp in turn N times and prints each pair's ratio and the
+median, for machines whose speed drifts between one run and the next.
 
     python evals/bench/engine.py --artifact out/smollm2-awq [--model smollm2-135m-instruct]
     LITESERVE_CPU_ISA=avx2 python evals/bench/engine.py ...  # this machine as an AVX2-only one
@@ -23,6 +25,7 @@ import copy
 import importlib.util
 import json
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -227,6 +230,18 @@ def bench_llama(python: str, gguf: Path, new: int, vocab: int) -> dict | str:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def print_pairs(pairs: list[tuple[tuple[float, float], dict | str]]) -> None:
+    """Each round's batch-1 runtime / llama.cpp ratios, measured back to back, and the median."""
+    ok = [(rt, ll) for rt, ll in pairs if not isinstance(ll, str)]
+    ratios = {
+        what: [rt[i] / ll[what] for rt, ll in ok] for i, what in enumerate(("prefill", "decode"))
+    }
+    print(f"runtime / llama.cpp in {len(ok)} alternated rounds, batch 1:")
+    for what, values in ratios.items():
+        rounds = ", ".join(f"{v:.2f}x" for v in values)
+        print(f"  {what}: {rounds}; median {statistics.median(values):.2f}x")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--artifact", type=Path, required=True)
@@ -238,6 +253,13 @@ def main() -> None:
     p.add_argument("--gguf", type=Path, help="llama.cpp's model (default: the bundled SmolLM2)")
     p.add_argument(
         "--llama-python", default=sys.executable, help="a Python with llama-cpp-python installed"
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="batch-1 runtime and llama.cpp measured in turn this many times (a machine whose "
+        "speed drifts within minutes needs pairs, not one run of each)",
     )
     a = p.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
@@ -264,6 +286,14 @@ def main() -> None:
         if gguf
         else "no GGUF for llama.cpp (--gguf)"
     )
+    pairs = [(rt[1], llama)] if 1 in rt and not isinstance(llama, str) else []
+    for _ in range(a.rounds - 1 if pairs else 0):
+        pairs.append(
+            (
+                bench_runtime(engine, 1, a.new_tokens),
+                bench_llama(a.llama_python, gguf, a.new_tokens, engine.arch.vocab_size),
+            )
+        )
 
     from lite.hf import load_source_model
     from lite.sources import resolve
@@ -301,6 +331,8 @@ def main() -> None:
             f"llama.cpp: prefill {pre / llama['prefill']:.2f}x, decode {dec / llama['decode']:.2f}x"
             f"\nllama.cpp's build: {llama['system'].strip()}"
         )
+    if len(pairs) > 1:
+        print_pairs(pairs)
     step_s = 1 / rt[batches[0]][1]
     wb = weight_bytes(engine)
     print(
