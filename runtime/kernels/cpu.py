@@ -275,10 +275,10 @@ def decode_batch(
     """Padded block tables of every decoding sequence, built once per step for all layers:
     attention gathers whole blocks (contiguous runs of block_size tokens), not single slots.
     Sliding windows are masked per layer (``_window_valid``)."""
-    ends = list(itertools.accumulate(num_tokens))
     picked = [i for i, n in enumerate(num_tokens) if n == 1]
     if not picked:
         return None
+    ends = list(itertools.accumulate(num_tokens))
     lens = [ctx_lens[i] for i in picked]
     needed = -(-max(lens) // block_size)
     blocks = torch.zeros(len(picked), needed, dtype=torch.int64)
@@ -725,17 +725,22 @@ class CpuBackend(Backend):
     def prepare_layer(self, parts: LayerParts) -> FusedLayer | None:
         return cpu_layer.prepare_layer(parts, self.lib)
 
-    def decoder_layer(self, x, layer: FusedLayer, rope, kv: LayerKV, step: StepTensors):
+    def _fused_unpack(self, x: torch.Tensor) -> bool | None:
+        """Whether the fused layers' linears unpack their tiles for this step's rows (the
+        dispatch's "int8-unpacked" path); None where the linears are not on an int8 path."""
         path = self.dispatch(x.dtype)["int4"].pick(x.shape[0])
-        if path not in INT8_PATHS:
+        return None if path not in INT8_PATHS else path == "int8-unpacked"
+
+    def decoder_layer(self, x, layer: FusedLayer, rope, kv: LayerKV, step: StepTensors):
+        unpack = self._fused_unpack(x)
+        if unpack is None:
             return None
-        return cpu_layer.decoder_layer(self.lib, x, layer, rope, kv, step, path == "int8-unpacked")
+        return cpu_layer.decoder_layer(self.lib, x, layer, rope, kv, step, unpack)
 
     def decoder_layers(self, x, layers: list[FusedLayer], rope, cache, step: StepTensors):
-        path = self.dispatch(x.dtype)["int4"].pick(x.shape[0])
-        if path not in INT8_PATHS:
+        unpack = self._fused_unpack(x)
+        if unpack is None:
             return None
-        unpack = path == "int8-unpacked"
         return cpu_layer.decoder_layers(self.lib, x, layers, rope, cache, step, unpack)
 
     def kv_write(self, kv: LayerKV, k, v, slot_mapping) -> None:

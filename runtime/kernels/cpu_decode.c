@@ -400,6 +400,27 @@ static void load_tile_transposed(const Pool *p, const uint8_t *codes, const uint
 
 static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
+/* qsum[g] = sum(q_g) (the zero's term of q.k for quantized keys), pz[g] = 0 (its term of p.v,
+ * summed over the value tiles). */
+static void query_sums(const float *q, int64_t group, int64_t d, float *qsum, float *pz) {
+    for (int64_t g = 0; g < group; g++) {
+        float s = 0.f;
+        for (int64_t i = 0; i < d; i++) s += q[g * d + i];
+        qsum[g] = s;
+        pz[g] = 0.f;
+    }
+}
+
+/* Raw q.c of `group` queries over a tile's m keys (row stride `stride`) to scores: for codes
+ * k = c * s + z, q.k = s (q.c) + z sum(q), times the softmax scale. */
+static void key_scores(float *scores, int64_t stride, int64_t group, int64_t m, const float *qsum,
+                       const float *ts, const float *tz, float scale) {
+    for (int64_t g = 0; g < group; g++) {
+        float *restrict sg = scores + g * stride, qs = qsum[g];
+        for (int64_t t = 0; t < m; t++) sg[t] = (sg[t] * ts[t] + qs * tz[t]) * scale;
+    }
+}
+
 /* Floats of scratch attend() needs. */
 static size_t attend_floats(int64_t group, int64_t n, int64_t d) {
     int64_t gp = round_up(group, QT);
@@ -419,22 +440,14 @@ static void attend(const Pool *p, const float *q, int64_t group, const int64_t *
     float qsum[gp], pz[gp];
     memcpy(qp, q, sizeof(float) * (size_t)(group * d));
     memset(qp + group * d, 0, sizeof(float) * (size_t)((gp - group) * d));
-    for (int64_t g = 0; g < gp; g++) {
-        float s = 0.f;
-        for (int64_t i = 0; i < d; i++) s += qp[g * d + i];
-        qsum[g] = s;
-        pz[g] = 0.f;
-    }
+    query_sums(qp, gp, d, qsum, pz);
     /* scores: q . k, where for codes k = c * s + z gives s (q . c) + z sum(q) */
     for (int64_t t0 = 0; t0 < n; t0 += TILE) {
         int64_t m = n - t0 < TILE ? n - t0 : TILE;
         load_tile_transposed(p, p->k, p->k_scale, p->k_zero, slots + t0, m, n - t0 - m, kvh, op,
                              tile, ts, tz);
         for (int64_t g0 = 0; g0 < gp; g0 += QT) qk_tile(qp + g0 * d, d, tile, scores + g0 * np + t0, np);
-        for (int64_t g = 0; g < group; g++) {
-            float *sg = scores + g * np + t0;
-            for (int64_t t = 0; t < m; t++) sg[t] = (sg[t] * ts[t] + qsum[g] * tz[t]) * scale;
-        }
+        key_scores(scores + t0, np, group, m, qsum, ts, tz, scale);
     }
     for (int64_t g = 0; g < gp; g++) { /* softmax in place; zeros where g does not see */
         int64_t a = g >= group ? 0 : lo[g], b = g >= group ? 0 : hi[g];
@@ -511,21 +524,13 @@ static void attend_rows(const Pool *p, const float *q, int64_t group, const int6
     float *scores = scratch, *tile = scores + group * n, *w = tile + TILE * d,
           *ts = w + group * TILE, *tz = ts + TILE;
     float qsum[group], pz[group];
-    for (int64_t g = 0; g < group; g++) {
-        float s = 0.f;
-        for (int64_t i = 0; i < d; i++) s += q[g * d + i];
-        qsum[g] = s;
-        pz[g] = 0.f;
-    }
+    query_sums(q, group, d, qsum, pz);
     /* scores: q . k, where for codes k = c * s + z gives s (q . c) + z sum(q) */
     for (int64_t t0 = 0; t0 < n; t0 += TILE) {
         int64_t m = n - t0 < TILE ? n - t0 : TILE;
         load_tile(p, p->k, p->k_scale, p->k_zero, slots + t0, m, n - t0 - m, kvh, tile, ts, tz);
         qk_rows(q, d, group, tile, m, scores + t0, n);
-        for (int64_t g = 0; g < group; g++) {
-            float *restrict sg = scores + g * n + t0, qs = qsum[g];
-            for (int64_t t = 0; t < m; t++) sg[t] = (sg[t] * ts[t] + qs * tz[t]) * scale;
-        }
+        key_scores(scores + t0, n, group, m, qsum, ts, tz, scale);
     }
     for (int64_t g = 0; g < group; g++) softmax(scores + g * n, 0, n);
     /* out = sum_t p_t v_t, where for codes v = c * s + z: sum (p s) c + sum p z */

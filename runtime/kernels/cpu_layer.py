@@ -122,6 +122,14 @@ def _set_pool(layer: FusedLayer, kv: LayerKV) -> bool:
     return True
 
 
+def _pool_ready(layer: FusedLayer, kv: LayerKV) -> bool:
+    """The layer's pool pointers and format set for kv's pool (once per pool); False where
+    cpu_layer.c cannot write that pool."""
+    if layer.pool_for != kv.k.data_ptr():
+        layer.pool_ok, layer.pool_for = _set_pool(layer, kv), kv.k.data_ptr()
+    return layer.pool_ok
+
+
 def _pool(kv: LayerKV) -> tuple[torch.Tensor | None, ...]:
     """cpu_decode.c's six pool pointers: the parameters NULL when unquantized (it reads any
     it is given)."""
@@ -151,12 +159,8 @@ def _stack(layers: list[FusedLayer], cache: Any) -> _Stack | None:
     stack = layers[0].stack
     if stack is not None and stack.key == key:
         return stack
-    for i, layer in enumerate(layers):
-        kv = cache.layer(i)
-        if layer.pool_for != kv.k.data_ptr():
-            layer.pool_ok, layer.pool_for = _set_pool(layer, kv), kv.k.data_ptr()
-        if not layer.pool_ok:
-            return None
+    if not all(_pool_ready(layer, cache.layer(i)) for i, layer in enumerate(layers)):
+        return None
     layers[0].stack = _Stack(
         key,
         _addresses([layer.ptrs for layer in layers]),
@@ -223,11 +227,7 @@ def decoder_layer(
     """The layer's output [T, hidden], or None where the fused layer does not run; `unpack`:
     the linears on the dispatch's "int8-unpacked" path."""
     t = x.shape[0]
-    if x.dtype != torch.float32 or not x.is_contiguous():
-        return None
-    if layer.pool_for != kv.k.data_ptr():
-        layer.pool_ok, layer.pool_for = _set_pool(layer, kv), kv.k.data_ptr()
-    if not layer.pool_ok:
+    if x.dtype != torch.float32 or not x.is_contiguous() or not _pool_ready(layer, kv):
         return None
     layer.dims[_UNPACK] = unpack
     out = torch.empty_like(x)

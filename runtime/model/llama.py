@@ -185,6 +185,9 @@ class LlamaModel:
         self.layers = [
             Layer(artifact, i, arch, dtype, ops, shard, group) for i in range(arch.num_layers)
         ]
+        fused = [layer.fused for layer in self.layers]
+        # every layer's fused form, for the backend to run the stack in one call
+        self.fused = fused if all(f is not None for f in fused) else None
         self.rotary = Rotary(
             arch.head_dim, arch.rope_theta, arch.rope_scaling, max_positions, dtype, ops.device
         )
@@ -214,10 +217,9 @@ class LlamaModel:
         step = get_context().step
         x = self.embedding(step.input_ids)
         rope = self.rotary.tables(step.positions)
-        fused = [layer.fused for layer in self.layers]
         out = None
-        if all(f is not None for f in fused):
-            out = self.ops.decoder_layers(x, fused, rope, get_context().cache, step)
+        if self.fused is not None:
+            out = self.ops.decoder_layers(x, self.fused, rope, get_context().cache, step)
         if out is not None:
             x = out
         else:
