@@ -7,7 +7,7 @@ import json
 import math
 from pathlib import Path
 
-from evals.bench.quantize import PYDOC, arc_text, eval_texts, loss_vs_llmc
+from evals.bench.quantize import PYDOC, arc_text, eval_texts, llmc_run, loss_vs_llmc
 
 
 def test_arc_text_pairs_each_question_with_its_correct_answer(tmp_path: Path) -> None:
@@ -35,3 +35,14 @@ def test_llmc_ratios_reproduce_the_recorded_figures() -> None:
     for src in (9.0, 23.5):
         assert math.isclose(loss_vs_llmc("groups_merged.txt", 1.185 * src, src), 0.97)
     assert loss_vs_llmc("ARC-Easy questions", 20.0, 18.0) is None
+
+
+def test_measured_llmc_perplexity_replaces_the_recorded_figures(tmp_path: Path) -> None:
+    """With llm-compressor scored on the same windows, the ratio is against that perplexity,
+    in domain and out of it, and a text without a recorded figure gets one."""
+    assert math.isclose(loss_vs_llmc(PYDOC, 12.5, 12.0, llmc=13.0), 0.5)
+    assert math.isclose(loss_vs_llmc("ARC-Easy questions", 21.0, 19.0, llmc=23.0), 0.5)
+    assert loss_vs_llmc("groups_merged.txt", 20.0, 17.0, llmc=20.0) == 1.0
+    facts = {"wall_s": 1602.0, "peak_rss_gib": 3.4, "calib": "ab"}
+    (tmp_path / "llmc-run.json").write_text(json.dumps(facts))
+    assert llmc_run(tmp_path) == (tmp_path, 1602.0, 3.4)

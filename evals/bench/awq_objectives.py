@@ -3,11 +3,13 @@ clip strength picked on the block; each scored in-domain and out of domain.
 
 Every variant calibrates SmolLM2-135M-Instruct on the default set (64 x 512, w4 asym g64)
 with `AwqConfig` overrides, in a child process (an existing OUT/<variant> is reused), then
-all are scored on the same windows of each text of `quantize.eval_texts`. Perplexity here is
-for ranking methods against each other on identical windows; the headline table is
-evals/bench/quantize.py's.
+all are scored on the same windows of each text of `quantize.eval_texts`, next to
+llm-compressor's AWQ on the same calibration tokens when `--llmc DIR` names the model
+`evals/bench/llmc_baseline.py` wrote. Perplexity here is for ranking methods against each other
+on identical windows; the headline table is evals/bench/quantize.py's.
 
-    python -m evals.bench.awq_objectives --out out/objectives [--limit 24] [VARIANT ...]
+    python -m evals.bench.awq_objectives --out out/objectives [--limit 24] [--llmc DIR]
+        [VARIANT ...]
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ VARIANTS: dict[str, dict[str, list[str] | int]] = {
     "gptq-damp0.1": {"rounding": "gptq", "gptq_damp": 0.1},
     "gptq-damp1": {"rounding": "gptq", "gptq_damp": 1.0},
     "gptq-damp10": {"rounding": "gptq", "gptq_damp": 10.0},
+    "diag0.5": {"gram_diagonal": 0.5},  # H halfway to its diagonal: scale and clip searches
+    "diag1": {"gram_diagonal": 1.0},  # channel energies only, no correlations
+    "gptq-diag0.5": {"rounding": "gptq", "gram_diagonal": 0.5},
 }
 
 _CHILD = """
@@ -68,6 +73,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("out/objectives"))
     p.add_argument("--limit", type=int, default=24, help="windows per text")
     p.add_argument("--ood-dir", type=Path, default=Path("../shared/data"))
+    p.add_argument("--llmc", type=Path, help="llmc_baseline.py's model")
     a = p.parse_args()
     unknown = set(a.variants) - set(VARIANTS)
     if unknown:
@@ -77,7 +83,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from evals.bench.quantize import MODEL, eval_texts
+    from evals.bench.quantize import LLMC_ROW, MODEL, eval_texts
     from lite.hf import load_dequantized, load_source_model
     from lite.perplexity import hf_logits, perplexity, windows
     from lite.sources import resolve
@@ -101,19 +107,22 @@ def main() -> None:
         return result
 
     src = scored("source", lambda: load_source_model(source.path))
-    print(f"\n{a.limit} x 512-token windows per text\n")
-    print("| variant | " + " | ".join(f"{t} ppl | loss vs gram" for t in batches) + " |")
-    print("|---|" + "---|---|" * len(batches))
-    ppl: dict[str, dict[str, float]] = {}
-    for v in a.variants:
-        ppl[v] = scored(v, lambda v=v: load_dequantized(Artifact(a.out / v)))
+    loaders = {v: lambda v=v: load_dequantized(Artifact(a.out / v)) for v in a.variants}
+    if a.llmc:
+        loaders[LLMC_ROW] = lambda: load_source_model(a.llmc)
+    ppl = {v: scored(v, load) for v, load in loaders.items()}
+    bases = [b for b in ("gram", LLMC_ROW) if b in ppl]
+    print(f"\n{a.limit} x 512-token windows per text; loss = ppl - source's\n")
+    head = [f"{t} ppl | " + " | ".join(f"loss vs {b}" for b in bases) for t in batches]
+    print("| variant | " + " | ".join(head) + " |")
+    print("|---|" + ("---|" * (1 + len(bases))) * len(batches))
+    for v, result in ppl.items():
         cells = []
         for t in batches:
-            base = ppl.get("gram", {}).get(t)
-            rel = f"{(ppl[v][t] - src[t]) / (base - src[t]):.3f}x" if base else "-"
-            cells += [f"{ppl[v][t]:.3f}", rel]
+            loss = result[t] - src[t]
+            cells += [f"{result[t]:.3f}", *(f"{loss / (ppl[b][t] - src[t]):.3f}x" for b in bases)]
         print(f"| {v} | " + " | ".join(cells) + " |", flush=True)
-    print("| source | " + " | ".join(f"{src[t]:.3f} | -" for t in batches) + " |")
+    print("| source | " + " | ".join(f"{src[t]:.3f}" + " | -" * len(bases) for t in batches) + " |")
 
 
 if __name__ == "__main__":

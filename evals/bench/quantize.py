@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import json
 import os
 import subprocess
 import sys
@@ -35,23 +36,23 @@ from lite.sources import resolve
 
 MODEL = "smollm2-135m-instruct"
 # llm-compressor 0.14 AWQModifier defaults, 64 x 512 in-order pydoc calibration tokens, fp32,
-# w4 asymmetric g64, on this 2-core machine (figures from the project's issue tracker).
+# w4 asymmetric g64, on this 2-core machine (figures from the project's issue tracker). Used
+# only without --llmc, which scores llm-compressor's own model (evals/bench/llmc_baseline.py)
+# on the same windows as every other row.
 LLMC = {"ppl": 13.77, "wall_s": 26.7 * 60, "rss_gib": 3.4, "source_ppl": 11.98}
 # llm-compressor's out-of-domain perplexity as a multiple of the source's, same calibration
 # (issue 18, groups_merged.txt): derived from the recorded figures, lite 1.185x the source
 # and 0.97x llm-compressor's loss, so llm-compressor = 1 + 0.185 / 0.97 = 1.191x (+-0.002
-# from the rounding of those figures). Not measured here, and only right on the issue's own
-# (unrecorded) windows: on the first 16 windows the Gram search is 1.155x the source, so
-# RESULTS.md anchors the comparison to the Gram search instead (its issue-18 section).
+# from the rounding of those figures). Only right on the issue's own (unrecorded) windows;
+# --llmc replaces it with a measurement.
 LLMC_OOD_VS_SOURCE = {"groups_merged.txt": 1 + 0.185 / 0.97}
+LLMC_ROW = "llm-compressor"  # the row of the --llmc model
 PYDOC = "pydoc (in-domain)"
 
 
 def arc_text(path: Path) -> str:
     """ARC questions with their correct answers, one per paragraph: short general-science
     English, unlike both the pydoc calibration text and groups_merged.txt."""
-    import json
-
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
     return "\n\n".join(f"{r['prompt']} {r['choices'][r['answer_idx']]}" for r in rows)
 
@@ -70,12 +71,22 @@ def eval_texts(ood_dir: Path) -> dict[str, str]:
     return texts
 
 
-def loss_vs_llmc(text: str, ppl: float, src: float) -> float | None:
-    """This variant's perplexity loss over the source as a multiple of llm-compressor's."""
+def loss_vs_llmc(text: str, ppl: float, src: float, llmc: float | None = None) -> float | None:
+    """This variant's perplexity loss over the source as a multiple of llm-compressor's:
+    against `llmc`, its perplexity on the same windows, when measured; else the recorded
+    figures (None where there is none)."""
+    if llmc is not None:
+        return (ppl - src) / (llmc - src)
     if text == PYDOC:
         return (ppl - src) / (LLMC["ppl"] - LLMC["source_ppl"])
     ratio = LLMC_OOD_VS_SOURCE.get(text)
     return None if ratio is None else (ppl - src) / (src * (ratio - 1))
+
+
+def llmc_run(model_dir: Path) -> tuple[Path, float, float]:
+    """llm-compressor's model with the wall time and peak RSS llmc_baseline.py measured."""
+    facts = json.loads((model_dir / "llmc-run.json").read_text())
+    return model_dir, facts["wall_s"], facts["peak_rss_gib"]
 
 
 def vm_hwm_gib(pid: int) -> float:
@@ -101,18 +112,23 @@ def exclusive(lock: Path | None) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def run_quantize(args: list[str]) -> tuple[float, float]:
-    """Wall seconds and peak RSS (GiB) of one `lite auto_awq` child process."""
+def run_child(cmd: list[str]) -> tuple[float, float]:
+    """Wall seconds and peak RSS (GiB) of one child process (a quantizer's own figures)."""
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "lite", "auto_awq", *args])
+    proc = subprocess.Popen(cmd)
     peak = 0.0
     while proc.poll() is None:
         with contextlib.suppress(OSError):  # the child may exit between poll and read
             peak = max(peak, vm_hwm_gib(proc.pid))
         time.sleep(0.1)
     if proc.returncode != 0:
-        raise SystemExit(f"lite auto_awq {' '.join(args)} failed")
+        raise SystemExit(f"{' '.join(cmd[:4])} ... failed (exit {proc.returncode})")
     return time.perf_counter() - start, peak
+
+
+def run_quantize(args: list[str]) -> tuple[float, float]:
+    """Wall seconds and peak RSS (GiB) of one `lite auto_awq` child process."""
+    return run_child([sys.executable, "-m", "lite", "auto_awq", *args])
 
 
 def main() -> None:
@@ -127,6 +143,7 @@ def main() -> None:
     p.add_argument("--ood-dir", type=Path, default=Path("../shared/data"))
     p.add_argument("--lock", type=Path, help="flock this file around each timed quantization")
     p.add_argument("--device", default="cpu", help="lite auto_awq --device (default: cpu)")
+    p.add_argument("--llmc", type=Path, help="llm-compressor's model (llmc_baseline.py) as a row")
     a = p.parse_args()
 
     from transformers import AutoTokenizer
@@ -161,6 +178,8 @@ def main() -> None:
             measured[name] = (out, *run_quantize([MODEL, "--work-dir", str(out), *common, *extra]))
     if a.lock:
         os.nice(19)  # the scoring is not timed: it yields the cores to others
+    if a.llmc:
+        measured[LLMC_ROW] = llmc_run(a.llmc)
 
     tok = AutoTokenizer.from_pretrained(source.path)
     texts = eval_texts(a.ood_dir)
@@ -173,7 +192,9 @@ def main() -> None:
         for name, text in texts.items()
     }
     models = {"source fp32": load_source_model(source.path)}
-    models |= {name: load_dequantized(Artifact(out)) for name, (out, _, _) in measured.items()}
+    for name, (out, _, _) in measured.items():
+        llmc = name == LLMC_ROW  # a plain Hugging Face model, not an artifact
+        models[name] = load_source_model(out) if llmc else load_dequantized(Artifact(out))
     ppl = {
         (m, t): perplexity(m, hf_logits(model), b).ppl
         for m, model in models.items()
@@ -203,14 +224,15 @@ def main() -> None:
                 f"{100 * (p / src - 1):+.1f}%",
                 f"{(p - src) / (rtn - src):.2f}x" if rtn and m != "source fp32" else "-",
             ]
-            vs = loss_vs_llmc(t, p, src) if m.startswith("AWQ") else None
+            vs = loss_vs_llmc(t, p, src, ppl.get((LLMC_ROW, t))) if m.startswith("AWQ") else None
             cells.append("-" if vs is None else f"{vs:.2f}x")
             print("| " + " | ".join(cells) + " |")
+    _, llmc_wall, llmc_rss = measured.get(LLMC_ROW, (None, LLMC["wall_s"], LLMC["rss_gib"]))
     for name, (_, wall, rss) in measured.items():
         if name.startswith("AWQ"):
             print(
-                f"\n{name} vs llm-compressor AWQ: wall {wall / LLMC['wall_s']:.2f}x, "
-                f"peak RSS {rss / LLMC['rss_gib']:.2f}x"
+                f"\n{name} vs llm-compressor AWQ: wall {wall / llmc_wall:.2f}x, "
+                f"peak RSS {rss / llmc_rss:.2f}x"
             )
 
 
