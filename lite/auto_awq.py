@@ -108,7 +108,6 @@ class AwqConfig:
     # inputs' Gram matrix, which the scale search collects anyway).
     rounding: str = "nearest"
     gptq_damp: float = GPTQ_DAMP  # an evaluation knob (evals/bench/awq_objectives.py)
-    gram_diagonal: float = 0.0  # an evaluation knob: InputStats.shrink_to_diagonal
     dtype: str = "float16"
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
@@ -441,8 +440,6 @@ def calibrate_layer(
     block's function unchanged, and the only block inputs it changes (the norm outputs) feed
     groups whose searches come first."""
     stats, outputs = capture(layer, groups, x, pos, rows)
-    for st in stats.values():
-        st.shrink_to_diagonal(cfg.gram_diagonal)
     blocks = _block_blocks(groups, cfg.block_objective) if cfg.block_samples > 0 else set()
     probes = record_probes(layer, blocks, x, pos, cfg.block_samples, rows) if blocks else {}
     fallbacks = []

@@ -45,14 +45,6 @@ class InputStats:
     def mean_abs(self) -> torch.Tensor:
         return (self.abs_sum / max(self.count, 1)).float()
 
-    def shrink_to_diagonal(self, weight: float) -> None:
-        """H <- (1 - weight) H + weight diag(H): keep each channel's energy, trust the
-        calibration text's cross-channel correlations less (an evaluation knob, issue 18)."""
-        if weight:
-            diag = self.gram.diagonal().clone()
-            self.gram *= 1 - weight
-            self.gram.diagonal().add_(weight * diag)
-
     def rescale(self, s: torch.Tensor) -> None:
         """The inputs become x / s once s is folded into the previous op."""
         inv = 1.0 / s.float()

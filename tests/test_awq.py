@@ -113,27 +113,6 @@ def test_gram_error_equals_direct_output_error() -> None:
     assert torch.allclose(stats.mean_abs, x.abs().mean(0), atol=1e-5)
 
 
-def test_shrink_to_diagonal_keeps_channel_energies_and_scales_correlations() -> None:
-    """Weight w keeps diag(H) and multiplies every off-diagonal entry by 1 - w; w = 1 leaves
-    the diagonal alone, so the error it scores is the channels' errors weighted by energy."""
-    torch.manual_seed(5)
-    x = torch.randn(200, 24) @ torch.randn(24, 24)  # correlated channels
-    stats = InputStats(24)
-    stats.add(x)
-    gram = stats.gram.clone()
-    stats.shrink_to_diagonal(0.0)
-    assert torch.equal(stats.gram, gram)
-    stats.shrink_to_diagonal(0.25)
-    off = ~torch.eye(24, dtype=torch.bool)
-    assert torch.equal(stats.gram.diagonal(), gram.diagonal())
-    assert torch.allclose(stats.gram[off], 0.75 * gram[off], rtol=1e-6)
-    stats.shrink_to_diagonal(1.0)
-    assert torch.equal(stats.gram, torch.diag(gram.diagonal()))
-    err = torch.randn(5, 24)
-    weighted = float((err.double().pow(2) * gram.diagonal().double()).sum())
-    assert output_error(err, stats.gram) == pytest.approx(weighted, rel=1e-9)
-
-
 def test_scale_search_never_worse_than_identity() -> None:
     torch.manual_seed(4)
     w, x = torch.randn(64, 96), torch.randn(300, 96)
