@@ -40,9 +40,6 @@ VARIANTS: dict[str, dict[str, list[str] | int]] = {
     "gptq-damp0.1": {"rounding": "gptq", "gptq_damp": 0.1},
     "gptq-damp1": {"rounding": "gptq", "gptq_damp": 1.0},
     "gptq-damp10": {"rounding": "gptq", "gptq_damp": 10.0},
-    "diag0.5": {"gram_diagonal": 0.5},  # H halfway to its diagonal: scale and clip searches
-    "diag1": {"gram_diagonal": 1.0},  # channel energies only, no correlations
-    "gptq-diag0.5": {"rounding": "gptq", "gram_diagonal": 0.5},
 }
 
 _CHILD = """
