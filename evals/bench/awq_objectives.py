@@ -8,8 +8,8 @@ llm-compressor's AWQ on the same calibration tokens when `--llmc DIR` names the 
 `evals/bench/llmc_baseline.py` wrote. Perplexity here is for ranking methods against each other
 on identical windows; the headline table is evals/bench/quantize.py's.
 
-    python -m evals.bench.awq_objectives --out out/objectives [--limit 24] [--llmc DIR]
-        [VARIANT ...]
+    python -m evals.bench.awq_objectives --out out/objectives [--limit 24] [--skip 0]
+        [--llmc DIR] [VARIANT ...]
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ def main() -> None:
     p.add_argument("variants", nargs="*", default=list(VARIANTS))
     p.add_argument("--out", type=Path, default=Path("out/objectives"))
     p.add_argument("--limit", type=int, default=24, help="windows per text")
+    p.add_argument("--skip", type=int, default=0, help="windows skipped at each text's start")
     p.add_argument("--ood-dir", type=Path, default=Path("../shared/data"))
     p.add_argument("--llmc", type=Path, help="llmc_baseline.py's model")
     a = p.parse_args()
@@ -91,11 +92,11 @@ def main() -> None:
     batches = {}
     for t, text in eval_texts(a.ood_dir).items():
         ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
-        batches[t] = windows(ids, 512, a.limit)
+        batches[t] = windows(ids[a.skip * 512 :], 512, a.limit)
 
     def scored(name: str, load: Callable[[], torch.nn.Module]) -> dict[str, float]:
         """Perplexity per text, kept in OUT/<name>.ppl-<limit>.json for later invocations."""
-        cache = a.out / f"{name}.ppl-{a.limit}.json"
+        cache = a.out / f"{name}.ppl-{a.limit}{f'-skip{a.skip}' if a.skip else ''}.json"
         if cache.is_file():
             return json.loads(cache.read_text())
         model = hf_logits(load())
@@ -109,7 +110,7 @@ def main() -> None:
         loaders[LLMC_ROW] = lambda: load_source_model(a.llmc)
     ppl = {v: scored(v, load) for v, load in loaders.items()}
     bases = [b for b in ("gram", LLMC_ROW) if b in ppl]
-    print(f"\n{a.limit} x 512-token windows per text; loss = ppl - source's\n")
+    print(f"\n{a.limit} x 512-token windows per text after {a.skip}; loss = ppl - source's\n")
     head = [f"{t} ppl | " + " | ".join(f"loss vs {b}" for b in bases) for t in batches]
     print("| variant | " + " | ".join(head) + " |")
     print("|---|" + ("---|" * (1 + len(bases))) * len(batches))
