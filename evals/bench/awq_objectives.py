@@ -95,7 +95,8 @@ def main() -> None:
         batches[t] = windows(ids[a.skip * 512 :], 512, a.limit)
 
     def scored(name: str, load: Callable[[], torch.nn.Module]) -> dict[str, float]:
-        """Perplexity per text, kept in OUT/<name>.ppl-<limit>.json for later invocations."""
+        """Perplexity per text, kept in OUT/<name>.ppl-<limit>[-skip<skip>].json for later
+        invocations (one file per slice of windows)."""
         cache = a.out / f"{name}.ppl-{a.limit}{f'-skip{a.skip}' if a.skip else ''}.json"
         if cache.is_file():
             return json.loads(cache.read_text())
