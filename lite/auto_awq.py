@@ -103,15 +103,18 @@ class AwqConfig:
     block_objective: tuple[str, ...] = ()
     block_clip: tuple[str, ...] = ()
     block_samples: int = 8
-    # How the scaled, clipped weights become codes: "nearest" (AWQ's round-to-nearest) or
-    # "gptq" (lite/gptq.py: each column's error compensated on the later ones through the
-    # inputs' Gram matrix, which the scale search collects anyway).
-    rounding: str = "nearest"
+    # How the scaled, clipped weights become codes: "gptq" (lite/gptq.py: each column's error
+    # compensated on the later ones through the inputs' Gram matrix, which the scale search
+    # collects anyway; the default when calibrating: issue 18 in evals/bench/RESULTS.md) or
+    # "nearest" (AWQ's round-to-nearest, and what RTN does). None picks by calib_samples.
+    rounding: str | None = None
     gptq_damp: float = GPTQ_DAMP  # an evaluation knob (evals/bench/awq_objectives.py)
     dtype: str = "float16"
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     def __post_init__(self) -> None:
+        if self.rounding is None:  # frozen: the resolved value is what the manifest records
+            object.__setattr__(self, "rounding", "gptq" if self.calib_samples > 0 else "nearest")
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"rounding {self.rounding!r}: choose one of {', '.join(ROUNDINGS)}")
         if self.rounding == "gptq" and self.calib_samples == 0:

@@ -25,8 +25,9 @@ FAST = ["--calib-samples", "8", "--calib-seqlen", "64", "--w-group-size", "64", 
 
 # sha256 of the source shard and of the artifact's weight shard made from it with FAST, per
 # family (CPU calibration; torch 2.13, x86-64): `--device cpu` must give these tensors. The
-# default search is the Gram form everywhere; these are the hashes it wrote before issue 18,
-# unchanged. The block-output search (opt-in) is pinned in BLOCK_ARTIFACT_SHA256 below.
+# default is the Gram search, then GPTQ rounding (issue 18); the same search rounded to
+# nearest writes the bytes it wrote before issue 18 (NEAREST_ARTIFACT_SHA256), and the
+# block-output search (opt-in) is pinned in BLOCK_ARTIFACT_SHA256 below.
 # The shard is compared as safetensors' save_file writes its tensors (the bytes it was
 # recorded from), so that the writer's own file layout is free to change and only the
 # numbers are pinned. Another torch or CPU may round differently; then make the artifact with
@@ -35,25 +36,30 @@ FAST = ["--calib-samples", "8", "--calib-seqlen", "64", "--w-group-size", "64", 
 CPU_ARTIFACT_SHA256 = {
     "llama": (
         "15619f488cb72baae01f3cf1bb29e21ea60f5f23ada44871e299f67fc218e696",
-        "56f8a405a0d0a7e6ccb2e959757257c356c64820106f494b77fcea327f23acb5",
+        "ff0c933a7c345af5d11e3a87ac9d6296f3d78fddfa9527d0eb0f59263c93b498",
     ),
     "mistral": (
         "83b3f689fa1832ef21f2a49e281f38037d01ffead72ff9008d11df7dbfe29317",
-        "b4c1377711e4a9e895f4ccb0db9a5e6f1102f9cbd0f358b3c3e7469168af8a66",
+        "a7c92209790a8989665808ea3d390a45ed9b2d32bf01acb83c7131c56dbb22f8",
     ),
     "qwen2": (
         "f6db2c257c83e7c47b0e4ef37d6fc9e4f7cab30f28ba24a1ea5256a12fae0dd7",
-        "abc53d03a66520112c35171496fa34b58427be36b1806a713afb600d0c948a29",
+        "47adc8a84d8c254a53781513d4965f302c696ff55ba1f1b830177f42ff12561c",
     ),
     "qwen3": (
         "b0e7af8a66ae3da36b99295e11ff4c5a65aad804d4b4e0589ce0f89ccfbe291e",
-        "803f5225e6a259463ccfcb258d3ce3038c2149f8371c50f630184faa554befc2",
+        "aea4e1c1aafea7f9b3da2574fdb66c2c1b32d533a2a7d45a06d7cbcf811e9fa2",
     ),
 }
 
+# The Gram search with `--rounding nearest`: the default's bytes before GPTQ rounding was.
+NEAREST_ARTIFACT_SHA256 = {
+    "llama": "56f8a405a0d0a7e6ccb2e959757257c356c64820106f494b77fcea327f23acb5",
+}
 
 # The same shards made with the block-output search switched on (q/k/v scored on the
-# attention output, clip strength picked on the attention and MLP outputs: issue 18).
+# attention output, clip strength picked on the attention and MLP outputs: issue 18) and
+# rounded to nearest.
 BLOCK_ARTIFACT_SHA256 = {
     "llama": "a3323eb3cad55ceff68843cb1c36745e5b35b7e2bb7ff19183d97c8d47117463",
     "qwen3": "414bc4381e7f3ddf81751c364a9e38943573bf26b779d09f5b4412feb349a411",
@@ -133,31 +139,33 @@ def test_block_search_writes_its_recorded_tensors(
     ones (its probes, replays and clip picks are deterministic) and says so in the manifest."""
     art = tmp_path / "art"
     args = ["auto_awq", str(tiny_models[family]), "--work-dir", str(art), *FAST]
-    code, out = lite(*args, "--device", "cpu", "--search", "block")
+    code, out = lite(*args, "--device", "cpu", "--search", "block", "--rounding", "nearest")
     assert code == 0, out
     assert _saved_sha256(art / "model-00001.safetensors", tmp_path) == BLOCK_ARTIFACT_SHA256[family]
     assert Artifact(art).manifest.quantization.search == "block"
 
 
-def test_gptq_rounding_changes_the_codes_and_says_so(
+def test_rounding_choice_changes_the_codes_and_says_so(
     tiny_models: dict[str, Path], tmp_path: Path
 ) -> None:
-    """`--rounding gptq` writes other codes from the same search (lite/gptq.py's own tests
-    check their output error), a valid artifact that serves, and records it in the manifest
-    and model card; the default records nearest."""
+    """`--rounding nearest` writes other codes from the same search than the default, GPTQ
+    rounding (lite/gptq.py's own tests check their output error); both are valid artifacts
+    and record their rounding in the manifest and model card."""
     arts = {}
     for rounding in ("nearest", "gptq"):
         art = arts[rounding] = tmp_path / rounding
         args = ["auto_awq", str(tiny_models["llama"]), "--work-dir", str(art), *FAST]
-        code, out = lite(*args, "--device", "cpu", "--rounding", rounding)
+        code, out = lite(
+            *args, "--device", "cpu", *(["--rounding", rounding] * (rounding != "gptq"))
+        )
         assert code == 0, out
         assert Artifact(art).manifest.quantization.rounding == rounding
         assert f"{rounding} rounding" in (art / "README.md").read_text()
-    code, out = lite("inspect", str(arts["gptq"]), "--verify", "--json")
+    code, out = lite("inspect", str(arts["nearest"]), "--verify", "--json")
     assert code == 0, out
     shas = {r: _saved_sha256(a / "model-00001.safetensors", tmp_path) for r, a in arts.items()}
-    assert shas["nearest"] == CPU_ARTIFACT_SHA256["llama"][1]  # the default is unchanged
-    assert shas["gptq"] != shas["nearest"]
+    assert shas["nearest"] == NEAREST_ARTIFACT_SHA256["llama"]
+    assert shas["gptq"] == CPU_ARTIFACT_SHA256["llama"][1]
 
 
 def test_rtn_and_symmetric(tiny_models: dict[str, Path], tmp_path: Path) -> None:
@@ -177,6 +185,7 @@ def test_rtn_and_symmetric(tiny_models: dict[str, Path], tmp_path: Path) -> None
     assert code == 0, out
     q = Artifact(art).manifest.quantization
     assert (q.method, q.symmetric, q.zero_point, q.group_size) == ("rtn", True, False, 32)
+    assert q.rounding == "nearest"  # the default without calibration statistics
     assert q.search == "none"
     assert q.calib_tokens_sha256 is None
 
