@@ -20,8 +20,9 @@ from lite.quantizer import QuantizedWeight, QuantSpec, compute_params
 # Of the mean diagonal of H added to its diagonal. GPTQ's own default is 0.01, enough to keep
 # H invertible; on SmolLM2 calibrated on pydoc it fitted the calibration text and lost on
 # other text (0.60x the Gram search's loss in domain, 1.31x on general English). More damping
-# trades some of the in-domain gain for robustness; 3 was the best balance measured (0.71x in
-# domain, 1.02x on general English, 0.89x on ARC questions; evals/bench/RESULTS.md, issue 18).
+# trades some of the in-domain gain for robustness; 3 was the best balance measured on 16
+# windows a text, and on quantize.py's full protocol it leaves 0.68x round-to-nearest's loss
+# in domain, 0.97x on general English, 0.92x on ARC questions (evals/bench/RESULTS.md, issue 18).
 DAMP = 3.0
 BLOCK = 128  # columns updated together before the lazy update of the rest
 
