@@ -26,7 +26,7 @@ import torch
 BOTH = ["self_attn", "mlp"]
 VARIANTS: dict[str, dict[str, list[str] | int]] = {
     "rtn": {"calib_samples": 0},  # round-to-nearest, the floor
-    "gram": {"block_objective": [], "block_clip": []},  # the default
+    "gram": {"block_objective": [], "block_clip": []},  # the default before GPTQ rounding
     "attn": {"block_objective": ["self_attn"], "block_clip": []},  # block output: q/k/v only
     "mlp": {"block_objective": ["mlp"], "block_clip": []},  # block output: gate/up only
     "block": {"block_objective": BOTH, "block_clip": []},
@@ -34,7 +34,7 @@ VARIANTS: dict[str, dict[str, list[str] | int]] = {
     "attn+clip": {"block_objective": ["self_attn"], "block_clip": BOTH},  # the best block variant
     "block+clip-attn": {"block_objective": BOTH, "block_clip": ["self_attn"]},
     "block+clip-mlp": {"block_objective": BOTH, "block_clip": ["mlp"]},
-    "gptq": {"rounding": "gptq"},  # the Gram search, then GPTQ rounding (lite/gptq.py)
+    "gptq": {"rounding": "gptq"},  # the Gram search, then GPTQ rounding: the default now
     "gptq-damp0.01": {"rounding": "gptq", "gptq_damp": 0.01},  # GPTQ's own damping
     "gptq-noclip": {"rounding": "gptq", "gptq_damp": 0.01, "clip_max_shrink": 0},  # no clip
     "gptq-damp0.1": {"rounding": "gptq", "gptq_damp": 0.1},
@@ -47,7 +47,8 @@ import json, sys, time
 from lite.auto_awq import AwqConfig, Compute, auto_awq
 from lite.quantizer import QuantSpec
 over = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(sys.argv[2]).items()}
-base = {"spec": QuantSpec(group_size=64), "calib_samples": 64, "calib_seqlen": 512}
+base = {"spec": QuantSpec(group_size=64), "calib_samples": 64, "calib_seqlen": 512,
+        "rounding": "nearest"}  # what every variant but the gptq ones was measured with
 cfg = AwqConfig(**{**base, **over})
 t = time.perf_counter()
 auto_awq("smollm2-135m-instruct", sys.argv[1], cfg, "awq_objectives " + sys.argv[2],
