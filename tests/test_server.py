@@ -689,8 +689,10 @@ def test_non_streaming_client_that_times_out_is_aborted(srv: Served) -> None:
 
 
 def test_streaming_client_gone_before_the_first_byte(srv: Served) -> None:
-    """Clients that give up while their long prompt is still being prefilled, before any byte
-    came back: each request is aborted and its slot released."""
+    """Clients that give up before any byte came back (their long prompt not yet prefilled):
+    each request is aborted and its slot released. The engine's steps are held until the
+    client has given up, so the test does not depend on how fast a prefill is (on a quiet
+    machine the C kernels prefill these 700 tokens faster than any read timeout)."""
     before = metrics(srv.url)
     body = {
         "model": MODEL,
@@ -699,18 +701,32 @@ def test_streaming_client_gone_before_the_first_byte(srv: Served) -> None:
         "ignore_eos": True,
         "stream": True,
     }
-    for _ in range(3):
-        with (
-            pytest.raises(httpx2.ReadTimeout),
-            httpx2.stream(
-                "POST",
-                srv.url + "/v1/completions",
-                json=body,
-                headers=AUTH,
-                timeout=httpx2.Timeout(5.0, read=0.02),  # the prefill takes ~0.1 s
-            ) as r,
-        ):
-            r.read()
+    eng = srv.engine
+    real, gate = eng.step, threading.Event()
+
+    def step():
+        gate.wait(timeout=30)  # bounded: a broken test must not hang the suite
+        return real()
+
+    eng.step = step
+    try:
+        for _ in range(3):
+            gate.clear()
+            with (
+                pytest.raises(httpx2.ReadTimeout),
+                httpx2.stream(
+                    "POST",
+                    srv.url + "/v1/completions",
+                    json=body,
+                    headers=AUTH,
+                    timeout=httpx2.Timeout(5.0, read=0.2),
+                ) as r,
+            ):
+                r.read()
+            gate.set()
+    finally:
+        eng.step = real
+        gate.set()
     wait_idle(srv, timeout=10)
     m = metrics(srv.url)
     assert grew(m, before, ABORTS) == 3 and grew(m, before, GENERATED) < 3 * 300
