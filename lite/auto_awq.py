@@ -483,7 +483,7 @@ def pack_layer(
     for name, lin in linears.items():
         w = lin.weight.data
         k = w.shape[1]
-        qw = rounded.get(name) or quantize(w, cfg.spec, clip.get(name, 1.0))
+        qw = rounded[name] if name in rounded else quantize(w, cfg.spec, clip.get(name, 1.0))
         tensors[f"{prefix}{name}.qweight"] = layout.pack_qweight(qw.q, gs)
         tensors[f"{prefix}{name}.qparams"] = layout.pack_qparams(qw.scale, qw.zero, gs, k)
         if lin.bias is not None:
