@@ -54,7 +54,7 @@ from lite.gptq import gptq_quantize
 from lite.hf import architecture_from_config, load_config
 from lite.model_card import write_model_card
 from lite.plan import Plan, default_rows, device_rows, make_plan, skeleton
-from lite.quantizer import QuantizedWeight, QuantSpec, quantize
+from lite.quantizer import QuantizedWeight, QuantSpec, num_groups, quantize
 from lite.sources import Checkpoint, ModelSource, resolve, resolve_plan
 from runtime import __version__
 from runtime.artifact import layout
@@ -511,7 +511,7 @@ def _gptq_rounded(
     out = {}
     for names in stacks.values():
         ws = [linears[n].weight.data for n in names]
-        groups = -(-ws[0].shape[1] // cfg.spec.group_size)
+        groups = num_groups(ws[0].shape[1], cfg.spec.group_size)
         ratios = [
             torch.as_tensor(clip.get(n, 1.0), dtype=w.dtype, device=w.device).expand(
                 w.shape[0], groups
