@@ -14,6 +14,7 @@ checkout's, checks that they agree, and prints the minimum time of alternated ro
   weights evict it) and hot (one layer repeated).
 
 Usage: python evals/bench/cpu_kernels_ab.py --against HEAD~3 [--rows 1,8,128] [--ctx 210]
+    [--paths int8,int8-unpacked]  (the int4 linears' dispatch path, baseline's and checkout's)
 The ratio column is the baseline's time over this checkout's (above 1: this checkout faster).
 """
 
@@ -85,7 +86,7 @@ def report(label: str, best: dict[str, float], same: bool | None = None) -> None
     print(f"{label}: {times}, {base / new:.2f}x{bits}")
 
 
-def bench_linears(libs: dict, rows: list[int], rounds: int) -> None:
+def bench_linears(libs: dict, rows: list[int], rounds: int, paths: dict[str, str]) -> None:
     g = torch.Generator().manual_seed(0)
     weights = []
     for n, k in LINEARS:
@@ -98,13 +99,14 @@ def bench_linears(libs: dict, rows: list[int], rounds: int) -> None:
     for m in rows:
         xs = [torch.randn(m, w.kp, generator=g) for w in weights]
 
-        def layer(lib, xs=xs):
-            return [cpu.int4_linear(x, w, "int8", lib) for x, w in zip(xs, weights, strict=True)]
+        def layer(name, xs=xs):
+            lib, path = libs[name], paths[name]
+            return [cpu.int4_linear(x, w, path, lib) for x, w in zip(xs, weights, strict=True)]
 
-        outs = {name: torch.cat([o.flatten() for o in layer(lib)]) for name, lib in libs.items()}
+        outs = {name: torch.cat([o.flatten() for o in layer(name)]) for name in libs}
         same = torch.equal(outs["baseline"], outs["checkout"])
         reps = max(2, int(4e7 / (m * sum(n * k for n, k in LINEARS))))
-        best = alternate({n: (lambda lib=lib: layer(lib)) for n, lib in libs.items()}, rounds, reps)
+        best = alternate({n: (lambda n=n: layer(n)) for n in libs}, rounds, reps)
         report(f"int4 linears, {m} rows", best, same)
         x = torch.randn(m, 576, generator=g)
         outs = {n: cpu.logits(x, head, "int8", lib) for n, lib in libs.items()}
@@ -169,8 +171,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--against", required=True, help="git revision of the baseline kernels")
     p.add_argument("--rows", default="1,8,128")
-    p.add_argument("--ctx", type=int, default=210)
+    p.add_argument("--ctx", type=int, default=210, help="decode attention's context; 0: skip it")
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument(
+        "--paths",
+        default="int8,int8",
+        help="the int4 linears' paths, baseline's and checkout's (cpu.INT8_PATHS)",
+    )
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         libs = {
@@ -179,8 +186,10 @@ def main() -> None:
         }
         path = native.isa_path(libs["checkout"])
         print(f"C kernels of {a.against} (baseline) against this checkout, {path} path")
-        bench_linears(libs, [int(r) for r in a.rows.split(",")], a.rounds)
-        bench_attention(libs, a.ctx, a.rounds)
+        paths = dict(zip(("baseline", "checkout"), a.paths.split(","), strict=True))
+        bench_linears(libs, [int(r) for r in a.rows.split(",")], a.rounds, paths)
+        if a.ctx > 0:
+            bench_attention(libs, a.ctx, a.rounds)
 
 
 if __name__ == "__main__":

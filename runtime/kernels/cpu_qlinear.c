@@ -35,8 +35,10 @@
  * read from memory once per pass whatever m is (decode and prefill alike); a pass takes as many
  * rows as keep their activations in L2. On x86 int4 tiles are 8 columns by up to 3 rows
  * (tile_r8: each unpacked weight register meets three rows' activations, which quantize_row
- * then lays out doubled so they are memory operands of the multiply) and the int8 head goes a
- * row at a time over 8 columns; elsewhere, and for unpacked tiles, RB rows by CB columns.
+ * then lays out doubled so they are memory operands of the multiply), or, where the dispatch
+ * unpacks (prefill), 4 rows by 16 columns of an outer product over a panel unpacked once per
+ * call (unpack_panel); the int8 head goes a row at a time over 8 columns; elsewhere, and for
+ * unpacked tiles off x86, RB rows by CB columns.
  *
  * The lm_head (dense in the artifact) is quantized at load to int8 per 32 inputs, symmetric,
  * as llama.cpp's Q8_0 stores it: the same tiles with 32-byte weight chunks (in column order
@@ -88,6 +90,7 @@ static inline I idot(I acc, W w, X x) { return _mm256_dpbusd_epi32(acc, w, x); }
 static inline I idot(I acc, W w, X x) { return _mm256_dpbusd_avx_epi32(acc, w, x); }
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
+#define HAVE_VNNI
 static inline I pfinish(I p) { return p; }
 #else
 #define PATH "avx2"
@@ -179,6 +182,8 @@ const char *isa_path(void) { return PATH; }
 /* WIDE_RB: 4, 6 and 8 rows measured 0.8-0.95x of 3 at 8-128 rows (each row's activations are
  * two loads a chunk, which more rows do not share) */
 enum { RB = 4, CB = 2, DECODE_CB = 8, WIDE_RB = 3, L2_ACTIVATIONS = 96 * 1024 };
+/* x86 prefill panels (unpacked int4): PANEL_RB rows by 16 columns, see unpack_panel */
+enum { PANEL_COLS = 16, PANEL_RB = 4 };
 
 /*
  * Row r of x [m, k] (row stride x_stride, x_dtype), per group g: q int8 [k], d [groups] the
@@ -449,6 +454,185 @@ static void tile42(const int8_t *q, const Weights *w, int64_t j0, const float *r
 }
 #endif
 
+#if defined(__AVX2__)
+/*
+ * Prefill panels (x86, the dispatch's "int8-unpacked" path): 16 columns' codes unpacked once per
+ * call into a panel whose 32-byte vectors hold 8 columns' codes of 4 consecutive inputs (lane c
+ * = column c), so the multiply's other operand is 4 activation bytes broadcast to every lane.
+ * The tile is an outer product, PANEL_RB rows x 16 columns: each weight load meets every row of
+ * the tile and each broadcast both column vectors, and the lanes already are columns (no
+ * horizontal reduction per group: the dot tiles above spend a third of their work there).
+ * Same bits as the dot tiles: exact int32 group sums, then the same float operations per
+ * (row, column) in group order.
+ */
+/* Columns [j0, j0 + 16) of the tiled packed codes into `panel` ([k / 4][16][4] bytes): per
+ * chunk of 32 inputs and tile of 8 columns, the four (c, c + 4) pair loads split into nibbles
+ * are two 4 x 4 transposes of 32-bit units within each 128-bit half. A missing second tile (n
+ * ends at j0 + 8) is zeros. */
+static void unpack_panel(const Weights *w, int64_t j0, int64_t n, uint8_t *panel) {
+    const __m256i low = _mm256_set1_epi8(15);
+    const int64_t k = w->k;
+    for (int v = 0; v < 2; v++) {
+        if (j0 + 8 * v >= n) {
+            for (int64_t i = 0; i < k / 4; i++)
+                _mm256_storeu_si256((__m256i *)(panel + i * 64 + 32 * v), _mm256_setzero_si256());
+            continue;
+        }
+        const uint8_t *tile = w->codes + (j0 + 8 * v) * (k / 2);
+        for (int64_t i = 0; i < k; i += 32) {
+            __m256i lo[4], hi[4];
+            for (int pr = 0; pr < 4; pr++) {
+                __m256i b = _mm256_loadu_si256((const __m256i *)(tile + (i / 32) * 128 + 32 * pr));
+                lo[pr] = _mm256_and_si256(b, low);
+                hi[pr] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+            }
+            for (int h = 0; h < 2; h++) { /* inputs i..i+15 (low nibbles), i+16..i+31 (high) */
+                const __m256i *a = h ? hi : lo;
+                __m256i t0 = _mm256_unpacklo_epi32(a[0], a[1]), t1 = _mm256_unpackhi_epi32(a[0], a[1]);
+                __m256i t2 = _mm256_unpacklo_epi32(a[2], a[3]), t3 = _mm256_unpackhi_epi32(a[2], a[3]);
+                uint8_t *dst = panel + (i / 4 + 4 * h) * 64 + 32 * v;
+                _mm256_storeu_si256((__m256i *)dst, _mm256_unpacklo_epi64(t0, t2));
+                _mm256_storeu_si256((__m256i *)(dst + 64), _mm256_unpackhi_epi64(t0, t2));
+                _mm256_storeu_si256((__m256i *)(dst + 128), _mm256_unpacklo_epi64(t1, t3));
+                _mm256_storeu_si256((__m256i *)(dst + 192), _mm256_unpackhi_epi64(t1, t3));
+            }
+        }
+    }
+}
+
+#if defined(HAVE_VNNI)
+/* One step of 4 inputs: the panel's two column vectors at `wp` against row r's 4 activation
+ * bytes at `xr`, into the row's two accumulators. */
+#define PANEL_STEP(a0, a1, xr)                                                                 \
+    do {                                                                                       \
+        int32_t four_;                                                                         \
+        memcpy(&four_, (xr), 4);                                                               \
+        X x_ = _mm256_set1_epi32(four_);                                                       \
+        *a0 = idot(*a0, w0, x_);                                                               \
+        *a1 = idot(*a1, w1, x_);                                                               \
+    } while (0)
+
+/* A chunk of 32 inputs (8 steps of 4) of four rows over a panel's two column vectors. */
+static inline __attribute__((always_inline)) void panel_chunk(const uint8_t *wp, const int8_t *x0,
+                                                              const int8_t *x1, const int8_t *x2,
+                                                              const int8_t *x3, I *p00, I *p01,
+                                                              I *p10, I *p11, I *p20, I *p21,
+                                                              I *p30, I *p31) {
+    for (int s = 0; s < 8; s++) {
+        W w0 = _mm256_loadu_si256((const __m256i *)(wp + 64 * s));
+        W w1 = _mm256_loadu_si256((const __m256i *)(wp + 64 * s + 32));
+        PANEL_STEP(p00, p01, x0 + 4 * s);
+        PANEL_STEP(p10, p11, x1 + 4 * s);
+        PANEL_STEP(p20, p21, x2 + 4 * s);
+        PANEL_STEP(p30, p31, x3 + 4 * s);
+    }
+}
+#undef PANEL_STEP
+#else
+/* The same without VNNI, in assembly: from intrinsics GCC 12 reassociated the int16 adds into
+ * trees whose products all lived at once (on the stack) or, kept in order, copied the eight
+ * accumulators between registers every step: 34 instructions a step where 22 do. */
+#define PANEL_ROW(X, A0, A1)                                                                   \
+    "vpbroadcastd " X ", %%ymm10\n\t"                                                          \
+    "vpmaddubsw %%ymm10, %%ymm8, %%ymm11\n\t"                                                  \
+    "vpaddw %%ymm11, %[" A0 "], %[" A0 "]\n\t"                                                 \
+    "vpmaddubsw %%ymm10, %%ymm9, %%ymm12\n\t"                                                  \
+    "vpaddw %%ymm12, %[" A1 "], %[" A1 "]\n\t"
+#define PANEL_STEP(S)                                                                          \
+    "vmovdqu " #S "*64(%[wp]), %%ymm8\n\t"                                                     \
+    "vmovdqu " #S "*64+32(%[wp]), %%ymm9\n\t"                                                  \
+    PANEL_ROW(#S "*4(%[x0])", "a00", "a01") PANEL_ROW(#S "*4(%[x1])", "a10", "a11")            \
+    PANEL_ROW(#S "*4(%[x2])", "a20", "a21") PANEL_ROW(#S "*4(%[x3])", "a30", "a31")
+static inline __attribute__((always_inline)) void panel_chunk(const uint8_t *wp, const int8_t *x0,
+                                                              const int8_t *x1, const int8_t *x2,
+                                                              const int8_t *x3, I *p00, I *p01,
+                                                              I *p10, I *p11, I *p20, I *p21,
+                                                              I *p30, I *p31) {
+    __asm__(PANEL_STEP(0) PANEL_STEP(1) PANEL_STEP(2) PANEL_STEP(3) PANEL_STEP(4) PANEL_STEP(5)
+                PANEL_STEP(6) PANEL_STEP(7)
+            : [a00] "+x"(*p00), [a01] "+x"(*p01), [a10] "+x"(*p10), [a11] "+x"(*p11),
+              [a20] "+x"(*p20), [a21] "+x"(*p21), [a30] "+x"(*p30), [a31] "+x"(*p31)
+            : [wp] "r"(wp), [x0] "r"(x0), [x1] "r"(x1), [x2] "r"(x2), [x3] "r"(x3),
+              "m"(*(const uint8_t(*)[512])wp), "m"(*(const int8_t(*)[32])x0),
+              "m"(*(const int8_t(*)[32])x1), "m"(*(const int8_t(*)[32])x2),
+              "m"(*(const int8_t(*)[32])x3)
+            : "xmm8", "xmm9", "xmm10", "xmm11", "xmm12");
+}
+#undef PANEL_STEP
+#undef PANEL_ROW
+#endif
+
+/* PANEL_RB = 4 rows of plain activations (row stride qs; fewer real rows repeat the first,
+ * whose results are dropped) over a panel's 16 columns [j0, j0 + cols). Per chunk of 32
+ * inputs the u8 x s8 pairs gather in int16 lanes (8 steps of at most 2 * 15 * 127: no
+ * overflow), then widen into the group's int32 sums. The accumulators are named variables:
+ * as arrays unrolled by the row count, GCC copied them between registers every step. */
+static inline __attribute__((always_inline)) void panel_tile(const int8_t *q, int64_t qs, int rows,
+                                                             const float *d, const float *xs,
+                                                             const Weights *w, const uint8_t *panel,
+                                                             int64_t j0, int cols, float *out,
+                                                             int64_t n, int64_t gs) {
+    const int64_t groups = w->groups;
+    /* the second tile's params: its own, or (past n) the first's, computed and dropped */
+    const int64_t at[2] = {j0 * groups, (j0 + 8 < n ? j0 + 8 : j0) * groups};
+    const int8_t *x0 = q, *x1 = rows > 1 ? q + qs : q, *x2 = rows > 2 ? q + 2 * qs : q,
+                 *x3 = rows > 3 ? q + 3 * qs : q;
+    __m256 acc[PANEL_RB][2], bias[PANEL_RB][2];
+    for (int r = 0; r < PANEL_RB; r++)
+        for (int v = 0; v < 2; v++) acc[r][v] = bias[r][v] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i sums[PANEL_RB][2];
+        for (int r = 0; r < PANEL_RB; r++) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
+        for (int64_t i1 = g * gs; i1 < (g + 1) * gs; i1 += 32) {
+            I p00 = izero(), p01 = izero(), p10 = izero(), p11 = izero();
+            I p20 = izero(), p21 = izero(), p30 = izero(), p31 = izero();
+            panel_chunk(panel + i1 * 16, x0 + i1, x1 + i1, x2 + i1, x3 + i1, &p00, &p01, &p10, &p11,
+                        &p20, &p21, &p30, &p31);
+            const I p[PANEL_RB][2] = {{p00, p01}, {p10, p11}, {p20, p21}, {p30, p31}};
+            for (int r = 0; r < PANEL_RB; r++)
+                for (int v = 0; v < 2; v++) sums[r][v] = _mm256_add_epi32(sums[r][v], pfinish(p[r][v]));
+        }
+        __m256 sc[2], off[2];
+        for (int v = 0; v < 2; v++) {
+            sc[v] = load8(w->scale, w->s_dtype, at[v] + g * 8);
+            off[v] = load8(w->offset, w->s_dtype, at[v] + g * 8);
+        }
+        for (int r = 0; r < rows; r++) {
+            __m256 dr = _mm256_set1_ps(d[r * groups + g]), xr = _mm256_set1_ps(xs[r * groups + g]);
+            for (int v = 0; v < 2; v++) {
+                acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][v]), _mm256_mul_ps(sc[v], dr), acc[r][v]);
+                bias[r][v] = _mm256_fmadd_ps(off[v], xr, bias[r][v]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float lanes[PANEL_COLS];
+        for (int v = 0; v < 2; v++) _mm256_storeu_ps(lanes + 8 * v, _mm256_add_ps(acc[r][v], bias[r][v]));
+        memcpy(out + r * n + j0, lanes, sizeof(float) * (size_t)cols);
+    }
+}
+
+static void run_panel(const int8_t *q, int64_t qs, const float *d, const float *xs, int rows,
+                      int cols, const Weights *w, const uint8_t *panel, int64_t j0, float *out,
+                      int64_t n) {
+    /* constant row counts and group sizes: registers for the accumulators, loops unrolled */
+#define PANEL(R)                                                                               \
+    switch (w->gs) {                                                                           \
+    case 32: panel_tile(q, qs, R, d, xs, w, panel, j0, cols, out, n, 32); break;               \
+    case 64: panel_tile(q, qs, R, d, xs, w, panel, j0, cols, out, n, 64); break;               \
+    case 128: panel_tile(q, qs, R, d, xs, w, panel, j0, cols, out, n, 128); break;             \
+    default: panel_tile(q, qs, R, d, xs, w, panel, j0, cols, out, n, w->gs);                   \
+    }
+    switch (rows) {
+    case 1: PANEL(1) break;
+    case 2: PANEL(2) break;
+    case 3: PANEL(3) break;
+    default: PANEL(PANEL_RB)
+    }
+#undef PANEL
+}
+#endif
+
 /* A constant (rows, cols) per case, so the accumulators become registers. q: row stride qs
  * bytes (doubled where w is packed int4 on x86, see qlinear). */
 static void run_tile(const int8_t *q, int64_t qs, const float *d, const float *xs, int rows,
@@ -534,24 +718,27 @@ static void qlinear(const void *x, int64_t x_stride, int x_dtype, const Weights 
      * once per row tile. Whether that beats re-reading the packed codes from L1 depends on the
      * row count and the machine (at 8 rows it cost 2.3x here), so the caller's measured
      * dispatch decides (runtime/kernels/cpu.py, the "int8-unpacked" path). */
-    int unpack = unpack_tiles && w->form == PACKED4 && m > RB, wide = 0;
+    int unpack = unpack_tiles && w->form == PACKED4 && m > RB, wide = 0, panel = 0;
 #if defined(__AVX2__)
-    /* tile_r8 for int4 at every row count; the int8 head one row at a time over 8-column tiles
-     * (tile18 while the tile is in L1: tile42's per-lane scale patterns, built per column pair
-     * and group of 32, cost more than its dots at 8 rows) */
+    /* unpacked int4: the outer-product panels; packed int4: tile_r8 at every row count; the int8
+     * head one row at a time over 8-column tiles (tile18 while the tile is in L1: tile42's
+     * per-lane scale patterns, built per column pair and group of 32, cost more than its dots
+     * at 8 rows) */
+    panel = unpack;
     wide = (w->form == PACKED4 && !unpack) || w->form == SIGNED8;
 #endif
     int doubled = wide && w->form == PACKED4;
-    int64_t rb = !wide ? RB : doubled ? WIDE_RB : 1, cols = m == 1 || wide ? DECODE_CB : CB;
+    int64_t rb = panel ? PANEL_RB : !wide ? RB : doubled ? WIDE_RB : 1;
+    int64_t cols = panel ? PANEL_COLS : m == 1 || wide ? DECODE_CB : CB;
     int64_t tiles = (n + cols - 1) / cols, qs = doubled ? 2 * k : k;
     /* Rows a pass over the weights takes: their activations stay in L2 while the weights stream
      * past (one pass over all m rows at 128 ran at 0.6x the rate of 64 on a Zen 3; 512 KB L2) */
-    int64_t mc = wide ? (L2_ACTIVATIONS / qs) / rb * rb : m;
+    int64_t mc = wide || panel ? (L2_ACTIVATIONS / qs) / rb * rb : m;
     mc = mc < rb ? rb : mc;
     int8_t *q = malloc((size_t)(m * qs));
     float *rowpat = NULL; /* tile42's per-lane activation steps and sums, per full row tile */
 #if defined(__AVX2__)
-    if (!wide) rowpat = malloc(sizeof(float) * (size_t)((m / RB) * groups * 16 + 1));
+    if (!wide && !panel) rowpat = malloc(sizeof(float) * (size_t)((m / RB) * groups * 16 + 1));
 #endif
 #pragma omp parallel if (n * k * (m < 8 ? m : 8) >= 65536)
     {
@@ -571,7 +758,7 @@ static void qlinear(const void *x, int64_t x_stride, int x_dtype, const Weights 
         uint8_t *buf = unpack ? malloc((size_t)(cols * k)) : NULL;
         float *colpat = NULL; /* tile42's per-lane scales and offsets of this column tile */
 #if defined(__AVX2__)
-        colpat = m >= RB && !wide ? malloc(sizeof(float) * (size_t)(groups * 16)) : NULL;
+        colpat = m >= RB && !wide && !panel ? malloc(sizeof(float) * (size_t)(groups * 16)) : NULL;
 #endif
         /* no barrier between passes: each writes its own rows and reads what the quantize loop's
          * barrier has finished (a barrier costs microseconds, a batch-1 linear tens of them) */
@@ -581,6 +768,17 @@ static void qlinear(const void *x, int64_t x_stride, int x_dtype, const Weights 
             int64_t j0 = t * cols;
             int c = (int)(n - j0 < cols ? n - j0 : cols);
             Weights tw = *w;
+#if defined(__AVX2__)
+            if (panel) {
+                unpack_panel(w, j0, n, buf);
+                for (int64_t r0 = m0; r0 < m && r0 < m0 + mc; r0 += rb) {
+                    int rows = (int)(m - r0 < rb ? m - r0 : rb);
+                    run_panel(q + r0 * qs, qs, d + r0 * groups, xs + r0 * groups, rows, c, w, buf,
+                              j0, out + r0 * n, n);
+                }
+                continue;
+            }
+#endif
             if (unpack) {
                 unpack_tile(w, j0, c, buf);
                 tw.codes = buf, tw.form = UNPACKED4, tw.first = j0;
