@@ -191,19 +191,74 @@ enum { PANEL_COLS = 16, PANEL_RB = 4 };
  * compare, not fmaxf (a libm call per element where NaNs are possible). `doubled`: q [2k], each
  * 16 codes written twice in a row (the layout tile_r8 reads).
  */
+#if defined(__AVX2__)
+/* One group's codes (gs a multiple of 32) in vectors: the same operations as the scalar loop
+ * below on every element (max is exact and order-free; v * inv rounded half to even), so the
+ * same bits. Returns the codes' sum. */
+static inline int32_t quantize_group(const float *v, int64_t gs, float inv, int8_t *q, int doubled) {
+    const __m256 scale = _mm256_set1_ps(inv);
+    __m256i total = _mm256_setzero_si256();
+    for (int64_t i = 0; i < gs; i += 32) {
+        __m256i c[4];
+        for (int j = 0; j < 4; j++)
+            c[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(v + i + 8 * j), scale),
+                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        for (int j = 0; j < 4; j++) total = _mm256_add_epi32(total, c[j]);
+        /* packs work per 128-bit half: (0 1 | 2 3) words, then bytes, then the dwords in order */
+        __m256i w01 = _mm256_packs_epi32(c[0], c[1]), w23 = _mm256_packs_epi32(c[2], c[3]);
+        __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23),
+                                                _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        if (doubled) { /* each 16 twice */
+            __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
+            _mm256_storeu_si256((__m256i *)(q + 2 * i), _mm256_set_m128i(lo, lo));
+            _mm256_storeu_si256((__m256i *)(q + 2 * i + 32), _mm256_set_m128i(hi, hi));
+        } else {
+            _mm256_storeu_si256((__m256i *)(q + i), b);
+        }
+    }
+    __m128i a = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    a = _mm_add_epi32(a, _mm_shuffle_epi32(a, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(a, _mm_shuffle_epi32(a, 0xb1)));
+}
+
+static inline float group_amax(const float *v, int64_t gs) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 m = _mm256_setzero_ps();
+    for (int64_t i = 0; i < gs; i += 8) /* max_ps(a, m) is m where a is NaN, as the C compare */
+        m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(v + i)), m);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+#endif
+
+/*
+ * Row r of x [m, k] (row stride x_stride, x_dtype), per group g: q int8 [k], d [groups] the
+ * step, xs [groups] = d * sum(q) over the group. `row`: k floats of scratch. The max is a plain
+ * compare, not fmaxf (a libm call per element where NaNs are possible). `doubled`: q [2k], each
+ * 16 codes written twice in a row (the layout tile_r8 reads).
+ */
 static void quantize_row(const void *x, int64_t x_stride, int x_dtype, int64_t r, int64_t k,
                          int64_t gs, float *row, int8_t *q, float *d, float *xs, int doubled) {
     const uint8_t *src = (const uint8_t *)x + r * x_stride * (x_dtype == F32 ? 4 : 2);
-    for (int64_t i = 0; i < k; i++) row[i] = load_scalar(src, x_dtype, i);
+    if (x_dtype == F32) row = (float *)src; /* read in place */
+    else for (int64_t i = 0; i < k; i++) row[i] = load_scalar(src, x_dtype, i);
     for (int64_t g = 0; g < k / gs; g++) {
         const float *v = row + g * gs;
+#if defined(__AVX2__)
+        float amax = group_amax(v, gs);
+#else
         float amax = 0.f;
         for (int64_t i = 0; i < gs; i++) {
             float a = fabsf(v[i]);
             amax = a > amax ? a : amax;
         }
+#endif
         float step = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
         int32_t total = 0;
+#if defined(__AVX2__)
+        total = quantize_group(v, gs, inv, q + (doubled ? 2 : 1) * g * gs, doubled);
+#else
         for (int64_t i = 0; i < gs; i++) {
             int32_t c = (int32_t)rintf(v[i] * inv);
             int64_t at = g * gs + i;
@@ -214,6 +269,7 @@ static void quantize_row(const void *x, int64_t x_stride, int x_dtype, int64_t r
             q[at] = (int8_t)c;
             total += c;
         }
+#endif
         d[g] = step;
         xs[g] = step * (float)total;
     }
@@ -762,23 +818,27 @@ static void qlinear(const void *x, int64_t x_stride, int x_dtype, const Weights 
 #endif
         /* no barrier between passes: each writes its own rows and reads what the quantize loop's
          * barrier has finished (a barrier costs microseconds, a batch-1 linear tens of them) */
-        for (int64_t m0 = 0; m0 < m; m0 += mc) {
-#pragma omp for schedule(static) nowait
-        for (int64_t t = 0; t < tiles; t++) {
-            int64_t j0 = t * cols;
-            int c = (int)(n - j0 < cols ? n - j0 : cols);
-            Weights tw = *w;
 #if defined(__AVX2__)
-            if (panel) {
+        for (int64_t m0 = 0; panel && m0 < m; m0 += mc) {
+#pragma omp for schedule(static) nowait
+            for (int64_t t = 0; t < tiles; t++) {
+                int64_t j0 = t * cols;
+                int c = (int)(n - j0 < cols ? n - j0 : cols);
                 unpack_panel(w, j0, n, buf);
                 for (int64_t r0 = m0; r0 < m && r0 < m0 + mc; r0 += rb) {
                     int rows = (int)(m - r0 < rb ? m - r0 : rb);
                     run_panel(q + r0 * qs, qs, d + r0 * groups, xs + r0 * groups, rows, c, w, buf,
                               j0, out + r0 * n, n);
                 }
-                continue;
             }
+        }
 #endif
+        for (int64_t m0 = 0; !panel && m0 < m; m0 += mc) {
+#pragma omp for schedule(static) nowait
+        for (int64_t t = 0; t < tiles; t++) {
+            int64_t j0 = t * cols;
+            int c = (int)(n - j0 < cols ? n - j0 : cols);
+            Weights tw = *w;
             if (unpack) {
                 unpack_tile(w, j0, c, buf);
                 tw.codes = buf, tw.form = UNPACKED4, tw.first = j0;
