@@ -28,6 +28,7 @@ enum { L_QKV, L_O, L_GATE_UP, L_DOWN };
 void int4_int8_linear(const void *x, int64_t x_stride, int x_dtype, const uint8_t *codes,
                       const void *scale, const void *offset, int s_dtype, float *out, int64_t m,
                       int64_t n, int64_t k, int64_t gs, int unpack_tiles);
+void silu_mul(const float *g, const float *u, float *a, int64_t n);
 void rms_norm(const void *x, int64_t x_stride, const void *weight, void *out, int dtype,
               int64_t rows, int64_t dim, float eps);
 void kv_write_quantized(const void *k, int64_t k_stride, const void *v, int64_t v_stride,
@@ -166,11 +167,9 @@ void decode_layer(const float *x, float *out, int64_t t, const void *const *ptrs
         zero_tail(in, t, hidden, gate_up.kp);
     }
     run_linear(in, gate_up.kp, gate_up, dims, mid, t);
-    for (int64_t r = 0; r < t; r++) {
-        const float *g = mid + r * gate_up.n, *u = g + inter;
-        float *a = in + r * down.kp;
-        for (int64_t i = 0; i < inter; i++) a[i] = g[i] / (1.f + expf(-g[i])) * u[i];
-    }
+#pragma omp parallel for schedule(static) if (t * inter >= 65536)
+    for (int64_t r = 0; r < t; r++)
+        silu_mul(mid + r * gate_up.n, mid + r * gate_up.n + inter, in + r * down.kp, inter);
     zero_tail(in, t, inter, down.kp);
     run_linear(in, down.kp, down, dims, proj, t);
     for (int64_t i = 0; i < t * hidden; i++) out[i] += proj[i];
