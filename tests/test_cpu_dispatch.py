@@ -68,15 +68,16 @@ def _emulated(x: torch.Tensor, gs: int) -> torch.Tensor:
 @pytest.mark.parametrize("unpack", [0, 1])
 @pytest.mark.parametrize(
     ("m", "n", "k", "gs"),
-    [(1, 70, 128, 32), (5, 33, 192, 64), (9, 64, 256, 128), (70, 24, 2048, 128)],
+    [(1, 70, 128, 32), (5, 33, 192, 64), (6, 40, 96, 32), (9, 64, 256, 128), (70, 24, 2048, 128)],
 )
 def test_int4_int8_kernel_matches_its_emulation(
     isa_lib, m: int, n: int, k: int, gs: int, unpack: int
 ) -> None:
     """The integer dots are exact; only the fp32 sums of group partials differ in order from
     the fp64 emulation: 1e-5 of the largest output. Rows cover the 1-row tile, the 3 x 8 (x86)
-    and 4 x 2 tiles and leftovers, with column tiles read packed or unpacked once; n odd covers
-    the last columns; 70 rows of k = 2048 take three passes over the weights on x86."""
+    and 4 x 2 tiles and leftovers, with column tiles read packed or unpacked once (on x86 the
+    4 x 16 panels, n = 33, 40 and 24 ending in a panel's first tile); n odd covers the last
+    columns; 70 rows of k = 2048 take several passes over the weights on x86."""
     _, lib = isa_lib
     g = torch.Generator().manual_seed(m * n)
     q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
