@@ -40,6 +40,10 @@ VARIANTS: dict[str, dict[str, list[str] | int]] = {
     "gptq-damp0.1": {"rounding": "gptq", "gptq_damp": 0.1},
     "gptq-damp1": {"rounding": "gptq", "gptq_damp": 1.0},
     "gptq-damp10": {"rounding": "gptq", "gptq_damp": 10.0},
+    "gptq-damp1.5": {"rounding": "gptq", "gptq_damp": 1.5},
+    "gptq-damp6": {"rounding": "gptq", "gptq_damp": 6.0},
+    "gptq-noclip3": {"rounding": "gptq", "clip_max_shrink": 0},  # the default without clip
+    "gptq-clip0.25": {"rounding": "gptq", "clip_max_shrink": 0.25},  # a milder clip search
 }
 
 _CHILD = """
