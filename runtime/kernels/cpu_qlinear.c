@@ -621,8 +621,8 @@ static inline __attribute__((always_inline)) void panel_chunk(const uint8_t *wp,
 /* PANEL_RB = 4 rows of plain activations (row stride qs; fewer real rows repeat the first,
  * whose results are dropped) over a panel's 16 columns [j0, j0 + cols). Per chunk of 32
  * inputs the u8 x s8 pairs gather in int16 lanes (8 steps of at most 2 * 15 * 127: no
- * overflow), then widen into the group's int32 sums. The accumulators are named variables:
- * as arrays unrolled by the row count, GCC copied them between registers every step. */
+ * overflow), then widen into the group's int32 sums. The accumulators are eight named
+ * variables that panel_chunk updates in place (registers throughout, see its comment). */
 static inline __attribute__((always_inline)) void panel_tile(const int8_t *q, int64_t qs, int rows,
                                                              const float *d, const float *xs,
                                                              const Weights *w, const uint8_t *panel,
