@@ -185,12 +185,6 @@ enum { RB = 4, CB = 2, DECODE_CB = 8, WIDE_RB = 3, L2_ACTIVATIONS = 96 * 1024 };
 /* x86 prefill panels (unpacked int4): PANEL_RB rows by 16 columns, see unpack_panel */
 enum { PANEL_COLS = 16, PANEL_RB = 4 };
 
-/*
- * Row r of x [m, k] (row stride x_stride, x_dtype), per group g: q int8 [k], d [groups] the
- * step, xs [groups] = d * sum(q) over the group. `row`: k floats of scratch. The max is a plain
- * compare, not fmaxf (a libm call per element where NaNs are possible). `doubled`: q [2k], each
- * 16 codes written twice in a row (the layout tile_r8 reads).
- */
 #if defined(__AVX2__)
 /* One group's codes (gs a multiple of 32) in vectors: the same operations as the scalar loop
  * below on every element (max is exact and order-free; v * inv rounded half to even), so the
@@ -216,9 +210,7 @@ static inline int32_t quantize_group(const float *v, int64_t gs, float inv, int8
             _mm256_storeu_si256((__m256i *)(q + i), b);
         }
     }
-    __m128i a = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-    a = _mm_add_epi32(a, _mm_shuffle_epi32(a, 0x4e));
-    return _mm_cvtsi128_si32(_mm_add_epi32(a, _mm_shuffle_epi32(a, 0xb1)));
+    return isum(total);
 }
 
 static inline float group_amax(const float *v, int64_t gs) {
@@ -232,6 +224,12 @@ static inline float group_amax(const float *v, int64_t gs) {
 }
 #endif
 
+/*
+ * Row r of x [m, k] (row stride x_stride, x_dtype), per group g: q int8 [k], d [groups] the
+ * step, xs [groups] = d * sum(q) over the group. `row`: k floats of scratch. The max is a plain
+ * compare, not fmaxf (a libm call per element where NaNs are possible). `doubled`: q [2k], each
+ * 16 codes written twice in a row (the layout tile_r8 reads).
+ */
 /*
  * Row r of x [m, k] (row stride x_stride, x_dtype), per group g: q int8 [k], d [groups] the
  * step, xs [groups] = d * sum(q) over the group. `row`: k floats of scratch. The max is a plain
