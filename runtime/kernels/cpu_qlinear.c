@@ -37,8 +37,8 @@
  * (tile_r8: each unpacked weight register meets three rows' activations, which quantize_row
  * then lays out doubled so they are memory operands of the multiply), or, where the dispatch
  * unpacks (prefill), 4 rows by 16 columns of an outer product over a panel unpacked once per
- * call (unpack_panel); the int8 head goes a row at a time over 8 columns; elsewhere, and for
- * unpacked tiles off x86, RB rows by CB columns.
+ * call (unpack_panel); the int8 head goes a row at a time over 8 columns. ARM with sdot has the
+ * same panels; elsewhere, and for the other tiles off x86, RB rows by CB columns.
  *
  * The lm_head (dense in the artifact) is quantized at load to int8 per 32 inputs, symmetric,
  * as llama.cpp's Q8_0 stores it: the same tiles with 32-byte weight chunks (in column order
@@ -182,8 +182,12 @@ const char *isa_path(void) { return PATH; }
 /* WIDE_RB: 4, 6 and 8 rows measured 0.8-0.95x of 3 at 8-128 rows (each row's activations are
  * two loads a chunk, which more rows do not share) */
 enum { RB = 4, CB = 2, DECODE_CB = 8, WIDE_RB = 3, L2_ACTIVATIONS = 96 * 1024 };
-/* x86 prefill panels (unpacked int4): PANEL_RB rows by 16 columns, see unpack_panel */
+/* prefill panels (unpacked int4, x86 and ARM with sdot): PANEL_RB rows by 16 columns, see
+ * unpack_panel */
 enum { PANEL_COLS = 16, PANEL_RB = 4 };
+#if defined(__AVX2__) || defined(__ARM_FEATURE_DOTPROD)
+#define HAVE_PANELS
+#endif
 
 #if defined(__AVX2__)
 /* One group's codes (gs a multiple of 32) in vectors: the same operations as the scalar loop
@@ -666,6 +670,107 @@ static inline __attribute__((always_inline)) void panel_tile(const int8_t *q, in
     }
 }
 
+#elif defined(__ARM_FEATURE_DOTPROD)
+/*
+ * Prefill panels on ARM: the x86 panel's layout ([k / 4][16][4] bytes: 4 columns' codes of 4
+ * consecutive inputs per 16-byte vector) and its outer product, with `sdot` by lane: one
+ * instruction multiplies a vector of 4 columns by 4 activation bytes of one row taken from a
+ * lane of a 16-byte activation load, into int32 lanes that are columns. 16 accumulators
+ * (4 rows x 4 column vectors), 4 weight and 4 activation registers: 24 of the 32. Same bits as
+ * the dot tiles (exact int32 group sums, the same float operations per output).
+ */
+/* Columns [j0, j0 + 16) of the tiled packed codes into `panel`, a code a byte; a column whose
+ * tile does not exist (n ends at j0 + 8) is zeros. Once per call and 16 columns: plain C. */
+static void unpack_panel(const Weights *w, int64_t j0, int64_t n, uint8_t *panel) {
+    const int64_t k = w->k;
+    for (int c = 0; c < PANEL_COLS; c++) {
+        if (j0 + c / 8 * 8 >= n) {
+            for (int64_t i = 0; i < k; i++) panel[(i / 4) * 64 + c * 4 + i % 4] = 0;
+            continue;
+        }
+        const uint8_t *col = column_at(w, j0 + c);
+        for (int64_t i = 0; i < k; i += 32) {
+            const uint8_t *src = col + (i / 32) * chunk_step(w);
+            for (int b = 0; b < 16; b++) {
+                panel[((i + b) / 4) * 64 + c * 4 + b % 4] = src[b] & 15;
+                panel[((i + 16 + b) / 4) * 64 + c * 4 + b % 4] = src[b] >> 4;
+            }
+        }
+    }
+}
+
+/* Four columns' params of group g starting at tiled index `at` (4 consecutive lanes). */
+static inline float32x4_t load4(const void *p, int dtype, int64_t at) {
+    float v[4];
+    for (int l = 0; l < 4; l++) v[l] = load_scalar(p, dtype, at + l);
+    return vld1q_f32(v);
+}
+
+/* One step of 4 inputs (lane L of the rows' 16-byte activation vectors) over the panel's 4
+ * column vectors at `wp`. */
+#define PANEL_STEP(L, wp)                                                                      \
+    do {                                                                                       \
+        const int8x16_t w_[4] = {vld1q_s8((const int8_t *)(wp)),                               \
+                                 vld1q_s8((const int8_t *)(wp) + 16),                          \
+                                 vld1q_s8((const int8_t *)(wp) + 32),                          \
+                                 vld1q_s8((const int8_t *)(wp) + 48)};                         \
+        for (int r_ = 0; r_ < PANEL_RB; r_++)                                                  \
+            for (int v_ = 0; v_ < 4; v_++)                                                     \
+                sums[r_][v_] = vdotq_laneq_s32(sums[r_][v_], w_[v_], xv[r_], L);               \
+    } while (0)
+
+/* PANEL_RB = 4 rows (row stride qs; fewer real rows repeat the first, whose results are
+ * dropped) over a panel's 16 columns [j0, j0 + cols). */
+static inline __attribute__((always_inline)) void panel_tile(const int8_t *q, int64_t qs, int rows,
+                                                             const float *d, const float *xs,
+                                                             const Weights *w, const uint8_t *panel,
+                                                             int64_t j0, int cols, float *out,
+                                                             int64_t n, int64_t gs) {
+    const int64_t groups = w->groups;
+    /* the second tile's params: its own, or (past n) the first's, computed and dropped */
+    const int64_t at[2] = {j0 * groups, (j0 + 8 < n ? j0 + 8 : j0) * groups};
+    const int8_t *x[PANEL_RB] = {q, rows > 1 ? q + qs : q, rows > 2 ? q + 2 * qs : q,
+                                 rows > 3 ? q + 3 * qs : q};
+    float32x4_t acc[PANEL_RB][4], bias[PANEL_RB][4];
+    for (int r = 0; r < PANEL_RB; r++)
+        for (int v = 0; v < 4; v++) acc[r][v] = bias[r][v] = vdupq_n_f32(0.f);
+    for (int64_t g = 0; g < groups; g++) {
+        int32x4_t sums[PANEL_RB][4];
+        for (int r = 0; r < PANEL_RB; r++)
+            for (int v = 0; v < 4; v++) sums[r][v] = vdupq_n_s32(0);
+        for (int64_t i = g * gs; i < (g + 1) * gs; i += 16) {
+            int8x16_t xv[PANEL_RB];
+            for (int r = 0; r < PANEL_RB; r++) xv[r] = vld1q_s8(x[r] + i);
+            const uint8_t *wp = panel + i * 16;
+            PANEL_STEP(0, wp);
+            PANEL_STEP(1, wp + 64);
+            PANEL_STEP(2, wp + 128);
+            PANEL_STEP(3, wp + 192);
+        }
+        float32x4_t sc[4], off[4];
+        for (int v = 0; v < 4; v++) {
+            int64_t p = at[v / 2] + g * 8 + (v % 2) * 4;
+            sc[v] = load4(w->scale, w->s_dtype, p);
+            off[v] = load4(w->offset, w->s_dtype, p);
+        }
+        for (int r = 0; r < rows; r++) {
+            float32x4_t dr = vdupq_n_f32(d[r * groups + g]), xr = vdupq_n_f32(xs[r * groups + g]);
+            for (int v = 0; v < 4; v++) {
+                acc[r][v] = vfmaq_f32(acc[r][v], vcvtq_f32_s32(sums[r][v]), vmulq_f32(sc[v], dr));
+                bias[r][v] = vfmaq_f32(bias[r][v], off[v], xr);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float lanes[PANEL_COLS];
+        for (int v = 0; v < 4; v++) vst1q_f32(lanes + 4 * v, vaddq_f32(acc[r][v], bias[r][v]));
+        memcpy(out + r * n + j0, lanes, sizeof(float) * (size_t)cols);
+    }
+}
+#undef PANEL_STEP
+#endif
+
+#if defined(HAVE_PANELS)
 static void run_panel(const int8_t *q, int64_t qs, const float *d, const float *xs, int rows,
                       int cols, const Weights *w, const uint8_t *panel, int64_t j0, float *out,
                       int64_t n) {
@@ -773,12 +878,13 @@ static void qlinear(const void *x, int64_t x_stride, int x_dtype, const Weights 
      * row count and the machine (at 8 rows it cost 2.3x here), so the caller's measured
      * dispatch decides (runtime/kernels/cpu.py, the "int8-unpacked" path). */
     int unpack = unpack_tiles && w->form == PACKED4 && m > RB, wide = 0, panel = 0;
+#if defined(HAVE_PANELS)
+    panel = unpack; /* unpacked int4: the outer-product panels */
+#endif
 #if defined(__AVX2__)
-    /* unpacked int4: the outer-product panels; packed int4: tile_r8 at every row count; the int8
-     * head one row at a time over 8-column tiles (tile18 while the tile is in L1: tile42's
-     * per-lane scale patterns, built per column pair and group of 32, cost more than its dots
-     * at 8 rows) */
-    panel = unpack;
+    /* packed int4: tile_r8 at every row count; the int8 head one row at a time over 8-column
+     * tiles (tile18 while the tile is in L1: tile42's per-lane scale patterns, built per column
+     * pair and group of 32, cost more than its dots at 8 rows) */
     wide = (w->form == PACKED4 && !unpack) || w->form == SIGNED8;
 #endif
     int doubled = wide && w->form == PACKED4;
@@ -816,7 +922,7 @@ static void qlinear(const void *x, int64_t x_stride, int x_dtype, const Weights 
 #endif
         /* no barrier between passes: each writes its own rows and reads what the quantize loop's
          * barrier has finished (a barrier costs microseconds, a batch-1 linear tens of them) */
-#if defined(__AVX2__)
+#if defined(HAVE_PANELS)
         for (int64_t m0 = 0; panel && m0 < m; m0 += mc) {
 #pragma omp for schedule(static) nowait
             for (int64_t t = 0; t < tiles; t++) {

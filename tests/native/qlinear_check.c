@@ -8,6 +8,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 const char *isa_path(void);
 void int4_int8_linear(const void *x, int64_t x_stride, int x_dtype, const uint8_t *codes,
@@ -132,11 +133,42 @@ static int check_int8(int64_t m, int64_t n, int64_t k) {
     return bad;
 }
 
+/* The unpacked path (prefill panels where the ISA has them) on m rows against each row alone
+ * on the packed path: the same bits, as the dispatch's switching between them assumes. */
+static int check_same_bits(int64_t m, int64_t n, int64_t k, int64_t gs) {
+    int64_t groups = k / gs, pn = padded(n);
+    float *x = malloc(sizeof(float) * m * k), *out = malloc(sizeof(float) * m * n);
+    float *alone = malloc(sizeof(float) * n), *scale = calloc((size_t)(pn * groups), sizeof(float));
+    float *offset = calloc((size_t)(pn * groups), sizeof(float));
+    uint8_t *packed = malloc((size_t)(pn * k / 2));
+    for (int64_t i = 0; i < m * k; i++) x[i] = (float)(uniform() * 8 - 4);
+    for (int64_t i = 0; i < pn * k / 2; i++) packed[i] = (uint8_t)(uniform() * 256);
+    for (int64_t i = 0; i < n * groups; i++) { /* the tiled layout's zeros past n stay */
+        int64_t at = (i / groups / 8) * groups * 8 + (i % groups) * 8 + i / groups % 8;
+        scale[at] = (float)(uniform() / 50 + 1e-3);
+        offset[at] = -8 * scale[at] * (float)(1 + 0.2 * (uniform() - 0.5));
+    }
+    int4_int8_linear(x, k, 0, packed, scale, offset, 0, out, m, n, k, gs, 1);
+    int bad = 0;
+    for (int64_t r = 0; r < m && !bad; r++) {
+        int4_int8_linear(x + r * k, k, 0, packed, scale, offset, 0, alone, 1, n, k, gs, 0);
+        if (memcmp(alone, out + r * n, sizeof(float) * (size_t)n)) {
+            printf("MISMATCH bits m=%ld n=%ld k=%ld gs=%ld: row %ld alone differs from the batch\n",
+                   (long)m, (long)n, (long)k, (long)gs, (long)r);
+            bad = 1;
+        }
+    }
+    free(x), free(out), free(alone), free(scale), free(offset), free(packed);
+    return bad;
+}
+
 int main(void) {
     int bad = check_int4(1, 70, 128, 32, 0) + check_int4(5, 33, 192, 64, 0) +
               check_int4(5, 33, 192, 64, 1) + check_int4(9, 64, 256, 128, 1) +
               check_int4(1, 64, 576, 64, 0) +
-              check_int8(1, 50, 64) + check_int8(6, 77, 160);
+              check_int4(6, 40, 96, 32, 1) + check_int4(7, 24, 256, 64, 1) +
+              check_same_bits(7, 40, 192, 64) + check_same_bits(13, 24, 128, 32) +
+              check_same_bits(5, 8, 256, 128) + check_int8(1, 50, 64) + check_int8(6, 77, 160);
     printf("%s %s\n", isa_path(), bad ? "FAILED" : "ok");
     return bad != 0;
 }
