@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from lite.quantizer import QuantizedWeight, QuantSpec, compute_params
+from lite.quantizer import QuantizedWeight, QuantSpec, compute_params, expand_groups
 
 # Of the mean diagonal of H added to its diagonal. GPTQ's own default is 0.01, enough to keep
 # H invertible; on SmolLM2 calibrated on pydoc it fitted the calibration text and lost on
@@ -27,12 +27,18 @@ DAMP = 3.0
 BLOCK = 128  # columns updated together before the lazy update of the rest
 
 
-def _inverse_cholesky(gram: torch.Tensor, dead: torch.Tensor, damp: float) -> torch.Tensor:
-    """Upper Cholesky factor of (H + damp * mean(diag H) * I)^-1 in fp64: GPTQ's sequential
-    update reads its rows. Input channels that never fire (zero diagonal) get a unit diagonal."""
+def _damped(gram: torch.Tensor, dead: torch.Tensor, damp: float) -> torch.Tensor:
+    """H + damp * mean(diag H) * I in fp64; input channels that never fire (zero diagonal)
+    get a unit diagonal."""
     h = gram.double().clone()
     h[dead, dead] = 1.0
     h.diagonal().add_(damp * float(h.diagonal().mean()))
+    return h
+
+
+def _inverse_cholesky(h: torch.Tensor) -> torch.Tensor:
+    """Upper Cholesky factor of the damped H's inverse: GPTQ's sequential update reads its
+    rows."""
     # H = R R^T with R upper (the Cholesky factor of H with its channels reversed), so
     # H^-1 = R^-T R^-1 and R^-1 is the factor: one factorization and one triangular inverse
     # instead of inverting H and factoring the inverse (half the time where K is 1536).
@@ -47,16 +53,23 @@ def gptq_quantize(
     spec: QuantSpec,
     clip_ratio: torch.Tensor | float = 1.0,
     damp: float = DAMP,
+    group_act_order: bool = False,
+    refit: bool = False,
 ) -> QuantizedWeight:
     """w [N, K] -> codes and per-(row, group) params, as lite.quantizer.quantize gives them.
-    `gram`: [K, K] of the inputs w meets; `clip_ratio`: per (row, group) or one float."""
+    `gram`: [K, K] of the inputs w meets; `clip_ratio`: per (row, group) or one float.
+    `group_act_order`: within each group, columns of larger input energy (diag H) first."""
     n, k = w.shape
     gs = spec.group_size
     groups = -(-k // gs)
+    w0, gram0 = w, gram
+    perm = _group_act_order(gram, gs) if group_act_order else None
+    if perm is not None:
+        w, gram = w[:, perm], gram[perm][:, perm]
     w = w.double().clone()
     dead = gram.diagonal() == 0
     w[:, dead] = 0
-    hinv = _inverse_cholesky(gram, dead, damp)
+    hinv = _inverse_cholesky(_damped(gram, dead, damp))
     q = torch.empty(n, k, dtype=torch.uint8, device=w.device)
     scale = torch.empty(n, groups, dtype=torch.float32, device=w.device)
     zero = torch.empty(n, groups, dtype=torch.int32, device=w.device)
@@ -83,4 +96,45 @@ def gptq_quantize(
             block[i + 1 :].addr_(h[i, i + 1 :], err, alpha=-1)
         q[:, b0:b1] = codes.T.to(torch.uint8)
         w[:, b1:] -= errors.T @ hinv[b0:b1, b1:]
-    return QuantizedWeight(q=q, scale=scale, zero=zero)
+    if perm is not None:
+        q = q[:, torch.argsort(perm)]
+    qw = QuantizedWeight(q=q, scale=scale, zero=zero)
+    if not refit:
+        return qw
+    dead0 = gram0.diagonal() == 0
+    return _refit_scales(w0.masked_fill(dead0, 0), _damped(gram0, dead0, damp), qw, gs)
+
+
+def _refit_scales(
+    w: torch.Tensor, h: torch.Tensor, qw: QuantizedWeight, gs: int
+) -> QuantizedWeight:
+    """Each row's group scales re-solved by least squares for the codes and zero points GPTQ
+    chose: min over s of (w - U s)^T H (w - U s), U holding each group's centred codes.
+    A group whose codes all equal its zero point keeps its scale."""
+    n, k = w.shape
+    groups = qw.scale.shape[1]
+    pad = groups * gs - k
+    d = torch.nn.functional.pad(qw.q.double() - expand_groups(qw.zero, gs, k).double(), (0, pad))
+    h = torch.nn.functional.pad(h, (0, pad, 0, pad))
+    w = torch.nn.functional.pad(w.double(), (0, pad))
+    rhs = (w @ h * d).view(n, groups, gs).sum(-1)
+    m = torch.empty(n, groups, groups, dtype=torch.float64, device=w.device)
+    for g in range(groups):
+        cols = slice(g * gs, (g + 1) * gs)
+        m[:, g] = (d[:, cols] @ h[cols] * d).view(n, groups, gs).sum(-1)
+    empty = m.diagonal(dim1=1, dim2=2) == 0
+    m.diagonal(dim1=1, dim2=2).masked_fill_(empty, 1.0)
+    rhs = torch.where(empty, qw.scale.double(), rhs)
+    scale = torch.linalg.solve(m, rhs)
+    bad = ~(scale > 0).all(1, keepdim=True)  # keep a row's scales if the solve went astray
+    scale = torch.where(bad, qw.scale.double(), scale).float()
+    return QuantizedWeight(q=qw.q, scale=scale, zero=qw.zero)
+
+
+def _group_act_order(gram: torch.Tensor, gs: int) -> torch.Tensor:
+    """A column order that keeps every group's columns together (so the layout's contiguous
+    groups and GPTQ's rule for a group's range still hold) and takes each group's columns by
+    decreasing diag H: GPTQ's act-order, limited to what contiguous groups allow."""
+    by_energy = torch.sort(-gram.diagonal().float(), stable=True).indices
+    group_of = torch.div(by_energy, gs, rounding_mode="floor")
+    return by_energy[torch.sort(group_of, stable=True).indices]

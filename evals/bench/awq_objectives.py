@@ -44,6 +44,9 @@ VARIANTS: dict[str, dict[str, list[str] | int]] = {
     "gptq-damp6": {"rounding": "gptq", "gptq_damp": 6.0},
     "gptq-noclip3": {"rounding": "gptq", "clip_max_shrink": 0},  # the default without clip
     "gptq-clip0.25": {"rounding": "gptq", "clip_max_shrink": 0.25},  # a milder clip search
+    "gptq-actorder": {"rounding": "gptq", "gptq_act_order": True},  # act-order within groups
+    "gptq-refit": {"rounding": "gptq", "gptq_refit": True},  # scales re-solved for the codes
+    "gptq-actorder-refit": {"rounding": "gptq", "gptq_act_order": True, "gptq_refit": True},
 }
 
 _CHILD = """
