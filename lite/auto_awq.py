@@ -109,8 +109,7 @@ class AwqConfig:
     # "nearest" (AWQ's round-to-nearest, and what RTN does). None picks by calib_samples.
     rounding: str | None = None
     gptq_damp: float = GPTQ_DAMP  # an evaluation knob (evals/bench/awq_objectives.py)
-    gptq_act_order: bool = False  # an evaluation knob: lite.gptq.gptq_quantize's group_act_order
-    gptq_refit: bool = False  # an evaluation knob: lite.gptq.gptq_quantize's refit
+    gptq_act_order: bool = True  # an evaluation knob: lite.gptq.gptq_quantize's group_act_order
     dtype: str = "float16"
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
@@ -527,7 +526,6 @@ def _gptq_rounded(
             torch.cat(ratios),
             cfg.gptq_damp,
             cfg.gptq_act_order,
-            cfg.gptq_refit,
         )
         rows = [w.shape[0] for w in ws]
         for n, q, sc, z in zip(

@@ -9,13 +9,20 @@ column absorb an earlier one's error. This is the rounding llm-compressor and Au
 for GPTQ; here it runs after the AWQ search, on the scaled weights, with each group's
 (scale, zero) taken from the partly updated weights when the group starts (GPTQ's own rule)
 and the clip search's ratio applied to that range.
+
+Within each group the columns go in decreasing order of input energy (diag H): GPTQ's
+act-order, limited to contiguous groups because the artifact's layout has no per-column group
+index (a global order with groups fixed in advance, "static groups", measured worse). The
+loudest channels are rounded first and the error left where compensation runs out lands on
+the quiet ones; on SmolLM2 it was better in domain and out of it (evals/bench/RESULTS.md,
+issue 18).
 """
 
 from __future__ import annotations
 
 import torch
 
-from lite.quantizer import QuantizedWeight, QuantSpec, compute_params, expand_groups
+from lite.quantizer import QuantizedWeight, QuantSpec, compute_params
 
 # Of the mean diagonal of H added to its diagonal. GPTQ's own default is 0.01, enough to keep
 # H invertible; on SmolLM2 calibrated on pydoc it fitted the calibration text and lost on
@@ -27,18 +34,12 @@ DAMP = 3.0
 BLOCK = 128  # columns updated together before the lazy update of the rest
 
 
-def _damped(gram: torch.Tensor, dead: torch.Tensor, damp: float) -> torch.Tensor:
-    """H + damp * mean(diag H) * I in fp64; input channels that never fire (zero diagonal)
-    get a unit diagonal."""
+def _inverse_cholesky(gram: torch.Tensor, dead: torch.Tensor, damp: float) -> torch.Tensor:
+    """Upper Cholesky factor of (H + damp * mean(diag H) * I)^-1 in fp64: GPTQ's sequential
+    update reads its rows. Input channels that never fire (zero diagonal) get a unit diagonal."""
     h = gram.double().clone()
     h[dead, dead] = 1.0
     h.diagonal().add_(damp * float(h.diagonal().mean()))
-    return h
-
-
-def _inverse_cholesky(h: torch.Tensor) -> torch.Tensor:
-    """Upper Cholesky factor of the damped H's inverse: GPTQ's sequential update reads its
-    rows."""
     # H = R R^T with R upper (the Cholesky factor of H with its channels reversed), so
     # H^-1 = R^-T R^-1 and R^-1 is the factor: one factorization and one triangular inverse
     # instead of inverting H and factoring the inverse (half the time where K is 1536).
@@ -53,8 +54,7 @@ def gptq_quantize(
     spec: QuantSpec,
     clip_ratio: torch.Tensor | float = 1.0,
     damp: float = DAMP,
-    group_act_order: bool = False,
-    refit: bool = False,
+    group_act_order: bool = True,
 ) -> QuantizedWeight:
     """w [N, K] -> codes and per-(row, group) params, as lite.quantizer.quantize gives them.
     `gram`: [K, K] of the inputs w meets; `clip_ratio`: per (row, group) or one float.
@@ -62,14 +62,13 @@ def gptq_quantize(
     n, k = w.shape
     gs = spec.group_size
     groups = -(-k // gs)
-    w0, gram0 = w, gram
     perm = _group_act_order(gram, gs) if group_act_order else None
     if perm is not None:
         w, gram = w[:, perm], gram[perm][:, perm]
     w = w.double().clone()
     dead = gram.diagonal() == 0
     w[:, dead] = 0
-    hinv = _inverse_cholesky(_damped(gram, dead, damp))
+    hinv = _inverse_cholesky(gram, dead, damp)
     q = torch.empty(n, k, dtype=torch.uint8, device=w.device)
     scale = torch.empty(n, groups, dtype=torch.float32, device=w.device)
     zero = torch.empty(n, groups, dtype=torch.int32, device=w.device)
@@ -98,37 +97,7 @@ def gptq_quantize(
         w[:, b1:] -= errors.T @ hinv[b0:b1, b1:]
     if perm is not None:
         q = q[:, torch.argsort(perm)]
-    qw = QuantizedWeight(q=q, scale=scale, zero=zero)
-    if not refit:
-        return qw
-    dead0 = gram0.diagonal() == 0
-    return _refit_scales(w0.masked_fill(dead0, 0), _damped(gram0, dead0, damp), qw, gs)
-
-
-def _refit_scales(
-    w: torch.Tensor, h: torch.Tensor, qw: QuantizedWeight, gs: int
-) -> QuantizedWeight:
-    """Each row's group scales re-solved by least squares for the codes and zero points GPTQ
-    chose: min over s of (w - U s)^T H (w - U s), U holding each group's centred codes.
-    A group whose codes all equal its zero point keeps its scale."""
-    n, k = w.shape
-    groups = qw.scale.shape[1]
-    pad = groups * gs - k
-    d = torch.nn.functional.pad(qw.q.double() - expand_groups(qw.zero, gs, k).double(), (0, pad))
-    h = torch.nn.functional.pad(h, (0, pad, 0, pad))
-    w = torch.nn.functional.pad(w.double(), (0, pad))
-    rhs = (w @ h * d).view(n, groups, gs).sum(-1)
-    m = torch.empty(n, groups, groups, dtype=torch.float64, device=w.device)
-    for g in range(groups):
-        cols = slice(g * gs, (g + 1) * gs)
-        m[:, g] = (d[:, cols] @ h[cols] * d).view(n, groups, gs).sum(-1)
-    empty = m.diagonal(dim1=1, dim2=2) == 0
-    m.diagonal(dim1=1, dim2=2).masked_fill_(empty, 1.0)
-    rhs = torch.where(empty, qw.scale.double(), rhs)
-    scale = torch.linalg.solve(m, rhs)
-    bad = ~(scale > 0).all(1, keepdim=True)  # keep a row's scales if the solve went astray
-    scale = torch.where(bad, qw.scale.double(), scale).float()
-    return QuantizedWeight(q=qw.q, scale=scale, zero=qw.zero)
+    return QuantizedWeight(q=q, scale=scale, zero=zero)
 
 
 def _group_act_order(gram: torch.Tensor, gs: int) -> torch.Tensor:

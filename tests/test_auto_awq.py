@@ -25,9 +25,10 @@ FAST = ["--calib-samples", "8", "--calib-seqlen", "64", "--w-group-size", "64", 
 
 # sha256 of the source shard and of the artifact's weight shard made from it with FAST, per
 # family (CPU calibration; torch 2.13, x86-64): `--device cpu` must give these tensors. The
-# default is the Gram search, then GPTQ rounding (issue 18); the same search rounded to
-# nearest writes the bytes it wrote before issue 18 (NEAREST_ARTIFACT_SHA256), and the
-# block-output search (opt-in) is pinned in BLOCK_ARTIFACT_SHA256 below.
+# default is the Gram search, then GPTQ rounding with act-order within groups (issue 18); the
+# same search rounded to nearest writes the bytes it wrote before issue 18
+# (NEAREST_ARTIFACT_SHA256), and the block-output search (opt-in) is pinned in
+# BLOCK_ARTIFACT_SHA256 below.
 # The shard is compared as safetensors' save_file writes its tensors (the bytes it was
 # recorded from), so that the writer's own file layout is free to change and only the
 # numbers are pinned. Another torch or CPU may round differently; then make the artifact with
@@ -36,19 +37,19 @@ FAST = ["--calib-samples", "8", "--calib-seqlen", "64", "--w-group-size", "64", 
 CPU_ARTIFACT_SHA256 = {
     "llama": (
         "15619f488cb72baae01f3cf1bb29e21ea60f5f23ada44871e299f67fc218e696",
-        "ff0c933a7c345af5d11e3a87ac9d6296f3d78fddfa9527d0eb0f59263c93b498",
+        "17adfdf095be3ab8a2433f357a412e6876382c5df85da4e289b123b696a6afef",
     ),
     "mistral": (
         "83b3f689fa1832ef21f2a49e281f38037d01ffead72ff9008d11df7dbfe29317",
-        "a7c92209790a8989665808ea3d390a45ed9b2d32bf01acb83c7131c56dbb22f8",
+        "3f657564b255fc76a568aa0bdcfd5a4dd00f3ca1107fc06823fe31fcbd50c67a",
     ),
     "qwen2": (
         "f6db2c257c83e7c47b0e4ef37d6fc9e4f7cab30f28ba24a1ea5256a12fae0dd7",
-        "47adc8a84d8c254a53781513d4965f302c696ff55ba1f1b830177f42ff12561c",
+        "edbb2f9cc0625b97c6c717f61e3b57af05d63ea1ae373c03b1b7a62b989100cd",
     ),
     "qwen3": (
         "b0e7af8a66ae3da36b99295e11ff4c5a65aad804d4b4e0589ce0f89ccfbe291e",
-        "aea4e1c1aafea7f9b3da2574fdb66c2c1b32d533a2a7d45a06d7cbcf811e9fa2",
+        "6757b5378e09f14b7f3fa3f93e5bcea95f7f11309148faaf21c5f1e5f06cab11",
     ),
 }
 

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 BOTH = ["self_attn", "mlp"]
-VARIANTS: dict[str, dict[str, list[str] | int]] = {
+NATURAL = {"rounding": "gptq", "gptq_act_order": False}
+VARIANTS: dict[str, dict[str, list[str] | int | float | bool | str]] = {
     "rtn": {"calib_samples": 0},  # round-to-nearest, the floor
     "gram": {"block_objective": [], "block_clip": []},  # the default before GPTQ rounding
     "attn": {"block_objective": ["self_attn"], "block_clip": []},  # block output: q/k/v only
@@ -34,19 +35,18 @@ VARIANTS: dict[str, dict[str, list[str] | int]] = {
     "attn+clip": {"block_objective": ["self_attn"], "block_clip": BOTH},  # the best block variant
     "block+clip-attn": {"block_objective": BOTH, "block_clip": ["self_attn"]},
     "block+clip-mlp": {"block_objective": BOTH, "block_clip": ["mlp"]},
-    "gptq": {"rounding": "gptq"},  # the Gram search, then GPTQ rounding: the default now
-    "gptq-damp0.01": {"rounding": "gptq", "gptq_damp": 0.01},  # GPTQ's own damping
-    "gptq-noclip": {"rounding": "gptq", "gptq_damp": 0.01, "clip_max_shrink": 0},  # no clip
-    "gptq-damp0.1": {"rounding": "gptq", "gptq_damp": 0.1},
-    "gptq-damp1": {"rounding": "gptq", "gptq_damp": 1.0},
-    "gptq-damp10": {"rounding": "gptq", "gptq_damp": 10.0},
-    "gptq-damp1.5": {"rounding": "gptq", "gptq_damp": 1.5},
-    "gptq-damp6": {"rounding": "gptq", "gptq_damp": 6.0},
-    "gptq-noclip3": {"rounding": "gptq", "clip_max_shrink": 0},  # the default without clip
-    "gptq-clip0.25": {"rounding": "gptq", "clip_max_shrink": 0.25},  # a milder clip search
-    "gptq-actorder": {"rounding": "gptq", "gptq_act_order": True},  # act-order within groups
-    "gptq-refit": {"rounding": "gptq", "gptq_refit": True},  # scales re-solved for the codes
-    "gptq-actorder-refit": {"rounding": "gptq", "gptq_act_order": True, "gptq_refit": True},
+    "gptq": {"rounding": "gptq"},  # then GPTQ rounding, act-order within groups: the default
+    # GPTQ in the natural column order (the default before act-order), and its variations
+    "gptq-natural": NATURAL,
+    "gptq-damp0.01": {**NATURAL, "gptq_damp": 0.01},  # GPTQ's own damping
+    "gptq-noclip": {**NATURAL, "gptq_damp": 0.01, "clip_max_shrink": 0},  # no clip
+    "gptq-damp0.1": {**NATURAL, "gptq_damp": 0.1},
+    "gptq-damp1": {**NATURAL, "gptq_damp": 1.0},
+    "gptq-damp10": {**NATURAL, "gptq_damp": 10.0},
+    "gptq-damp1.5": {**NATURAL, "gptq_damp": 1.5},
+    "gptq-damp6": {**NATURAL, "gptq_damp": 6.0},
+    "gptq-noclip3": {**NATURAL, "clip_max_shrink": 0},  # without clip
+    "gptq-clip0.25": {**NATURAL, "clip_max_shrink": 0.25},  # a milder clip search
 }
 
 _CHILD = """
