@@ -234,12 +234,6 @@ static inline float group_amax(const float *v, int64_t gs) {
  * compare, not fmaxf (a libm call per element where NaNs are possible). `doubled`: q [2k], each
  * 16 codes written twice in a row (the layout tile_r8 reads).
  */
-/*
- * Row r of x [m, k] (row stride x_stride, x_dtype), per group g: q int8 [k], d [groups] the
- * step, xs [groups] = d * sum(q) over the group. `row`: k floats of scratch. The max is a plain
- * compare, not fmaxf (a libm call per element where NaNs are possible). `doubled`: q [2k], each
- * 16 codes written twice in a row (the layout tile_r8 reads).
- */
 static void quantize_row(const void *x, int64_t x_stride, int x_dtype, int64_t r, int64_t k,
                          int64_t gs, float *row, int8_t *q, float *d, float *xs, int doubled) {
     const uint8_t *src = (const uint8_t *)x + r * x_stride * (x_dtype == F32 ? 4 : 2);
