@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,8 +17,14 @@ import torch
 from runtime.kernels import cpu, cpu_dispatch, isa, native
 from runtime.kernels.cpu_dispatch import Choice
 
-# the path each ISA's build reports; native reports the host's best
-EXPECTED_PATH = {"avx2": "avx2", "generic": "scalar", "avx512": "avx512-vnni"}
+# the path each ISA's build reports; native reports the host's best, and the compiler's default
+# target has NEON on 64-bit ARM
+EXPECTED_PATH = {
+    "avx2": "avx2",
+    "generic": "neon" if platform.machine() in ("aarch64", "arm64") else "scalar",
+    "avx512": "avx512-vnni",
+    "avx512-emulated": "avx512-vnni-emulated",
+}
 
 
 def _runnable() -> list[str]:
@@ -52,7 +60,44 @@ def test_each_build_reports_its_path(isa_lib) -> None:
     name, lib = isa_lib
     path = native.isa_path(lib)
     assert path == EXPECTED_PATH.get(name, path)
-    assert path in {"avx512-vnni", "avx-vnni", "avx2", "neon-dotprod", "neon", "scalar"}
+    assert path in {*EXPECTED_PATH.values(), "avx-vnni", "neon-dotprod"}
+
+
+def test_the_loaded_kernels_are_the_selected_build() -> None:
+    """What the whole-file runs below rely on: native.library() follows LITESERVE_CPU_ISA."""
+    name, _ = isa.selected()
+    path = native.isa_path(native.library())
+    assert path == EXPECTED_PATH.get(name, path)
+
+
+def _builds_beside_native() -> list[str]:
+    """The builds whose kernels run other code than the native one that the suite tests: portable
+    C (NEON's 4-lane vectors on x86), AVX2 where native has AVX-512 or AVX-VNNI, and AVX-512's
+    code emulated where the host cannot run it."""
+    covered = {"native", "avx512"}  # avx512 runs only where it is what native builds
+    if "avx512" in RUNNABLE:
+        covered.add("avx512-emulated")
+    if not isa._host_flags() & {"avx512f", "avx_vnni"}:
+        covered.add("avx2")
+    return [name for name in RUNNABLE if name not in covered]
+
+
+KERNEL_TESTS = ("test_native_kernels.py", "test_cpu_kernels.py", "test_cpu_layer.py")
+
+
+@pytest.mark.parametrize("name", _builds_beside_native())
+def test_kernel_test_files_pass_on_every_other_build(name: str) -> None:
+    """The C kernels' own test files (attention, KV write, norms, linears, the fused layer: every
+    vector width and tile the build compiles) in a child process with LITESERVE_CPU_ISA set,
+    since the library is chosen once per process."""
+    here = Path(__file__).parent
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         *(str(here / f) for f in KERNEL_TESTS),
+         f"{here / Path(__file__).name}::test_the_loaded_kernels_are_the_selected_build"],
+        capture_output=True, text=True, cwd=here.parent, env={**os.environ, isa.ENV: name},
+    )  # fmt: skip
+    assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
 
 
 def _emulated(x: torch.Tensor, gs: int) -> torch.Tensor:

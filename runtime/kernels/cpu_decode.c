@@ -154,8 +154,9 @@ static void fill_slots(const int64_t *table, int64_t start, int64_t len, int64_t
  * clang): 16 lanes with AVX-512, 8 with AVX, 4 elsewhere (SSE, NEON). A vector wider than the
  * machine's registers is lowered through the stack, several times slower (measured: 6x for
  * decode attention on AVX2 with 16 lanes). Plain C reduction loops would be summed lane by
- * lane without reassociation flags, which the quantizer's exactness rules out for this file. */
-#if defined(__AVX512F__)
+ * lane without reassociation flags, which the quantizer's exactness rules out for this file.
+ * LITESERVE_CPU_ISA=avx512-emulated takes AVX-512's width on AVX2, to test that build's code. */
+#if defined(__AVX512F__) || defined(LITESERVE_EMULATE_AVX512)
 #define LANES 16
 #elif defined(__AVX__)
 #define LANES 8

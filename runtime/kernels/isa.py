@@ -1,6 +1,7 @@
 """Which instruction set the CPU kernels target: the host's own by default, or a lower one
 chosen with ``LITESERVE_CPU_ISA`` so that every code path can be built, tested and measured on
-one machine (an AVX-512 host runs the AVX2 path as an AVX2-only machine would).
+one machine (an AVX-512 host runs the AVX2 path as an AVX2-only machine would; an AVX2 host
+runs the AVX-512 path's code with its wide instructions emulated, for its results only).
 
 A lower ISA limits torch too (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``), so the whole
 engine behaves as on such a machine: torch reads those once, when it is imported, so
@@ -30,6 +31,11 @@ ISAS = {
         ("-march=x86-64-v4", "-mavx512vnni", "-mtune=native"),
         ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
         (("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_VNNI"),),
+    ),
+    # the AVX-512 build's code (16-lane vectors, the VNNI tiles) on an AVX2 machine, the wide
+    # instructions emulated: its results are tested everywhere, its speed means nothing
+    "avx512-emulated": Isa(
+        ("-march=x86-64-v3", "-mtune=native", "-DLITESERVE_EMULATE_AVX512"), ("avx2", "fma", "f16c")
     ),
     "avx2": Isa(
         ("-march=x86-64-v3", "-mtune=native"),
