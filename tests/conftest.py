@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
+import sys
+import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,33 @@ KERNEL_TESTS = "test_triton_"  # file-name prefix of the kernel tests
 # Triton reads this when a kernel is decorated: without a GPU its kernels run interpreted.
 if not GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# the modules that compile the csrc library (tests/cuda_lib.py) when nvcc is present
+CSRC_BUILD_TESTS = ("test_cuda_attention_build.py", "test_cuda_gemm.py")
+
+
+_CSRC_DIRS: list[str] = []
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start nvcc's minutes-long build in the background when its modules will run."""
+    if session.config.option.collectonly or not any(
+        item.path.name in CSRC_BUILD_TESTS for item in session.items
+    ):
+        return
+    from tests import cuda_lib
+
+    if cuda_lib.NVCC is not None:
+        _CSRC_DIRS.append(tempfile.mkdtemp(prefix="liteserve-csrc-"))
+        cuda_lib.start(Path(_CSRC_DIRS[-1]))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if "tests.cuda_lib" in sys.modules:
+        sys.modules["tests.cuda_lib"].stop()
+    for path in _CSRC_DIRS:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker

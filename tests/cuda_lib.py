@@ -50,26 +50,56 @@ class Build:
     archs: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class _Started:
+    proc: subprocess.Popen
+    out: Path
+    log: Path  # nvcc's stdout and stderr together
+    at: float
+
+
 _BUILDS: dict[tuple[str, ...], Build] = {}
+_STARTED: dict[tuple[str, ...], _Started] = {}
+
+
+def start(out_dir: Path, archs: tuple[str, ...] = ARCHS) -> None:
+    """Start the build in the background (conftest does when the modules that need it are
+    collected): nvcc compiles on one core for minutes, and on a 2-core machine the tests before
+    those modules leave the other core mostly idle."""
+    if any(set(archs) <= set(have) for have in (*_BUILDS, *_STARTED)):
+        return
+    out, log = out_dir / "liteserve_cuda.so", out_dir / "nvcc.log"
+    command = library.compile_command(library.nvcc(), str(out), ("-Xptxas", "-v"), archs)
+    with log.open("w") as sink:
+        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+    _STARTED[tuple(archs)] = _Started(proc, out, log, time.monotonic())
+
+
+def stop() -> None:
+    """End a background build nobody waited for (the session ends without its modules)."""
+    for job in _STARTED.values():
+        job.proc.kill()
+        job.proc.wait()
+    _STARTED.clear()
 
 
 def build(out_dir: Path, archs: tuple[str, ...] = ARCHS) -> Build:
     """The whole csrc library as ``runtime build-kernels`` compiles it, plus ``-Xptxas -v`` for
-    the resource report, into ``out_dir`` (once per session and architecture list; a build for
-    a superset of ``archs`` is reused): every test module checks the same binary."""
+    the resource report, into ``out_dir`` unless a background build was started (once per
+    session and architecture list; a build for a superset of ``archs`` is reused): every test
+    module checks the same binary."""
     for have, done in _BUILDS.items():
         if set(archs) <= set(have):
             return done
-    out = out_dir / "liteserve_cuda.so"
-    command = library.compile_command(library.nvcc(), str(out), ("-Xptxas", "-v"), archs)
-    start = time.monotonic()
-    proc = subprocess.run(command, capture_output=True, text=True)
-    seconds = time.monotonic() - start
-    if proc.returncode != 0:
-        raise RuntimeError(f"nvcc failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    done = Build(out, proc.stdout + proc.stderr, seconds, tuple(archs))
-    _BUILDS[tuple(archs)] = done
-    return done
+    start(out_dir, archs)
+    have = next(h for h in _STARTED if set(archs) <= set(h))
+    job = _STARTED.pop(have)
+    code = job.proc.wait()
+    log = job.log.read_text()
+    if code != 0:
+        raise RuntimeError(f"nvcc failed ({code}):\n{log}")
+    _BUILDS[have] = Build(job.out, log, time.monotonic() - job.at, have)
+    return _BUILDS[have]
 
 
 load = library.load

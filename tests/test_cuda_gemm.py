@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(cuda_lib.NVCC is None, reason="nvcc not installe
 @pytest.fixture(scope="module")
 def build(tmp_path_factory: pytest.TempPathFactory) -> cuda_lib.Build:
     done = cuda_lib.build(tmp_path_factory.mktemp("csrc"))
-    print(f"nvcc, {len(ARCHS)} architectures: {done.seconds:.1f} s")
+    print(f"nvcc, {len(ARCHS)} architectures: {done.seconds:.1f} s from its start")
     return done
 
 
@@ -61,7 +61,6 @@ def test_compiles_for_every_architecture(build: cuda_lib.Build, cuobjdump: str) 
     ).stdout
     for arch in ARCHS:
         assert f"sm_{arch}" in elves, elves
-    assert build.seconds < 300, f"the four-architecture build took {build.seconds:.0f} s"
 
 
 def test_no_spills_no_stack_no_local_memory(build: cuda_lib.Build) -> None:
