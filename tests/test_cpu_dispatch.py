@@ -337,6 +337,33 @@ def test_backend_builds_only_the_forms_its_table_uses(tmp_path, monkeypatch) -> 
         native.library.cache_clear()
 
 
+@pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64") or shutil.which("objdump") is None,
+    reason="x86 targets, read back with binutils' objdump",
+)
+@pytest.mark.parametrize(
+    ("flags", "path", "encoding"),
+    [(isa.ISAS["avx512"].flags, "avx512-vnni", "EVEX"), (("-march=alderlake",), "avx-vnni", "VEX")],
+)
+def test_vnni_builds_compile_to_their_dot_product(
+    tmp_path, flags: tuple[str, ...], path: str, encoding: str
+) -> None:
+    """The VNNI builds, compiled here even where this CPU cannot run them (their code runs in
+    the avx512-emulated build): the library names its path and its tiles are `vpdpbusd` in the
+    path's encoding (objdump marks AVX-VNNI's VEX form `{vex}`)."""
+    lib = tmp_path / "kernels.so"
+    build = subprocess.run(
+        [native._compiler(), *native.FLAGS, *flags, *map(str, native.SOURCES),
+         "-o", str(lib), "-lm"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert build.returncode == 0, build.stderr[-2000:]
+    assert f"{path}\0".encode() in lib.read_bytes()
+    code = subprocess.run(["objdump", "-d", str(lib)], capture_output=True, text=True).stdout
+    dots = [line for line in code.splitlines() if "vpdpbusd" in line]
+    assert dots and all(("{vex}" in line) == (encoding == "VEX") for line in dots), dots[:4]
+
+
 ARM_TOOLS = ("aarch64-linux-gnu-gcc", "qemu-aarch64")
 
 
