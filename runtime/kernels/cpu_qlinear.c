@@ -90,13 +90,14 @@ static inline I idot(I acc, W w, X x) { return _mm256_dpbusd_epi32(acc, w, x); }
 static inline I idot(I acc, W w, X x) { return _mm256_dpbusd_avx_epi32(acc, w, x); }
 #elif defined(LITESERVE_EMULATE_AVX512)
 #define PATH "avx512-vnni-emulated"
-/* vpdpbusd's exact sums from AVX2, for LITESERVE_CPU_ISA=avx512-emulated (runtime/kernels/isa.py):
- * the VNNI tiles' code runs and is tested on a machine without VNNI. Even and odd bytes widened
- * to int16 (u8 zero-, s8 sign-extended); each vpmaddwd adds two products per int32 lane. */
+/* vpdpbusd's exact sums from AVX2, for LITESERVE_CPU_ISA=avx512-emulated (kernels/isa.py): the
+ * VNNI tiles' code runs and is tested on a machine without VNNI. Even and odd bytes widened to
+ * int16 (u8 zero-, s8 sign-extended); each vpmaddwd adds two products per int32 lane. */
 static inline I idot(I acc, W w, X x) {
     __m256i we = _mm256_and_si256(w, _mm256_set1_epi16(0xff)), wo = _mm256_srli_epi16(w, 8);
     __m256i xe = _mm256_srai_epi16(_mm256_slli_epi16(x, 8), 8), xo = _mm256_srai_epi16(x, 8);
-    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(we, xe), _mm256_madd_epi16(wo, xo)));
+    __m256i even = _mm256_madd_epi16(we, xe), odd = _mm256_madd_epi16(wo, xo);
+    return _mm256_add_epi32(acc, _mm256_add_epi32(even, odd));
 }
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__) ||                   \
