@@ -43,6 +43,9 @@ def test_unknown_backend_is_refused() -> None:
 
 
 def test_build_kernels_without_nvcc_says_how_to_get_it(monkeypatch, tmp_path) -> None:
+    # an empty cache: a library built earlier on this machine (`runtime build-kernels`) would
+    # rightly be served without nvcc
+    monkeypatch.setenv("LITESERVE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setenv("NVCC", str(tmp_path / "absent"))
     monkeypatch.setenv("CUDA_HOME", str(tmp_path))
