@@ -15,6 +15,7 @@
 # .venv. For the test modules that need hypothesis or openai, carry those too:
 #   EXTRA_WHEELS="llguidance hypothesis sortedcontainers openai httpx2 httpcore2 jiter truststore" \
 #     bash ../shared/gpu/prepare-device.sh
+# and the llguidance the runtime needs (1.9+, manylinux_2_31; docs/gpu-check.md has the command).
 # The interpreter is $PYTHON, else .venv/bin/python if there is one, else python3; the checkout
 # goes first on PYTHONPATH either way.
 set -uo pipefail
@@ -29,10 +30,14 @@ fi
 start=$(date +%s)
 if [ "$PY" != .venv/bin/python ] && compgen -G ".whl/*.whl" > /dev/null; then
   # --no-deps: only the carried wheels, never the machine's torch; --target keeps them apart.
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-    || { echo "gpu_check.sh: installing .whl/ failed" >&2; exit 2; }
+  # By name from .whl/, so where two builds of a package travel (llguidance 1.9+ needs
+  # manylinux_2_31, older ones 2_28) pip takes the newest this machine can run.
+  names=$(for w in .whl/*.whl; do basename "$w" | cut -d- -f1; done | sort -u)
+  # shellcheck disable=SC2086  # one argument per name
+  "$PY" -m pip install -q --no-index --find-links .whl --no-deps --no-compile --target /tmp/site \
+    $names || { echo "gpu_check.sh: installing .whl/ failed" >&2; exit 2; }
   export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-  echo "[setup] installed $(ls .whl/*.whl | wc -l) wheels from .whl/ in $(( $(date +%s) - start )) s" >&2
+  echo "[setup] installed $(ls /tmp/site | grep -c dist-info$) packages from .whl/ in $(( $(date +%s) - start )) s: $(ls /tmp/site | grep dist-info$ | sed 's/.dist-info//' | tr '\n' ' ')" >&2
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
