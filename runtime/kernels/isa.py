@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ENV = "LITESERVE_CPU_ISA"
+X86 = platform.machine() in ("x86_64", "AMD64")  # the host runs x86 targets
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ def selected() -> tuple[str, Isa]:
             f"{ENV}={name!r} is not a CPU ISA the kernels know: use one of {list(ISAS)}"
         )
     isa = ISAS[name]
-    if isa.requires and platform.machine() not in ("x86_64", "AMD64"):
+    if isa.requires and not X86:
         raise ValueError(f"{ENV}={name} is an x86 target; this is {platform.machine()}: use native")
     missing = [f for f in isa.requires if f not in _host_flags()]
     if missing:
