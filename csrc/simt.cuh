@@ -25,8 +25,8 @@
 
 #include <functional>
 #include <memory>
-#include <vector>
 #endif
+#include <vector>
 
 #define LSQ_HD __host__ __device__ __forceinline__
 
@@ -45,13 +45,49 @@ LSQ_HD float bits_float(uint32_t u) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Host emulator (fibers). Declared first: the host side of the collectives below calls it.
+// Host emulator (fibers): its options, declared for the device pass too so that host entry
+// points may name them.
+namespace emulate {
+
+struct Range {
+  const uint8_t* begin;
+  const uint8_t* end;
+};
+
+// What a run checks beyond the PTX semantics it emulates.
+struct Options {
+  // When cp.async copies reach shared memory: at cp.async.wait_group (the latest the PTX
+  // allows, so a stage read before its wait sees stale bytes) or at issue (the earliest, so a
+  // copy into a stage another warp still reads overwrites it). A correct pipeline gives the
+  // same bits either way.
+  bool copies_land_at_issue = false;
+  // Global memory the kernel may read with cp.async (every byte a copy names, zero-filled or
+  // not): the tensors it was given. Empty: not checked.
+  std::vector<Range> readable;
+};
+
+}  // namespace emulate
+
+// ---------------------------------------------------------------------------------------------
+// The emulator itself. Declared first: the host side of the collectives below calls it.
 #ifndef __CUDA_ARCH__
 namespace emulate {
 
 struct Barrier {
   int count = 0;
   unsigned generation = 0;
+};
+
+// A cp.async in flight: its shared-memory destination and the 16 bytes it will write.
+struct PendingCopy {
+  uint8_t* dst;
+  uint8_t bytes[16];
+};
+
+// A thread's cp.async state: committed groups, oldest first, and the group still open.
+struct CopyQueue {
+  std::vector<std::vector<PendingCopy>> committed;
+  std::vector<PendingCopy> open;
 };
 
 struct Block {
@@ -64,6 +100,10 @@ struct Block {
   Barrier block_barrier;
   std::vector<Barrier> warp_barrier;
   std::vector<uint32_t> exchange;  // 8 words per thread for the collectives
+  std::vector<CopyQueue> copies;   // per thread
+  uint8_t* shared_begin = nullptr;
+  uint8_t* shared_end = nullptr;
+  const Options* options = nullptr;
   const std::function<void(int)>* body = nullptr;
 };
 
@@ -119,18 +159,69 @@ inline void fiber_entry() {
   Block& b = *current_block();
   const int me = b.current;
   (*b.body)(me);
+  const CopyQueue& q = b.copies[me];
+  if (!q.open.empty() || !q.committed.empty()) fail("a thread exits with cp.async copies not waited for");
   b.done[me] = 1;  // returns to main_context (uc_link)
 }
 
+inline void require_shared(const void* p, size_t bytes, size_t align, const char* what) {
+  const Block& b = *current_block();
+  const uint8_t* u = static_cast<const uint8_t*>(p);
+  if (u < b.shared_begin || u + bytes > b.shared_end) fail(what);
+  if (reinterpret_cast<uintptr_t>(p) % align) fail(what);
+}
+
+// A cp.async of 16 bytes: src_bytes (0..16) read from src now (global memory does not change
+// while a kernel runs), the rest zero-filled; it lands at issue or at the wait (Options).
+inline void async_copy(void* dst, const void* src, int src_bytes) {
+  Block& b = *current_block();
+  require_shared(dst, 16, 16, "cp.async: destination not 16-byte aligned shared memory");
+  if (src_bytes < 0 || src_bytes > 16) fail("cp.async: src-size outside 0..16");
+  if (reinterpret_cast<uintptr_t>(src) % 16) fail("cp.async: source not 16-byte aligned");
+  const uint8_t* s = static_cast<const uint8_t*>(src);
+  const std::vector<Range>& readable = b.options->readable;
+  bool inside = readable.empty();
+  for (const Range& r : readable)
+    inside |= s >= r.begin && s + (src_bytes > 0 ? src_bytes : 1) <= r.end;
+  if (!inside) fail("cp.async: source outside the tensors the kernel was given");
+  PendingCopy c;
+  c.dst = static_cast<uint8_t*>(dst);
+  memset(c.bytes, 0, 16);
+  memcpy(c.bytes, src, static_cast<size_t>(src_bytes));
+  if (b.options->copies_land_at_issue)
+    memcpy(c.dst, c.bytes, 16);
+  else
+    b.copies[b.current].open.push_back(c);
+}
+
+inline void commit_copies() {
+  CopyQueue& q = current_block()->copies[current_block()->current];
+  q.committed.push_back(std::move(q.open));
+  q.open.clear();
+}
+
+// cp.async.wait_group n: every committed group but the n most recent has landed.
+inline void land_copies(int n) {
+  CopyQueue& q = current_block()->copies[current_block()->current];
+  while (q.committed.size() > static_cast<size_t>(n)) {
+    for (const PendingCopy& c : q.committed.front()) memcpy(c.dst, c.bytes, 16);
+    q.committed.erase(q.committed.begin());
+  }
+}
+
 // Run body(block_x, block_y, block_z, thread, shared) for every thread of every block of the
-// grid, one block at a time. `shared` is a zeroed buffer of shared_bytes per block.
+// grid, one block at a time. `shared` is shared_bytes per block, filled with 0xff bytes (a NaN
+// in fp16, bf16 and fp32) as a GPU's is not cleared: a read of shared memory nobody wrote shows.
 inline void run_grid(unsigned gx, unsigned gy, unsigned gz, int threads, size_t shared_bytes,
-                     const std::function<void(unsigned, unsigned, unsigned, int, void*)>& body) {
+                     const std::function<void(unsigned, unsigned, unsigned, int, void*)>& body,
+                     const Options& options = Options()) {
   if (threads <= 0 || threads % 32) fail("blocks must be whole warps");
   constexpr size_t kStack = 256 * 1024;
   std::vector<std::unique_ptr<char[]>> stacks(threads);
   for (auto& s : stacks) s.reset(new char[kStack]);
-  std::vector<unsigned char> shared(shared_bytes + 16);
+  // 128-byte aligned, as the GPU's dynamic shared memory
+  std::vector<unsigned char> storage(shared_bytes + 128);
+  uint8_t* shared = storage.data() + (128 - reinterpret_cast<uintptr_t>(storage.data()) % 128);
   for (unsigned z = 0; z < gz; ++z)
     for (unsigned y = 0; y < gy; ++y)
       for (unsigned x = 0; x < gx; ++x) {
@@ -140,8 +231,12 @@ inline void run_grid(unsigned gx, unsigned gy, unsigned gz, int threads, size_t 
         b.done.assign(threads, 0);
         b.warp_barrier.resize(threads / 32);
         b.exchange.assign(8 * static_cast<size_t>(threads), 0);
-        memset(shared.data(), 0, shared.size());
-        void* smem = shared.data();
+        b.copies.resize(threads);
+        b.shared_begin = shared;
+        b.shared_end = shared + shared_bytes;
+        b.options = &options;
+        memset(shared, 0xff, shared_bytes);
+        void* smem = shared;
         const std::function<void(int)> per_thread = [&](int t) { body(x, y, z, t, smem); };
         b.body = &per_thread;
         current_block() = &b;
@@ -164,38 +259,46 @@ inline void run_grid(unsigned gx, unsigned gy, unsigned gz, int threads, size_t 
       }
 }
 
-// fp16 bits of x rounded to nearest even (x finite or not), computed exactly from a double.
-inline uint16_t half_from_double(double x) {
-  uint16_t sign = signbit(x) ? 0x8000 : 0;
-  double a = fabs(x);
-  if (isnan(a)) return 0x7e00;
-  if (a >= 65520.0) return sign | 0x7c00;  // rounds to infinity
-  if (a < 0x1p-14) {                       // subnormal (or zero): a multiple of 2^-24
-    double n = nearbyint(a * 0x1p24);      // ties to even in the default rounding mode
-    return sign | static_cast<uint16_t>(n);  // n == 1024 is the smallest normal: still right
+// The bits of x rounded to nearest even in a 16-bit IEEE format of P significant bits and
+// exponents EMIN..EMAX (fp16: 11, -14, 15; bf16: 8, -126, 127), computed exactly from a double.
+template <int P, int EMIN, int EMAX>
+inline uint16_t round_from_double(double x) {
+  constexpr int M = P - 1;  // stored mantissa bits
+  constexpr uint16_t kInf = static_cast<uint16_t>((2 * EMAX + 1) << M);
+  const uint16_t sign = signbit(x) ? 0x8000 : 0;
+  const double a = fabs(x);
+  if (isnan(a)) return kInf | (1 << (M - 1));
+  if (isinf(a)) return sign | kInf;
+  if (a < ldexp(1.0, EMIN)) {  // subnormal (or zero): a multiple of 2^(EMIN - M)
+    const double n = nearbyint(ldexp(a, M - EMIN));  // ties to even in the default mode
+    return sign | static_cast<uint16_t>(n);  // n == 2^M is the smallest normal: still right
   }
   int e;
   frexp(a, &e);  // a = m * 2^e, m in [0.5, 1): the exponent of a is e - 1
-  double n = nearbyint(ldexp(a, 11 - e));  // 1024 <= n <= 2048
+  double n = nearbyint(ldexp(a, P - e));  // 2^M <= n <= 2^P
   int exponent = e - 1;
-  if (n >= 2048.0) {
-    n = 1024.0;
+  if (n >= ldexp(1.0, P)) {
+    n = ldexp(1.0, M);
     ++exponent;
   }
-  if (exponent > 15) return sign | 0x7c00;
-  return sign | static_cast<uint16_t>(((exponent + 15) << 10) | (static_cast<int>(n) - 1024));
+  if (exponent > EMAX) return sign | kInf;
+  return sign | static_cast<uint16_t>(((exponent + EMAX) << M) | (static_cast<int>(n) - (1 << M)));
 }
 
+inline uint16_t half_from_double(double x) { return round_from_double<11, -14, 15>(x); }
+inline uint16_t bf16_from_double(double x) { return round_from_double<8, -126, 127>(x); }
+
+// Exact: every fp16 value is a float. Bit manipulation, since the emulated mma converts 128
+// operands per lane and ldexp there took a sixth of the emulator's time.
 inline double double_from_half(uint16_t h) {
-  const int exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
-  double v;
-  if (exponent == 0)
-    v = ldexp(static_cast<double>(mantissa), -24);
-  else if (exponent == 31)
-    v = mantissa ? NAN : INFINITY;
-  else
-    v = ldexp(static_cast<double>(mantissa | 0x400), exponent - 25);
-  return (h & 0x8000) ? -v : v;
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ffu;
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact
+    const float v = static_cast<float>(mantissa) * 0x1p-24f;
+    return sign ? -static_cast<double>(v) : static_cast<double>(v);
+  }
+  const uint32_t biased = exponent == 31 ? 255 : exponent + 112;  // inf and NaN stay so
+  return static_cast<double>(bits_float(sign | (biased << 23) | (mantissa << 13)));
 }
 
 }  // namespace emulate
@@ -296,15 +399,19 @@ LSQ_HD uint32_t and_or(uint32_t a, uint32_t mask, uint32_t bits) {
 
 #ifndef __CUDA_ARCH__
 namespace emulate {
+template <bool BF16 = false>
 inline uint32_t half2_op(uint32_t a, uint32_t b, uint32_t c, int op) {
+  auto value = [](uint32_t word, int k) {
+    const uint16_t h = static_cast<uint16_t>(word >> (16 * k));
+    return BF16 ? static_cast<double>(bits_float(static_cast<uint32_t>(h) << 16))
+                : double_from_half(h);
+  };
   uint32_t r = 0;
   for (int k = 0; k < 2; ++k) {
-    const double x = double_from_half(static_cast<uint16_t>(a >> (16 * k)));
-    const double y = double_from_half(static_cast<uint16_t>(b >> (16 * k)));
-    const double z = double_from_half(static_cast<uint16_t>(c >> (16 * k)));
-    // x * y + z is exact in a double for fp16 operands of the magnitudes used here
+    const double x = value(a, k), y = value(b, k), z = value(c, k);
+    // x * y + z is exact in a double for 16-bit operands of the magnitudes used here
     const double v = op == 0 ? x - y : op == 1 ? x * y + z : (x < y ? x : y);
-    r |= static_cast<uint32_t>(half_from_double(v)) << (16 * k);
+    r |= static_cast<uint32_t>(BF16 ? bf16_from_double(v) : half_from_double(v)) << (16 * k);
   }
   return r;
 }
@@ -328,6 +435,16 @@ LSQ_HD uint32_t hfma2(uint32_t a, uint32_t b, uint32_t c) {  // a * b + c, round
   return r;
 #else
   return emulate::half2_op(a, b, c, 1);
+#endif
+}
+
+LSQ_HD uint32_t bfma2(uint32_t a, uint32_t b, uint32_t c) {  // bf16x2 a * b + c, rounded once
+#ifdef __CUDA_ARCH__
+  uint32_t r;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+#else
+  return emulate::half2_op<true>(a, b, c, 1);
 #endif
 }
 
@@ -433,6 +550,93 @@ LSQ_HD uint16_t load_u16(const uint16_t* p) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Asynchronous copies global -> shared (sm_80 cp.async) and shared-memory stores.
+
+// A shared-memory address: 32 bits in the shared window on the device (what the instructions
+// take, so address arithmetic stays 32-bit), a pointer into the block's buffer on the host.
+#ifdef __CUDA_ARCH__
+using SharedAddr = uint32_t;
+#else
+using SharedAddr = uint8_t*;
+#endif
+
+LSQ_HD SharedAddr shared_addr(void* p) {
+#ifdef __CUDA_ARCH__
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+#else
+  return static_cast<uint8_t*>(p);
+#endif
+}
+
+// An L2 cache policy for cp_async16_hint: evict first (data read once) or normal.
+LSQ_HD uint64_t l2_policy(bool evict_first) {
+#ifdef __CUDA_ARCH__
+  uint64_t policy;
+  if (evict_first)
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  else
+    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+#else
+  return evict_first ? 1 : 0;  // a hint only: the emulated copy ignores it
+#endif
+}
+
+// 16 bytes to shared dst: src_bytes (0..16) from global src, the rest zero-filled. Lands by
+// the cp_async_wait that covers its commit group.
+LSQ_HD void cp_async16(SharedAddr dst, const void* src, int src_bytes) {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+#else
+  emulate::async_copy(dst, src, src_bytes);
+#endif
+}
+
+LSQ_HD void cp_async16_hint(SharedAddr dst, const void* src, int src_bytes, uint64_t policy) {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;" ::"r"(dst),
+               "l"(src), "r"(src_bytes), "l"(policy)
+               : "memory");
+#else
+  (void)policy;
+  emulate::async_copy(dst, src, src_bytes);
+#endif
+}
+
+LSQ_HD void cp_async_commit() {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#else
+  emulate::commit_copies();
+#endif
+}
+
+// Wait until at most N of this thread's committed groups are still in flight.
+template <int N>
+LSQ_HD void cp_async_wait() {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#else
+  emulate::land_copies(N);
+#endif
+}
+
+// One 16-byte store to shared memory (dst 16-byte aligned).
+LSQ_HD void st_shared_v4(SharedAddr dst, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+#ifdef __CUDA_ARCH__
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(a), "r"(b), "r"(c),
+               "r"(d)
+               : "memory");
+#else
+  emulate::require_shared(dst, 16, 16, "st.shared.v4: not 16-byte aligned shared memory");
+  const uint32_t v[4] = {a, b, c, d};
+  memcpy(dst, v, 16);
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
 // Collectives. All lanes of the warp (all threads of the block for block_sync) take part.
 
 LSQ_HD void block_sync() {
@@ -504,6 +708,31 @@ LSQ_HD uint32_t movmatrix_trans(uint32_t x) {
   }
   emulate::warp_wait();
   return r;
+#endif
+}
+
+// ldmatrix.x4: four 8x8 matrices of 16-bit elements from shared memory. Lane 8j + i gives the
+// address of row i of matrix j (16 bytes, 16-byte aligned); register j of lane (g, t) receives
+// row g, elements 2t..2t+1 of matrix j (g = lane / 4, t = lane % 4), the fragment layout of mma.
+LSQ_HD void ldmatrix_x4(uint32_t (&r)[4], SharedAddr row) {
+#ifdef __CUDA_ARCH__
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(row));
+#else
+  emulate::require_shared(row, 16, 16, "ldmatrix: row not 16-byte aligned shared memory");
+  const int me = emulate::thread_index();
+  const uintptr_t mine = reinterpret_cast<uintptr_t>(row);
+  emulate::exchange_slot(me)[0] = static_cast<uint32_t>(mine);
+  emulate::exchange_slot(me)[1] = static_cast<uint32_t>(static_cast<uint64_t>(mine) >> 32);
+  emulate::warp_wait();
+  const int warp0 = me & ~31, lane = me & 31;
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t* src = emulate::exchange_slot(warp0 + 8 * j + lane / 4);
+    const uintptr_t at = static_cast<uintptr_t>(src[0] | (static_cast<uint64_t>(src[1]) << 32));
+    memcpy(&r[j], reinterpret_cast<const uint8_t*>(at) + 4 * (lane % 4), 4);
+  }
+  emulate::warp_wait();
 #endif
 }
 

@@ -21,15 +21,22 @@
 // Split-K writes fp32 partials to workspace[split, M, Np] (plain stores, each element written by
 // exactly one thread) and lsq_reduce_splits sums them in split order 0, 1, ... into y: the
 // result is bit-for-bit reproducible. Without split-K the GEMM writes y directly.
+//
+// The block body is __host__ __device__ and reaches the hardware only through csrc/simt.cuh:
+// lsq_emulate_w4a16_gemm runs it on a CPU (cp.async landing at the latest or the earliest point
+// the PTX allows, reads checked against the tensors given), which is how the tests check the
+// layout, the pipeline and the tails without a GPU.
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-
-#include <atomic>
 #include <stdint.h>
 
+#include <atomic>
+
+#include "common.cuh"
+#include "simt.cuh"
+
 namespace lsq_gemm {
+
+using namespace lsq_simt;
 
 constexpr int kDtypeBf16 = 1;  // the project's STORAGE_KINDS codes
 constexpr int kDtypeFp16 = 2;
@@ -106,86 +113,14 @@ struct Params {
 };
 
 // ---------------------------------------------------------------------------------------------
-// PTX wrappers.
+// Helpers.
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16-byte async copy global -> shared; bytes past src_bytes (0..16) are zero-filled.
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(src_bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void cp_async16_hint(uint32_t dst, const void* src, int src_bytes,
-                                                uint64_t policy) {
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst),
-               "l"(src), "r"(src_bytes), "l"(policy)
-               : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-__device__ __forceinline__ uint64_t l2_policy(bool evict_first) {
-  uint64_t policy;
-  if (evict_first)
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-  else
-    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(policy));
-  return policy;
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-// (a & b) | c in one instruction.
-__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t d;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
+LSQ_HD int imin(int a, int b) { return a < b ? a : b; }
+LSQ_HD int imax(int a, int b) { return a > b ? a : b; }
 
 template <bool BF16>
-__device__ __forceinline__ uint32_t fma2(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t d;
-  if (BF16)
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  else
-    asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-
-__device__ __forceinline__ uint32_t sub_f16x2(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("sub.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-
-template <bool BF16>
-__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  if (BF16)
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  else
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+LSQ_HD uint32_t fma2(uint32_t a, uint32_t b, uint32_t c) {
+  return BF16 ? bfma2(a, b, c) : hfma2(a, b, c);
 }
 
 // One packed word -> the 4 registers of its B fragments, as integer codes 0..15 in fp16x2 or
@@ -197,7 +132,7 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
 // bf16 has 7 mantissa bits, so 16 q would reach the exponent: every nibble pair is shifted down
 // to bits 0..3 / 16..19 and OR-ed into 0x4300 (128.0), giving 128 + q exactly; fma(x, 1, -128).
 template <bool BF16>
-__device__ __forceinline__ void int4_codes(uint32_t w, uint32_t (&r)[4]) {
+LSQ_HD void int4_codes(uint32_t w, uint32_t (&r)[4]) {
   constexpr uint32_t kLo = 0x000F000Fu;
   if (BF16) {
     constexpr uint32_t kMagic = 0x43004300u;  // bf16 {128, 128}
@@ -211,9 +146,9 @@ __device__ __forceinline__ void int4_codes(uint32_t w, uint32_t (&r)[4]) {
     constexpr uint32_t kSixteenth = 0x2C002C00u;  // fp16 {1/16, 1/16}
     constexpr uint32_t kMinus64 = 0xD400D400u;    // fp16 {-64, -64}
     const uint32_t w8 = w >> 8;
-    r[0] = sub_f16x2(and_or(w, kLo, kMagic), kMagic);
+    r[0] = hsub2(and_or(w, kLo, kMagic), kMagic);
     r[1] = fma2<false>(and_or(w, kHi, kMagic), kSixteenth, kMinus64);
-    r[2] = sub_f16x2(and_or(w8, kLo, kMagic), kMagic);
+    r[2] = hsub2(and_or(w8, kLo, kMagic), kMagic);
     r[3] = fma2<false>(and_or(w8, kHi, kMagic), kSixteenth, kMinus64);
   }
 }
@@ -221,68 +156,55 @@ __device__ __forceinline__ void int4_codes(uint32_t w, uint32_t (&r)[4]) {
 // A qparams word (fp16 s in the low half, fp16 b = -z*s in the high half) -> (s, s) and (b, b)
 // in the activation dtype.
 template <bool BF16>
-__device__ __forceinline__ void group_pair(uint32_t v, uint32_t& s2, uint32_t& b2) {
+LSQ_HD void group_pair(uint32_t v, uint32_t& s2, uint32_t& b2) {
   if (BF16) {
-    const __half2 h = *reinterpret_cast<const __half2*>(&v);
-    const float s = __low2float(h), b = __high2float(h);
-    const __nv_bfloat162 s16 = __floats2bfloat162_rn(s, s), b16 = __floats2bfloat162_rn(b, b);
-    s2 = *reinterpret_cast<const uint32_t*>(&s16);
-    b2 = *reinterpret_cast<const uint32_t*>(&b16);
+    const float s = half_to_float(static_cast<uint16_t>(v)), b = half_to_float(v >> 16);
+    s2 = pack_bf162(s, s);
+    b2 = pack_bf162(b, b);
   } else {
-    s2 = __byte_perm(v, v, 0x1010);
-    b2 = __byte_perm(v, v, 0x3232);
+    s2 = prmt(v, v, 0x1010);
+    b2 = prmt(v, v, 0x3232);
   }
 }
 
 template <bool BF16>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  if (BF16) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  } else {
-    const __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
+LSQ_HD uint32_t pack2(float lo, float hi) {
+  return BF16 ? pack_bf162(lo, hi) : pack_half2(lo, hi);
 }
 
 template <bool BF16>
-__device__ __forceinline__ uint16_t pack1(float v) {
-  if (BF16) {
-    const __nv_bfloat16 h = __float2bfloat16_rn(v);
-    return *reinterpret_cast<const uint16_t*>(&h);
-  } else {
-    const __half h = __float2half_rn(v);
-    return *reinterpret_cast<const uint16_t*>(&h);
-  }
+LSQ_HD uint16_t pack1(float v) {
+  return BF16 ? float_to_bf16(v) : float_to_half(v);
 }
 
 // ---------------------------------------------------------------------------------------------
 // The GEMM kernel.
 
+// One thread of block (bx, by, bz) of the grid; one_m_tile: the grid has one row of tiles
+// (gridDim.y == 1); split: the grid splits K (gridDim.z > 1). smem: T::SMEM bytes, 128-aligned.
 template <class T, bool BF16>
-__global__ void __launch_bounds__(T::THREADS, T::MINB) w4a16_gemm_kernel(const Params p) {
-  extern __shared__ __align__(128) uint8_t smem[];
+LSQ_HD void gemm_block(const Params p, unsigned bx, unsigned by, unsigned bz, bool one_m_tile,
+                       bool split, int tid, uint8_t* smem) {
   uint8_t* const a_smem = smem;
   uint8_t* const b_smem = a_smem + T::STAGES * T::A_STAGE;
   uint8_t* const q_smem = b_smem + T::STAGES * T::B_STAGE;
 
-  const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
   const int warp_m = warp / T::WN;
   const int warp_n = warp % T::WN;
 
-  const int n0 = blockIdx.x * T::BN;
-  const int m0 = blockIdx.y * T::BM;
-  const int step_begin = blockIdx.z * p.steps_per_split;
-  const int steps = min(p.steps_per_split, p.k_steps - step_begin);  // >= 1 (host checks)
+  const int n0 = bx * T::BN;
+  const int m0 = by * T::BM;
+  const int step_begin = bz * p.steps_per_split;
+  const int steps = imin(p.steps_per_split, p.k_steps - step_begin);  // >= 1 (host checks)
 
   const int gs = 1 << p.gs_log2;
   const int q_rows = T::BK > gs ? T::BK / gs : 1;  // groups per k-step
   const int kt_total = p.kp / 16;                  // qweight rows
   const int groups = p.kp >> p.gs_log2;            // qparams rows
   // Weights are read once when one row of tiles covers M (decode): do not let them evict x.
-  const uint64_t b_policy = l2_policy(gridDim.y == 1);
+  const uint64_t b_policy = l2_policy(one_m_tile);
 
   // ---- global -> shared, one k-step into one stage ----
   constexpr int A_ITERS = (T::A_CHUNKS + T::THREADS - 1) / T::THREADS;
@@ -296,7 +218,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB) w4a16_gemm_kernel(const P
   int a_bytes[A_ITERS];
 #pragma unroll
   for (int i = 0; i < A_ITERS; ++i) {
-    const int c = min(tid + i * T::THREADS, T::A_CHUNKS - 1);
+    const int c = imin(tid + i * T::THREADS, T::A_CHUNKS - 1);
     const int r = c / (T::BK / 8), cc = c % (T::BK / 8);
     const bool mine = T::A_CHUNKS % T::THREADS == 0 || tid + i * T::THREADS < T::A_CHUNKS;
     const bool ok = mine && m0 + r < p.m;
@@ -308,7 +230,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB) w4a16_gemm_kernel(const P
   int b_bytes[B_ITERS];
 #pragma unroll
   for (int i = 0; i < B_ITERS; ++i) {
-    const int c = min(tid + i * T::THREADS, T::B_CHUNKS - 1);
+    const int c = imin(tid + i * T::THREADS, T::B_CHUNKS - 1);
     const int r = c / (T::BN / 2), cc = c % (T::BN / 2);  // BN/2 chunks per row of tiles
     const bool ok = 2 * n0 + cc * 4 < 2 * p.np;
     b_src[i] = p.qweight + (int64_t)r * (2 * p.np) + (ok ? 2 * n0 + cc * 4 : cc % 8 * 4);
@@ -323,9 +245,9 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB) w4a16_gemm_kernel(const P
 
   auto load_stage = [&](int stage, int step) {
     const int k0 = step * T::BK;
-    const uint32_t a_dst = smem_addr(a_smem + stage * T::A_STAGE);
-    const uint32_t b_dst = smem_addr(b_smem + stage * T::B_STAGE);
-    const uint32_t q_dst = smem_addr(q_smem + stage * T::Q_STAGE);
+    const SharedAddr a_dst = shared_addr(a_smem + stage * T::A_STAGE);
+    const SharedAddr b_dst = shared_addr(b_smem + stage * T::B_STAGE);
+    const SharedAddr q_dst = shared_addr(q_smem + stage * T::Q_STAGE);
     if (p.a_vec && k0 + T::BK <= p.k) {  // every k-step but a ragged last one
 #pragma unroll
       for (int i = 0; i < A_ITERS; ++i)
@@ -348,9 +270,9 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB) w4a16_gemm_kernel(const P
       if (T::A_CHUNKS % T::THREADS == 0 || c < T::A_CHUNKS) {
         const int r = c / (T::BK / 8), cc = c % (T::BK / 8);
         const int row = m0 + r, kk = k0 + cc * 8;
-        const uint32_t dst = a_dst + a_off[i];
+        const SharedAddr dst = a_dst + a_off[i];
         if (p.a_vec) {
-          const int bytes = row < p.m ? max(0, min(16, 2 * (p.k - kk))) : 0;
+          const int bytes = row < p.m ? imax(0, imin(16, 2 * (p.k - kk))) : 0;
           const void* src = bytes ? static_cast<const uint16_t*>(p.x) + row * p.ldx + kk : p.x;
           cp_async16(dst, src, bytes);
         } else {  // unaligned x or odd row stride: plain loads, still zero-filled
@@ -363,9 +285,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB) w4a16_gemm_kernel(const P
             const uint32_t hi = (row < p.m && ka + 1 < p.k) ? xr[ka + 1] : 0u;
             v[e] = lo | (hi << 16);
           }
-          asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(v[0]),
-                       "r"(v[1]), "r"(v[2]), "r"(v[3])
-                       : "memory");
+          st_shared_v4(dst, v[0], v[1], v[2], v[3]);
         }
       }
     }
@@ -405,7 +325,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB) w4a16_gemm_kernel(const P
   // ---- shared -> registers -> tensor cores, one stage ----
   const int g_lane = lane >> 2;  // mma groupID: the B column / C row within an 8-block
   auto compute_stage = [&](int stage) {
-    const uint32_t a_base = smem_addr(a_smem + stage * T::A_STAGE);
+    const SharedAddr a_base = shared_addr(a_smem + stage * T::A_STAGE);
     const uint32_t* bw = reinterpret_cast<const uint32_t*>(b_smem + stage * T::B_STAGE);
     const uint32_t* qw = reinterpret_cast<const uint32_t*>(q_smem + stage * T::Q_STAGE);
     uint32_t s2[T::NT][2], b2[T::NT][2];
@@ -440,8 +360,8 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB) w4a16_gemm_kernel(const P
         b[3] = fma2<BF16>(b[3], s2[j][1], b2[j][1]);
 #pragma unroll
         for (int i = 0; i < T::MT; ++i) {
-          mma16816<BF16>(acc[i][j][0], a[i], b[0], b[1]);
-          mma16816<BF16>(acc[i][j][1], a[i], b[2], b[3]);
+          mma_16816<BF16>(acc[i][j][0], a[i], b[0], b[1]);
+          mma_16816<BF16>(acc[i][j][1], a[i], b[2], b[3]);
         }
       }
     }
@@ -456,7 +376,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB) w4a16_gemm_kernel(const P
   int read_stage = 0, write_stage = T::STAGES - 1;
   for (int i = 0; i < steps; ++i) {
     cp_async_wait<T::STAGES - 2>();  // step i has landed (this thread's copies) ...
-    __syncthreads();                 // ... everyone's, and everyone is done with step i - 1
+    block_sync();                    // ... everyone's, and everyone is done with step i - 1
     if (i + T::STAGES - 1 < steps) load_stage(write_stage, step_begin + i + T::STAGES - 1);
     cp_async_commit();
     compute_stage(read_stage);
@@ -479,10 +399,10 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB) w4a16_gemm_kernel(const P
         for (int h = 0; h < 2; ++h) {
           const int col = n0 + warp_n * T::TN + j * 16 + h * 8 + 2 * tig;
           const float v0 = acc[i][j][h][2 * half], v1 = acc[i][j][h][2 * half + 1];
-          if (gridDim.z > 1) {
+          if (split) {
             if (col < p.np) {
               float2* dst = reinterpret_cast<float2*>(
-                  p.workspace + ((int64_t)blockIdx.z * p.m + row) * p.np + col);
+                  p.workspace + ((int64_t)bz * p.m + row) * p.np + col);
               *dst = make_float2(v0, v1);
             }
           } else {
@@ -500,29 +420,40 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB) w4a16_gemm_kernel(const P
   }
 }
 
-// y[m, n] = sum over s = 0, 1, ..., splits - 1 of workspace[s, m, n], in that order. One thread
-// per 4 columns (float4 loads; Np is a multiple of 64).
+template <class T, bool BF16>
+__global__ void __launch_bounds__(T::THREADS, T::MINB) w4a16_gemm_kernel(const Params p) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  gemm_block<T, BF16>(p, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y == 1, gridDim.z > 1,
+                      threadIdx.x, smem);
+}
+
+// y[m, n] = sum over s = 0, 1, ..., splits - 1 of workspace[s, m, n], in that order, for the
+// 4 columns of quad idx (float4 loads; Np is a multiple of 64).
+struct Reduce {
+  const float* ws;
+  void* y;
+  int64_t ldy;
+  int m, n, np, splits, y_vec8;
+};
+
 template <bool BF16>
-__global__ void __launch_bounds__(256) lsq_reduce_splits(const float* __restrict__ ws, void* y,
-                                                         int64_t ldy, int m, int n, int np,
-                                                         int splits, int y_vec8) {
-  const int quads = np / 4;
-  const int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (idx >= (int64_t)m * quads) return;
+LSQ_HD void reduce_quad(const Reduce& r, int64_t idx) {
+  const int quads = r.np / 4;
+  if (idx >= (int64_t)r.m * quads) return;
   const int row = (int)(idx / quads), col = (int)(idx % quads) * 4;
-  if (col >= n) return;
-  const int64_t split_stride = (int64_t)m * np;
-  const float* src = ws + (int64_t)row * np + col;
+  if (col >= r.n) return;
+  const int64_t split_stride = (int64_t)r.m * r.np;
+  const float* src = r.ws + (int64_t)row * r.np + col;
   float4 acc = *reinterpret_cast<const float4*>(src);
-  for (int s = 1; s < splits; ++s) {
+  for (int s = 1; s < r.splits; ++s) {
     const float4 v = *reinterpret_cast<const float4*>(src + s * split_stride);
     acc.x += v.x;
     acc.y += v.y;
     acc.z += v.z;
     acc.w += v.w;
   }
-  uint16_t* yr = static_cast<uint16_t*>(y) + row * ldy;
-  if (y_vec8 && col + 3 < n) {
+  uint16_t* yr = static_cast<uint16_t*>(r.y) + row * r.ldy;
+  if (r.y_vec8 && col + 3 < r.n) {
     uint2 out;
     out.x = pack2<BF16>(acc.x, acc.y);
     out.y = pack2<BF16>(acc.z, acc.w);
@@ -531,8 +462,13 @@ __global__ void __launch_bounds__(256) lsq_reduce_splits(const float* __restrict
     const float v[4] = {acc.x, acc.y, acc.z, acc.w};
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      if (col + e < n) yr[col + e] = pack1<BF16>(v[e]);
+      if (col + e < r.n) yr[col + e] = pack1<BF16>(v[e]);
   }
+}
+
+template <bool BF16>
+__global__ void __launch_bounds__(256) lsq_reduce_splits(const Reduce r) {
+  reduce_quad<BF16>(r, (int64_t)blockIdx.x * blockDim.x + threadIdx.x);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -552,14 +488,69 @@ cudaError_t allow_smem(Kernel kernel, int bytes, std::atomic<uint64_t>& done) {
   return err;
 }
 
-template <class T, bool BF16>
-cudaError_t launch(const Params& p, dim3 grid, cudaStream_t stream) {
-  static std::atomic<uint64_t> smem_set{0};
-  auto kernel = w4a16_gemm_kernel<T, BF16>;
-  cudaError_t err = allow_smem(kernel, T::SMEM, smem_set);
-  if (err != cudaSuccess) return err;
-  kernel<<<grid, T::THREADS, T::SMEM, stream>>>(p);
-  return cudaGetLastError();
+static inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+static inline bool aligned(const void* ptr, uintptr_t bytes) {
+  return (reinterpret_cast<uintptr_t>(ptr) % bytes) == 0;
+}
+
+// A checked call: the kernel's parameters, its grid and the split-K reduction's.
+struct Plan {
+  Params p;
+  int config, split_k;
+  bool bf16;
+  unsigned grid_x, grid_y;
+  Reduce reduce;
+};
+
+// Every check of the entry point; fills the plan. No CUDA call. m == 0 passes (nothing to run).
+static int plan_gemm(const void* x, int64_t ldx, const int32_t* qweight, const void* qparams,
+                     void* y, int64_t ldy, float* workspace, int64_t m, int64_t n, int64_t k,
+                     int32_t group_size, int32_t dtype, int32_t config, int32_t split_k,
+                     Plan* plan) {
+  LSQ_REQUIRE(config >= 0 && config < kNumConfigs);
+  LSQ_REQUIRE(dtype == kDtypeFp16 || dtype == kDtypeBf16);
+  LSQ_REQUIRE(group_size == 32 || group_size == 64 || group_size == 128);
+  constexpr int64_t kMax = 0x7FFFFFFF;
+  LSQ_REQUIRE(m >= 0 && n >= 1 && k >= 1 && m <= kMax && n <= kMax - 64 && k <= kMax - 128);
+  LSQ_REQUIRE(ldx >= k && ldy >= n);
+  LSQ_REQUIRE(x && qweight && qparams && y);
+  LSQ_REQUIRE(aligned(qweight, 16) && aligned(qparams, 16));
+  const ConfigInfo& c = kConfigs[config];
+  const int64_t k_steps = ceil_div(k, c.block_k);
+  LSQ_REQUIRE(split_k >= 1 && split_k <= k_steps && split_k <= 65535);
+  const int64_t steps_per_split = ceil_div(k_steps, split_k);
+  LSQ_REQUIRE((split_k - 1) * steps_per_split < k_steps);  // no split may be empty
+  LSQ_REQUIRE(split_k == 1 || (workspace && aligned(workspace, 16)));
+  const int64_t m_tiles = ceil_div(m, c.block_m);
+  LSQ_REQUIRE(m_tiles <= 65535);
+
+  Params& p = plan->p;
+  p.x = x;
+  p.qweight = reinterpret_cast<const uint32_t*>(qweight);
+  p.qparams = static_cast<const uint32_t*>(qparams);
+  p.y = y;
+  p.workspace = workspace;
+  p.ldx = ldx;
+  p.ldy = ldy;
+  p.m = static_cast<int>(m);
+  p.n = static_cast<int>(n);
+  p.k = static_cast<int>(k);
+  p.np = static_cast<int>(ceil_div(n, 64) * 64);
+  p.kp = static_cast<int>(ceil_div(k, group_size) * group_size);
+  p.gs_log2 = group_size == 32 ? 5 : group_size == 64 ? 6 : 7;
+  p.k_steps = static_cast<int>(k_steps);
+  p.steps_per_split = static_cast<int>(steps_per_split);
+  p.a_vec = aligned(x, 16) && ldx % 8 == 0;
+  p.y_vec = aligned(y, 4) && ldy % 2 == 0;
+  plan->config = config;
+  plan->split_k = split_k;
+  plan->bf16 = dtype == kDtypeBf16;
+  plan->grid_x = static_cast<unsigned>(ceil_div(n, c.block_n));
+  plan->grid_y = static_cast<unsigned>(m_tiles);
+  const int y_vec8 = aligned(y, 8) && ldy % 4 == 0;
+  plan->reduce = Reduce{workspace, y, ldy, p.m, p.n, p.np, split_k, y_vec8};
+  return 0;
 }
 
 #define LSQ_TILE(id, bm, bn, bk, wm, wn, st, minb) \
@@ -567,25 +558,62 @@ cudaError_t launch(const Params& p, dim3 grid, cudaStream_t stream) {
 LSQ_W4A16_CONFIGS(LSQ_TILE)
 #undef LSQ_TILE
 
-static cudaError_t dispatch(int config, bool bf16, const Params& p, dim3 grid,
-                            cudaStream_t stream) {
-  switch (config) {
-#define LSQ_CASE(id, bm, bn, bk, wm, wn, st, minb)                 \
-  case id:                                                         \
-    return bf16 ? launch<Tile##id, true>(p, grid, stream)          \
-                : launch<Tile##id, false>(p, grid, stream);
+// Calls runner.template run<Tile, BF16>() for the plan's config and dtype.
+template <class Runner>
+int dispatch(const Plan& plan, Runner& runner) {
+  switch (plan.config) {
+#define LSQ_CASE(id, bm, bn, bk, wm, wn, st, minb) \
+  case id:                                         \
+    return plan.bf16 ? runner.template run<Tile##id, true>() : runner.template run<Tile##id, false>();
     LSQ_W4A16_CONFIGS(LSQ_CASE)
 #undef LSQ_CASE
     default:
-      return cudaErrorInvalidValue;
+      return static_cast<int>(cudaErrorInvalidValue);
   }
 }
 
-static inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+struct Launcher {
+  const Plan& plan;
+  cudaStream_t stream;
+  template <class T, bool BF16>
+  int run() {
+    static std::atomic<uint64_t> smem_set{0};
+    auto kernel = w4a16_gemm_kernel<T, BF16>;
+    cudaError_t err = allow_smem(kernel, T::SMEM, smem_set);
+    if (err != cudaSuccess) return static_cast<int>(err);
+    const dim3 grid(plan.grid_x, plan.grid_y, static_cast<unsigned>(plan.split_k));
+    kernel<<<grid, T::THREADS, T::SMEM, stream>>>(plan.p);
+    const int status = lsq_launch_status();
+    if (status || plan.split_k == 1) return status;
+    const int64_t quads = (int64_t)plan.p.m * (plan.p.np / 4);
+    const unsigned blocks = static_cast<unsigned>(ceil_div(quads, 256));
+    lsq_reduce_splits<BF16><<<blocks, 256, 0, stream>>>(plan.reduce);
+    return lsq_launch_status();
+  }
+};
 
-static inline bool aligned(const void* ptr, uintptr_t bytes) {
-  return (reinterpret_cast<uintptr_t>(ptr) % bytes) == 0;
-}
+struct Emulator {
+  const Plan& plan;
+  const lsq_simt::emulate::Options* options;
+  template <class T, bool BF16>
+  int run() {
+#ifdef __CUDA_ARCH__
+    return 0;
+#else
+    const Params& p = plan.p;
+    const bool one_m_tile = plan.grid_y == 1, split = plan.split_k > 1;
+    emulate::run_grid(
+        plan.grid_x, plan.grid_y, static_cast<unsigned>(plan.split_k), T::THREADS, T::SMEM,
+        [&](unsigned x, unsigned y, unsigned z, int tid, void* smem) {
+          gemm_block<T, BF16>(p, x, y, z, one_m_tile, split, tid, static_cast<uint8_t*>(smem));
+        },
+        *options);
+    if (split)
+      for (int64_t q = 0; q < (int64_t)p.m * (p.np / 4); ++q) reduce_quad<BF16>(plan.reduce, q);
+    return 0;
+#endif
+  }
+};
 
 }  // namespace lsq_gemm
 
@@ -612,66 +640,38 @@ int lsq_w4a16_gemm(const void* x, int64_t ldx, const int32_t* qweight, const voi
                    int64_t ldy, float* workspace, int64_t m, int64_t n, int64_t k,
                    int32_t group_size, int32_t dtype, int32_t config, int32_t split_k,
                    void* stream) {
-  constexpr int kInvalid = static_cast<int>(cudaErrorInvalidValue);
-  if (config < 0 || config >= lsq_gemm::kNumConfigs) return kInvalid;
-  if (dtype != lsq_gemm::kDtypeFp16 && dtype != lsq_gemm::kDtypeBf16) return kInvalid;
-  int gs_log2;
-  switch (group_size) {
-    case 32: gs_log2 = 5; break;
-    case 64: gs_log2 = 6; break;
-    case 128: gs_log2 = 7; break;
-    default: return kInvalid;
-  }
-  constexpr int64_t kMax = 0x7FFFFFFF;
-  if (m < 0 || n < 1 || k < 1 || m > kMax || n > kMax - 64 || k > kMax - 128) return kInvalid;
-  if (ldx < k || ldy < n) return kInvalid;
-  if (!x || !qweight || !qparams || !y) return kInvalid;
-  if (!lsq_gemm::aligned(qweight, 16) || !lsq_gemm::aligned(qparams, 16)) return kInvalid;
-  const lsq_gemm::ConfigInfo& c = lsq_gemm::kConfigs[config];
-  const int64_t k_steps = lsq_gemm::ceil_div(k, c.block_k);
-  if (split_k < 1 || split_k > k_steps || split_k > 65535) return kInvalid;
-  const int64_t steps_per_split = lsq_gemm::ceil_div(k_steps, split_k);
-  if ((split_k - 1) * steps_per_split >= k_steps) return kInvalid;  // a split would be empty
-  if (split_k > 1 && (!workspace || !lsq_gemm::aligned(workspace, 16))) return kInvalid;
-  const int64_t m_tiles = lsq_gemm::ceil_div(m, c.block_m);
-  if (m_tiles > 65535) return kInvalid;
-  if (m == 0) return 0;
+  lsq_gemm::Plan plan;
+  const int err = lsq_gemm::plan_gemm(x, ldx, qweight, qparams, y, ldy, workspace, m, n, k,
+                                      group_size, dtype, config, split_k, &plan);
+  if (err || m == 0) return err;
+  lsq_gemm::Launcher launcher{plan, static_cast<cudaStream_t>(stream)};
+  return lsq_gemm::dispatch(plan, launcher);
+}
 
-  lsq_gemm::Params p;
-  p.x = x;
-  p.qweight = reinterpret_cast<const uint32_t*>(qweight);
-  p.qparams = static_cast<const uint32_t*>(qparams);
-  p.y = y;
-  p.workspace = workspace;
-  p.ldx = ldx;
-  p.ldy = ldy;
-  p.m = static_cast<int>(m);
-  p.n = static_cast<int>(n);
-  p.k = static_cast<int>(k);
-  p.np = static_cast<int>(lsq_gemm::ceil_div(n, 64) * 64);
-  p.kp = static_cast<int>(lsq_gemm::ceil_div(k, group_size) * group_size);
-  p.gs_log2 = gs_log2;
-  p.k_steps = static_cast<int>(k_steps);
-  p.steps_per_split = static_cast<int>(steps_per_split);
-  p.a_vec = lsq_gemm::aligned(x, 16) && ldx % 8 == 0;
-  p.y_vec = lsq_gemm::aligned(y, 4) && ldy % 2 == 0;
-
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const dim3 grid(static_cast<unsigned>(lsq_gemm::ceil_div(n, c.block_n)),
-                  static_cast<unsigned>(m_tiles), static_cast<unsigned>(split_k));
-  cudaError_t err = lsq_gemm::dispatch(config, dtype == lsq_gemm::kDtypeBf16, p, grid, s);
-  if (err != cudaSuccess || split_k == 1) return static_cast<int>(err);
-
-  const int64_t threads = m * (p.np / 4);
-  const unsigned blocks = static_cast<unsigned>(lsq_gemm::ceil_div(threads, 256));
-  const int y_vec8 = lsq_gemm::aligned(y, 8) && ldy % 4 == 0;
-  if (dtype == lsq_gemm::kDtypeBf16)
-    lsq_gemm::lsq_reduce_splits<true><<<blocks, 256, 0, s>>>(workspace, y, ldy, p.m, p.n, p.np,
-                                                        split_k, y_vec8);
-  else
-    lsq_gemm::lsq_reduce_splits<false><<<blocks, 256, 0, s>>>(workspace, y, ldy, p.m, p.n, p.np,
-                                                         split_k, y_vec8);
-  return static_cast<int>(cudaGetLastError());
+// The same computation run on the CPU by the SIMT emulator (csrc/simt.cuh), on host pointers:
+// for tests without a GPU. Same arguments and checks as lsq_w4a16_gemm; instead of a stream,
+// copies_land_at_issue picks when cp.async copies land (0: at their wait, 1: at issue). The
+// emulated cp.async refuses to read outside x, qweight and qparams.
+int lsq_emulate_w4a16_gemm(const void* x, int64_t ldx, const int32_t* qweight,
+                           const void* qparams, void* y, int64_t ldy, float* workspace,
+                           int64_t m, int64_t n, int64_t k, int32_t group_size, int32_t dtype,
+                           int32_t config, int32_t split_k, int32_t copies_land_at_issue) {
+  lsq_gemm::Plan plan;
+  const int err = lsq_gemm::plan_gemm(x, ldx, qweight, qparams, y, ldy, workspace, m, n, k,
+                                      group_size, dtype, config, split_k, &plan);
+  if (err || m == 0) return err;
+  const lsq_gemm::Params& p = plan.p;
+  auto range = [](const void* begin, int64_t bytes) {
+    const uint8_t* b = static_cast<const uint8_t*>(begin);
+    return lsq_simt::emulate::Range{b, b + bytes};
+  };
+  lsq_simt::emulate::Options options;
+  options.copies_land_at_issue = copies_land_at_issue != 0;
+  options.readable = {range(x, ((m - 1) * ldx + k) * 2),
+                      range(qweight, (int64_t)(p.kp / 16) * (2 * p.np) * 4),
+                      range(qparams, (int64_t)(p.kp >> p.gs_log2) * p.np * 4)};
+  lsq_gemm::Emulator emulator{plan, &options};
+  return lsq_gemm::dispatch(plan, emulator);
 }
 
 }  // extern "C"

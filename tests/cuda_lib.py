@@ -1,12 +1,12 @@
-"""Build and call the csrc paged-attention and KV-write kernels from tests (ctypes, no torch
-headers): the shared part of ``test_cuda_attention_build.py`` (CPU: compile checks, argument
-checks, the kernels run by the SIMT emulator) and ``test_cuda_attention_gpu.py`` (the kernels on
-a GPU).
+"""Build and call the csrc kernels from tests (ctypes, no torch headers): the shared part of
+``test_cuda_attention_build.py`` and ``test_cuda_gemm.py`` (CPU: compile checks, argument
+checks, the kernels run by the SIMT emulator) and ``test_cuda_attention_gpu.py`` and
+``test_cuda_gemm_gpu.py`` (the kernels on a GPU).
 
 The library (all of csrc, as the cuda backend builds it) is compiled at most once per test
 session (per architecture list). The entry points are ``lsq_paged_decode_attention``,
-``lsq_kv_write`` (``_i32``) and their ``lsq_emulate_*`` twins, which run the very same block
-bodies on the CPU (``csrc/simt.cuh``) on host pointers.
+``lsq_kv_write`` (``_i32``), ``lsq_w4a16_gemm`` and their ``lsq_emulate_*`` twins, which run
+the very same block bodies on the CPU (``csrc/simt.cuh``) on host pointers.
 """
 
 from __future__ import annotations
@@ -401,3 +401,80 @@ def saturate(cache, tables: torch.Tensor, seq: int, positions: list[int], seed: 
     v[..., ::2] = -65504.0
     v[:, :, 1] = 7e4  # beyond fp16: clamped by the quantizer
     cache.layer(0).write(k.to(s.dtype), v.to(s.dtype), slots)
+
+
+# ---------------------------------------------------------------------------------------------
+# The W4A16 GEMM (csrc/w4a16_gemm.cu): data and calls shared by test_cuda_gemm.py (emulated)
+# and test_cuda_gemm_gpu.py.
+
+GEMM_DTYPES = {F16: 2, BF16: 1}  # STORAGE_KINDS codes
+# Relative Frobenius error against the fp64 reference; see test_cuda_gemm_gpu.py's docstring.
+GEMM_TOLERANCE = {F16: 2e-3, BF16: 1e-2}
+
+
+def gemm_weight(
+    n: int, k: int, gs: int, seed: int, device: str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random codes, scales and zero points, packed by the reference packer."""
+    from runtime.artifact import layout
+
+    g = torch.Generator().manual_seed(seed)
+    groups = -(-k // gs)
+    q = torch.randint(0, 16, (n, k), generator=g)
+    scale = torch.rand(n, groups, generator=g) * 0.02 + 0.002
+    zero = torch.randint(0, 16, (n, groups), generator=g)
+    qweight = layout.pack_qweight(q, gs).to(device)
+    qparams = layout.pack_qparams(scale, zero, gs, k).to(device)
+    return qweight, qparams
+
+
+def gemm_reference(x: torch.Tensor, qweight, qparams, n: int, k: int, gs: int) -> torch.Tensor:
+    """x @ W_hat^T in fp64, W_hat dequantized by the layout's reference."""
+    from runtime.artifact import layout
+
+    w = layout.dequantize(qweight, qparams, n, k, gs)
+    return x.double() @ w.double().T
+
+
+def gemm(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qparams: torch.Tensor,
+    n: int,
+    k: int,
+    gs: int,
+    config: int,
+    split_k: int,
+    y: torch.Tensor | None = None,
+    emulate_landing: int | None = None,
+) -> torch.Tensor:
+    """y = x @ W_hat^T by lsq_w4a16_gemm on torch's current stream, or, with emulate_landing
+    (0: cp.async copies land at their wait, 1: at issue), by lsq_emulate_w4a16_gemm on the CPU.
+    x and y may be row views."""
+    m = x.shape[0]
+    assert x.stride(1) == 1 and x.shape[1] == k
+    if y is None:
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    np_ = -(-n // 64) * 64
+    workspace = torch.empty(max(1, split_k * m * np_), dtype=torch.float32, device=x.device)
+    args = [x.data_ptr(), x.stride(0), qweight.data_ptr(), qparams.data_ptr(), y.data_ptr()]
+    args += [y.stride(0), workspace.data_ptr(), m, n, k, gs, GEMM_DTYPES[x.dtype], config, split_k]
+    if emulate_landing is None:
+        rc = lib.lsq_w4a16_gemm(*args, torch.cuda.current_stream().cuda_stream)
+    else:
+        rc = lib.lsq_emulate_w4a16_gemm(*args, emulate_landing)
+    assert rc == 0, f"lsq_w4a16_gemm returned cudaError {rc}"
+    return y
+
+
+def gemm_rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref).norm() / ref.norm())
+
+
+def gemm_splits_to_try(cfg, k: int, gs: int) -> list[int]:
+    """1, the largest valid split up to 8, and one in between."""
+    from runtime.kernels.cuda import gemm_plan as gp
+
+    valid = [s for s in range(1, 9) if gp.split_ok(cfg, k, gs, s)]
+    return sorted({valid[0], valid[len(valid) // 2], valid[-1]})

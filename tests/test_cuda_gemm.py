@@ -7,6 +7,16 @@ cores (HMMA), ldmatrix (LDSM) and cp.async (LDGSTS) and converts no int4 code wi
 library loads with ctypes on a machine without a GPU (static cudart), where its config table and
 argument checks answer. Planning is checked against SmolLM2-135M, Llama-3-8B and Qwen2.5-7B
 shapes on a 132-SM GPU. The GPU's own checks are in test_cuda_gemm_gpu.py.
+
+The kernel itself runs here too: ``lsq_emulate_w4a16_gemm`` executes the very block body the GPU
+runs, thread by thread, under csrc/simt.cuh's emulation of the PTX it uses (mma fragments,
+ldmatrix, cp.async groups, the fp16/bf16 bit tricks). Every tile config and dtype, split-K,
+every group size against both k-step depths, several row tiles, ragged K and N, strides and the
+plain-load path are compared with the fp64 reference at the GPU test's tolerances. Each case
+runs twice, with cp.async copies landing at their wait (a stage read too early sees stale bytes;
+shared memory starts as NaNs) and at issue (a copy into a stage still being read overwrites it):
+a correct pipeline gives the same bits both ways. The emulated cp.async also refuses to read
+outside the tensors it was given.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from runtime.kernels.cuda import gemm_plan as gp
 from tests import cuda_lib
@@ -320,3 +331,83 @@ def test_a_valid_call_reaches_cuda(lib: ctypes.CDLL) -> None:
     for config, split in ((0, 1), (1, 5)):  # below and above 48 KiB of shared memory
         rc = _call(lib, m=1, config=config, split_k=split)
         assert rc not in (0, INVALID), rc
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel run by the SIMT emulator on the CPU.
+
+
+def _emulated(lib, x, qweight, qparams, n, k, gs, config, split, y=None) -> torch.Tensor:
+    """The emulated GEMM with copies landing late and early: the same bits, or a pipeline bug."""
+    late = cuda_lib.gemm(lib, x, qweight, qparams, n, k, gs, config, split, y, emulate_landing=0)
+    late = late.clone()
+    early = cuda_lib.gemm(lib, x, qweight, qparams, n, k, gs, config, split, y, emulate_landing=1)
+    assert torch.equal(late, early), f"config {config} split {split}: landing changes the result"
+    return early
+
+
+def _check(y: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    err = cuda_lib.gemm_rel_err(y, ref)
+    assert torch.isfinite(y).all() and err < cuda_lib.GEMM_TOLERANCE[y.dtype], f"{what}: {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", list(cuda_lib.GEMM_DTYPES))
+@pytest.mark.parametrize("config", range(8))
+def test_emulated_every_config(
+    lib: ctypes.CDLL, table: tuple[gp.TileConfig, ...], config: int, dtype
+) -> None:
+    """N = 200 (a partial 64-column unit, a partial tile), K = 300 at group 32 (a ragged last
+    k-step and K padding); one row, and two row tiles (BM + 3 rows); no split, and splits."""
+    n, k, gs = 200, 300, 32
+    cfg = table[config]
+    qweight, qparams = cuda_lib.gemm_weight(n, k, gs, seed=config)
+    gen = torch.Generator().manual_seed(config)
+    for m in (1, cfg.block_m + 3):
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        ref = cuda_lib.gemm_reference(x, qweight, qparams, n, k, gs)
+        for split in cuda_lib.gemm_splits_to_try(cfg, k, gs):
+            y = _emulated(lib, x, qweight, qparams, n, k, gs, config, split)
+            _check(y, ref, f"m={m} split={split}")
+
+
+@pytest.mark.parametrize(("n", "k", "gs"), [(960, 576, 64), (136, 1000, 128), (64, 384, 32)])
+def test_emulated_group_sizes(
+    lib: ctypes.CDLL, table: tuple[gp.TileConfig, ...], n: int, k: int, gs: int
+) -> None:
+    """Each group size against both k-step depths: BK = 128 (several groups a step at gs 32 and
+    64) and BK = 64 (a group across two steps at gs 128). SmolLM2's fused qkv is the first."""
+    qweight, qparams = cuda_lib.gemm_weight(n, k, gs, seed=gs)
+    gen = torch.Generator().manual_seed(gs)
+    for dtype in cuda_lib.GEMM_DTYPES:
+        x = torch.randn(5, k, generator=gen).to(dtype)
+        ref = cuda_lib.gemm_reference(x, qweight, qparams, n, k, gs)
+        for cfg in (table[0], table[3]):  # BK 128 and 64
+            split = cuda_lib.gemm_splits_to_try(cfg, k, gs)[-1]
+            assert cfg.block_k in (64, 128)
+            y = _emulated(lib, x, qweight, qparams, n, k, gs, cfg.id, split)
+            _check(y, ref, f"{dtype} config {cfg.id} split {split}")
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_emulated_strides_and_padding_left_alone(
+    lib: ctypes.CDLL, table: tuple[gp.TileConfig, ...], aligned: bool
+) -> None:
+    """x and y as row views of wider buffers; an unaligned x (odd offset and stride) takes the
+    plain-load path, an odd y stride the scalar stores; y's columns past N and rows past M keep
+    their NaNs."""
+    n, k, gs, m = 200, 300, 32, 19
+    qweight, qparams = cuda_lib.gemm_weight(n, k, gs, seed=7)
+    gen = torch.Generator().manual_seed(7)
+    for dtype in cuda_lib.GEMM_DTYPES:
+        if aligned:  # ldx = 320: 16-byte rows, the cp.async path
+            x = torch.randn(m, k + 20, generator=gen).to(dtype)[:, :k]
+        else:  # 2 bytes past an aligned address, ldx = 303
+            x = torch.randn(m * (k + 3) + 1, generator=gen).to(dtype)[1:].view(m, k + 3)[:, :k]
+        assert (x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0) == aligned
+        ref = cuda_lib.gemm_reference(x, qweight, qparams, n, k, gs)
+        for config, split in ((0, 1), (4, 2)):
+            out = torch.full((m + 2, n + (6 if aligned else 5)), float("nan"), dtype=dtype)
+            y = out[:m, :n]
+            _emulated(lib, x, qweight, qparams, n, k, gs, config, split, y=y)
+            _check(y, ref, f"{dtype} config {config} split {split}")
+            assert out[:m, n:].isnan().all() and out[m:].isnan().all(), (config, split)

@@ -24,12 +24,17 @@ import ctypes
 import pytest
 import torch
 
-from runtime.artifact import layout
 from runtime.kernels.cuda import gemm_plan as gp
 from tests import cuda_lib
-
-DTYPES = {torch.float16: 2, torch.bfloat16: 1}  # STORAGE_KINDS codes
-TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+from tests.cuda_lib import (
+    GEMM_DTYPES,
+    GEMM_TOLERANCE,
+    gemm,
+    gemm_reference,
+    gemm_rel_err,
+    gemm_splits_to_try,
+    gemm_weight,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -52,108 +57,41 @@ def table(lib: ctypes.CDLL) -> tuple[gp.TileConfig, ...]:
     return gp.configs(lib)
 
 
-def make_weight(n: int, k: int, gs: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random codes, scales and zero points, packed by the reference packer, on the GPU."""
-    g = torch.Generator().manual_seed(seed)
-    groups = -(-k // gs)
-    q = torch.randint(0, 16, (n, k), generator=g)
-    scale = torch.rand(n, groups, generator=g) * 0.02 + 0.002
-    zero = torch.randint(0, 16, (n, groups), generator=g)
-    qweight = layout.pack_qweight(q, gs).cuda()
-    qparams = layout.pack_qparams(scale, zero, gs, k).cuda()
-    return qweight, qparams
-
-
-def reference(x: torch.Tensor, qweight, qparams, n: int, k: int, gs: int) -> torch.Tensor:
-    w = layout.dequantize(qweight, qparams, n, k, gs)
-    return x.double() @ w.double().T
-
-
-def gemm(
-    lib: ctypes.CDLL,
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    qparams: torch.Tensor,
-    n: int,
-    k: int,
-    gs: int,
-    config: int,
-    split_k: int,
-    y: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """y = x @ W_hat^T by lsq_w4a16_gemm on torch's current stream; x and y may be row views."""
-    m = x.shape[0]
-    assert x.stride(1) == 1 and x.shape[1] == k
-    if y is None:
-        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    np_ = -(-n // 64) * 64
-    workspace = torch.empty(max(1, split_k * m * np_), dtype=torch.float32, device=x.device)
-    rc = lib.lsq_w4a16_gemm(
-        x.data_ptr(),
-        x.stride(0),
-        qweight.data_ptr(),
-        qparams.data_ptr(),
-        y.data_ptr(),
-        y.stride(0),
-        workspace.data_ptr(),
-        m,
-        n,
-        k,
-        gs,
-        DTYPES[x.dtype],
-        config,
-        split_k,
-        torch.cuda.current_stream().cuda_stream,
-    )
-    assert rc == 0, f"lsq_w4a16_gemm returned cudaError {rc}"
-    return y
-
-
-def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((y.double() - ref).norm() / ref.norm())
-
-
-def splits_to_try(cfg: gp.TileConfig, k: int, gs: int) -> list[int]:
-    """1, the largest valid split up to 8, and one in between."""
-    valid = [s for s in range(1, 9) if gp.split_ok(cfg, k, gs, s)]
-    return sorted({valid[0], valid[len(valid) // 2], valid[-1]})
-
-
-@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("dtype", list(GEMM_DTYPES))
 @pytest.mark.parametrize(("n", "k", "gs"), SHAPES)
 def test_every_config_and_split_against_the_reference(
     lib: ctypes.CDLL, table: tuple[gp.TileConfig, ...], n: int, k: int, gs: int, dtype
 ) -> None:
-    qweight, qparams = make_weight(n, k, gs, seed=n + k)
+    qweight, qparams = gemm_weight(n, k, gs, seed=n + k, device="cuda")
     failures = []
     for m in ROWS:
         x = torch.randn(m, k, device="cuda").to(dtype)
-        ref = reference(x, qweight, qparams, n, k, gs)
+        ref = gemm_reference(x, qweight, qparams, n, k, gs)
         for cfg in table:
-            for split in splits_to_try(cfg, k, gs):
+            for split in gemm_splits_to_try(cfg, k, gs):
                 y = gemm(lib, x, qweight, qparams, n, k, gs, cfg.id, split)
                 torch.cuda.synchronize()
-                err = rel_err(y, ref)
-                if not (torch.isfinite(y).all() and err < TOLERANCE[dtype]):
+                err = gemm_rel_err(y, ref)
+                if not (torch.isfinite(y).all() and err < GEMM_TOLERANCE[dtype]):
                     failures.append(f"m={m} config={cfg.id} split={split}: rel err {err:.2e}")
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("dtype", list(GEMM_DTYPES))
 def test_planned_launches(lib: ctypes.CDLL, table: tuple[gp.TileConfig, ...], dtype) -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     shapes = [(960, 576, 64), (576, 1536, 64), (6144, 4096, 128), (4096, 14336, 128)]
     for i, (n, k, gs) in enumerate(shapes):
-        qweight, qparams = make_weight(n, k, gs, seed=i)
+        qweight, qparams = gemm_weight(n, k, gs, seed=i, device="cuda")
         for m in (1, 16, 100, 512):
             p = gp.plan(table, m, n, k, gs, sms)
             x = torch.randn(m, k, device="cuda").to(dtype)
             y = gemm(lib, x, qweight, qparams, n, k, gs, p.config, p.split_k)
-            err = rel_err(y, reference(x, qweight, qparams, n, k, gs))
-            assert err < TOLERANCE[dtype], (n, k, m, p, err)
+            err = gemm_rel_err(y, gemm_reference(x, qweight, qparams, n, k, gs))
+            assert err < GEMM_TOLERANCE[dtype], (n, k, m, p, err)
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("dtype", list(GEMM_DTYPES))
 @pytest.mark.parametrize("aligned", [True, False])
 def test_strides_and_padding_left_alone(
     lib: ctypes.CDLL, table: tuple[gp.TileConfig, ...], dtype, aligned: bool
@@ -161,29 +99,29 @@ def test_strides_and_padding_left_alone(
     """x and y as row views of wider buffers; unaligned x (odd offset and stride) takes the
     kernel's plain-load path; y's columns past N and rows past M keep their NaNs."""
     n, k, gs, m = 200, 300, 32, 19
-    qweight, qparams = make_weight(n, k, gs, seed=7)
+    qweight, qparams = gemm_weight(n, k, gs, seed=7, device="cuda")
     if aligned:  # ldx = 320: 16-byte rows, the cp.async path
         x = torch.randn(m, k + 20, device="cuda").to(dtype)[:, :k]
     else:  # 2 bytes past an aligned address, ldx = 303
         flat = torch.randn(m * (k + 3) + 1, device="cuda").to(dtype)
         x = flat[1:].view(m, k + 3)[:, :k]
     assert (x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0) == aligned
-    ref = reference(x, qweight, qparams, n, k, gs)
+    ref = gemm_reference(x, qweight, qparams, n, k, gs)
     for cfg in table:
-        for split in splits_to_try(cfg, k, gs):
+        for split in gemm_splits_to_try(cfg, k, gs):
             out = torch.full((m + 2, n + 5), float("nan"), dtype=dtype, device="cuda")
             y = out[:m, :n]
             gemm(lib, x, qweight, qparams, n, k, gs, cfg.id, split, y=y)
-            assert rel_err(y, ref) < TOLERANCE[dtype], (cfg, split)
+            assert gemm_rel_err(y, ref) < GEMM_TOLERANCE[dtype], (cfg, split)
             assert out[:m, n:].isnan().all() and out[m:].isnan().all(), (cfg, split)
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("dtype", list(GEMM_DTYPES))
 def test_split_k_is_bit_reproducible(
     lib: ctypes.CDLL, table: tuple[gp.TileConfig, ...], dtype
 ) -> None:
     n, k, gs = 4096, 4096, 128
-    qweight, qparams = make_weight(n, k, gs, seed=3)
+    qweight, qparams = gemm_weight(n, k, gs, seed=3, device="cuda")
     x = torch.randn(16, k, device="cuda").to(dtype)
     cfg = table[0]
     first = gemm(lib, x, qweight, qparams, n, k, gs, cfg.id, 8)
@@ -195,7 +133,7 @@ def test_captured_in_a_cuda_graph(lib: ctypes.CDLL, table: tuple[gp.TileConfig, 
     """Launched on torch's current stream, so a graph capture records the GEMM and its split-K
     reduction; replays read the static input's new values."""
     n, k, gs, m = 960, 576, 64, 4
-    qweight, qparams = make_weight(n, k, gs, seed=5)
+    qweight, qparams = gemm_weight(n, k, gs, seed=5, device="cuda")
     x = torch.randn(m, k, device="cuda").half()
     y = torch.empty(m, n, dtype=torch.float16, device="cuda")
     cfg = table[0]
@@ -207,4 +145,5 @@ def test_captured_in_a_cuda_graph(lib: ctypes.CDLL, table: tuple[gp.TileConfig, 
     x.copy_(torch.randn(m, k, device="cuda").half())
     graph.replay()
     torch.cuda.synchronize()
-    assert rel_err(y, reference(x, qweight, qparams, n, k, gs)) < TOLERANCE[torch.float16]
+    ref = gemm_reference(x, qweight, qparams, n, k, gs)
+    assert gemm_rel_err(y, ref) < GEMM_TOLERANCE[torch.float16]
