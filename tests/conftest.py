@@ -194,6 +194,21 @@ def rtn_artifact(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPath
 
 
 @pytest.fixture(scope="session")
+def rtn_artifact_d64(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    """A tiny Llama whose head_dim (64) the csrc decode attention is built for."""
+    from click.testing import CliRunner
+
+    from lite.cli import main
+
+    root = tmp_path_factory.mktemp("d64")
+    src = make_tiny_model("llama", root / "src", tokenizer_dir, head_dim=64)
+    args = ["auto_awq", str(src), "--work-dir", str(root / "art"), "--calib-samples", "0"]
+    result = CliRunner().invoke(main, [*args, "--quiet", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    return root / "art"
+
+
+@pytest.fixture(scope="session")
 def smollm2() -> Path:
     """The real model as a converted HF directory (cached across runs in the liteserve cache)."""
     from lite.sources import resolve

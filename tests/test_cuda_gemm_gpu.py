@@ -6,15 +6,16 @@ config, with and without split-K, is compared to ``x @ dequantize(qweight, qpara
 
 * fp16: relative Frobenius error < 2e-3. The kernel rounds each weight q*s + b to fp16 once
   (fma of the exact code with the stored fp16 s and b: 2^-11 relative) and the output to fp16
-  (2^-11), with fp32 accumulation; a lane-level emulation of the kernel measured ~3e-4.
+  (2^-11), with fp32 accumulation; the emulated kernel (test_cuda_gemm.py) measures ~3e-4.
 * bf16: < 1e-2. bf16 keeps 8 significant bits: s and b are rounded to bf16 before the fma
   (b = -z*s is up to 15 s, so its rounding is up to 15 s * 2^-9), the weight and the output once
   each; the emulation measured ~4e-3.
 
 Shapes are the odd ones: K = 576 at group 64 (SmolLM2), N not a multiple of 64, K not a multiple
 of the group (zero padding), M = 1, 3, 17, 256. Also: row strides and an unaligned x (the
-kernel's scalar path), output padding left untouched, bit-identical split-K reruns, and a
-capture into a CUDA graph. Skipped without a GPU (and without nvcc).
+kernel's scalar path), output padding left untouched, bit-identical split-K reruns, a capture
+into a CUDA graph, and the hardware against the CPU emulation of the same block body. Skipped
+without a GPU (and without nvcc).
 """
 
 from __future__ import annotations
@@ -147,3 +148,20 @@ def test_captured_in_a_cuda_graph(lib: ctypes.CDLL, table: tuple[gp.TileConfig, 
     torch.cuda.synchronize()
     ref = gemm_reference(x, qweight, qparams, n, k, gs)
     assert gemm_rel_err(y, ref) < GEMM_TOLERANCE[torch.float16]
+
+
+@pytest.mark.parametrize("dtype", list(GEMM_DTYPES))
+def test_agrees_with_its_emulation(lib: ctypes.CDLL, table: tuple[gp.TileConfig, ...], dtype):
+    """The GPU and the CPU emulation of the same block body (csrc/simt.cuh). Both accumulate in
+    fp32, in a different order inside an mma, so outputs may differ by an ulp of the output
+    dtype: a relative error under a quarter of the reference tolerance. If the reference
+    comparison ever fails only on the GPU, this says whether the emulator models the PTX wrong."""
+    n, k, gs, m = 200, 300, 32, 19
+    qweight, qparams = gemm_weight(n, k, gs, seed=11)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(11)).to(dtype)
+    for cfg in table:
+        split = gemm_splits_to_try(cfg, k, gs)[-1]
+        emulated = gemm(lib, x, qweight, qparams, n, k, gs, cfg.id, split, emulate_landing=0)
+        on_gpu = gemm(lib, x.cuda(), qweight.cuda(), qparams.cuda(), n, k, gs, cfg.id, split)
+        err = gemm_rel_err(on_gpu.cpu(), emulated.double())
+        assert err < GEMM_TOLERANCE[dtype] / 4, (cfg, split, err)

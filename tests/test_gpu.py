@@ -207,22 +207,6 @@ def test_runtime_serve_triton_answers_a_chat(rtn_artifact: Path, tmp_path: Path)
     assert "Traceback" not in log.read_text(), log.read_text()
 
 
-@pytest.fixture(scope="module")
-def rtn_artifact_d64(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
-    """A tiny Llama whose head_dim (64) the csrc decode attention is built for."""
-    from click.testing import CliRunner
-
-    from lite.cli import main
-    from tests.conftest import make_tiny_model
-
-    root = tmp_path_factory.mktemp("d64")
-    src = make_tiny_model("llama", root / "src", tokenizer_dir, head_dim=64)
-    args = ["auto_awq", str(src), "--work-dir", str(root / "art"), "--calib-samples", "0"]
-    result = CliRunner().invoke(main, [*args, "--quiet", "--device", "cpu"])
-    assert result.exit_code == 0, result.output
-    return root / "art"
-
-
 @pytest.mark.parametrize("head_dim", [16, 64])
 @pytest.mark.parametrize("kv_quant", ["none", "int8", "int4"])
 def test_cuda_backend_matches_triton(

@@ -150,7 +150,10 @@ def test_lite_tune_pins_configs_the_backend_uses(
 
 
 def test_runtime_cli_reports_the_triton_backend(
-    rtn_artifact: Path, caplog: pytest.LogCaptureFixture, device: torch.device
+    rtn_artifact: Path,
+    caplog: pytest.LogCaptureFixture,
+    device: torch.device,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from runtime.cli import main as runtime_main
 
@@ -162,6 +165,7 @@ def test_runtime_cli_reports_the_triton_backend(
     detail = f"{arch_key(device)}: heuristics"
     assert f"backend triton ({detail}), float16 activations" in caplog.text
     if device.type == "cpu":  # on a GPU host the cuda backend may well run
+        monkeypatch.delenv("TRITON_INTERPRET")  # as on a serving host (else: emulated kernels)
         bad = CliRunner().invoke(runtime_main, [a if a != "triton" else "cuda" for a in args[1:]])
         assert bad.exit_code != 0 and "backend 'cuda' needs a CUDA GPU" in bad.output
 

@@ -230,12 +230,15 @@ def _make(name: str, pinned: dict[str, dict[str, dict[str, int]]], device: str) 
         )
     from runtime.kernels.triton.backend import TritonBackend
 
-    return TritonBackend(_gpu_device(device), pinned)
+    return TritonBackend(_gpu_device(device, "triton"), pinned)
 
 
 def _cuda(pinned: dict[str, dict[str, dict[str, int]]], device: str) -> Backend:
-    if not torch.cuda.is_available():
-        raise BackendError("backend 'cuda' needs a CUDA GPU; use --backend cpu here")
+    if not torch.cuda.is_available() and not interpreting():
+        raise BackendError(
+            "backend 'cuda' needs a CUDA GPU (TRITON_INTERPRET=1 runs its kernels on the CPU "
+            "through the csrc emulator, for tests only); use --backend cpu here"
+        )
     from runtime.kernels.build_cache import BuildUnavailable
     from runtime.kernels.cuda import library
     from runtime.kernels.cuda.backend import CudaBackend
@@ -244,15 +247,15 @@ def _cuda(pinned: dict[str, dict[str, dict[str, int]]], device: str) -> Backend:
         lib = library.library()
     except BuildUnavailable as e:
         raise BackendError(f"the csrc CUDA library is unavailable: {e}") from e
-    return CudaBackend(_gpu_device(device), pinned, lib)
+    return CudaBackend(_gpu_device(device, "cuda"), pinned, lib)
 
 
-def _gpu_device(requested: str) -> torch.device:
+def _gpu_device(requested: str, backend: str) -> torch.device:
     """cuda:N for the GPU backends (the current GPU for auto); the CPU only when interpreting."""
     if requested == "auto":
         requested = "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cpu" and not interpreting():
-        raise BackendError("backend 'triton' runs on a GPU: choose --device cuda[:N]")
+        raise BackendError(f"backend {backend!r} runs on a GPU: choose --device cuda[:N]")
     try:
         device = resolve_device(requested)
     except ValueError as e:

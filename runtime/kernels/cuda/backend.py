@@ -5,6 +5,11 @@ prefill attention is the Triton variable-length kernel (prefill is compute-bound
 kernel handles chunked prefill over the paged pool), as is decode attention for a head_dim the
 csrc kernel is not built for (said once in the log); norms and the lm_head are torch's.
 Every kernel launches on torch's current stream, so the decode CUDA graphs capture them.
+
+On the CPU (only under TRITON_INTERPRET=1, for tests) the same backend calls the library's
+``lsq_emulate_*`` twins, which run the kernels' own block bodies on host memory
+(csrc/simt.cuh), and plans launches as for an H200: the engine's glue to the csrc kernels is
+tested end to end without a GPU.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from runtime.kv.layer import LayerKV
 
 log = logging.getLogger("runtime.kernels")
 HEAD_DIMS = (64, 96, 128)  # what the decode attention kernel is instantiated for
+EMULATED_SMS = 132  # the emulated GPU plans its launches as an H200 does
 
 
 @dataclass
@@ -52,13 +58,23 @@ class CudaBackend(GpuBackend):
     ) -> None:
         super().__init__(device)
         self.lib = lib
+        self.emulated = device.type == "cpu"
         self.arch = gpu_arch(device)
         self.pinned = kernels.get(f"cuda/{self.arch}", {})
-        self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+        self.sm_count = (
+            EMULATED_SMS
+            if self.emulated
+            else torch.cuda.get_device_properties(device).multi_processor_count
+        )
         self.configs = gemm_plan.configs(lib)
-        self.warmup_tokens = gemm_plan.M_BUCKETS  # Triton's prefill attention compiles per size
+        # Triton's prefill attention compiles per size (nothing to warm up when emulated)
+        self.warmup_tokens = () if self.emulated else gemm_plan.M_BUCKETS
         tuned = f"{len(self.pinned)} pinned GEMM configs" if self.pinned else "planned GEMM configs"
-        self.detail = f"{self.arch}: csrc {Path(lib._name).name}, {tuned}"
+        where = ", emulated on the CPU" if self.emulated else ""
+        self.detail = f"{self.arch}: csrc {Path(lib._name).name}{where}, {tuned}"
+
+    def _stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream
 
     def prepare_int4(self, parts, k, group_size, dtype) -> CudaInt4Weight:  # noqa: ARG002
         fused = fuse_int4(parts, k, group_size, self.device)
@@ -80,7 +96,7 @@ class CudaBackend(GpuBackend):
             if plan.workspace_floats
             else None
         )
-        status = self.lib.lsq_w4a16_gemm(
+        args = (
             x.data_ptr(),
             x.stride(0),
             w.qweight.data_ptr(),
@@ -95,8 +111,11 @@ class CudaBackend(GpuBackend):
             STORAGE_KINDS[x.dtype],
             plan.config,
             plan.split_k,
-            torch.cuda.current_stream(x.device).cuda_stream,
         )
+        if self.emulated:  # cp.async copies land at their wait
+            status = self.lib.lsq_emulate_w4a16_gemm(*args, 0)
+        else:
+            status = self.lib.lsq_w4a16_gemm(*args, self._stream())
         check(status, "lsq_w4a16_gemm")
         return self.linear_out(y, w)
 
@@ -104,28 +123,22 @@ class CudaBackend(GpuBackend):
         s = kv.spec
         k = k if k.stride(-1) == 1 else k.contiguous()
         v = v if v.stride(-1) == 1 else v.contiguous()
-        write = (
-            self.lib.lsq_kv_write
-            if slot_mapping.dtype == torch.int64
-            else self.lib.lsq_kv_write_i32
-        )
-        status = write(
-            k.data_ptr(),
-            k.stride(0),
-            k.stride(1),
-            v.data_ptr(),
-            v.stride(0),
-            v.stride(1),
-            STORAGE_KINDS[k.dtype],
-            slot_mapping.data_ptr(),
+        inputs = (k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1))
+        inputs += (STORAGE_KINDS[k.dtype], slot_mapping.data_ptr())
+        rest = (
             slot_mapping.shape[0],
             *(t.data_ptr() if t is not None else None for t in _pool(kv)),
             s.storage_kind,
             s.num_kv_heads,
             s.head_dim,
             s.block_size,
-            torch.cuda.current_stream(k.device).cuda_stream,
         )
+        if self.emulated:  # one entry point, told the slots' width
+            status = self.lib.lsq_emulate_kv_write(*inputs, slot_mapping.element_size(), *rest)
+        elif slot_mapping.dtype == torch.int64:
+            status = self.lib.lsq_kv_write(*inputs, *rest, self._stream())
+        else:
+            status = self.lib.lsq_kv_write_i32(*inputs, *rest, self._stream())
         check(status, "lsq_kv_write")
 
     def attention(self, q, kv: LayerKV, attn: KernelTensors, scale, sliding_window):
@@ -156,7 +169,7 @@ class CudaBackend(GpuBackend):
         if partition < 0 or floats < 0:
             raise ValueError(f"the cuda decode attention refused {batch}x{heads} heads, {s}")
         workspace = torch.empty(floats, dtype=torch.float32, device=q.device) if floats else None
-        status = self.lib.lsq_paged_decode_attention(
+        args = (
             q.data_ptr(), q.stride(0), q.stride(1),
             out.data_ptr(), out.stride(0), out.stride(1),
             *(t.data_ptr() if t is not None else None for t in _pool(kv)),
@@ -166,8 +179,11 @@ class CudaBackend(GpuBackend):
             batch, q.shape[1], s.num_kv_heads, s.head_dim, s.block_size,
             sliding_window or 0, scale, partition,
             None if workspace is None else workspace.data_ptr(),
-            torch.cuda.current_stream(q.device).cuda_stream,
         )  # fmt: skip
+        if self.emulated:
+            status = self.lib.lsq_emulate_paged_decode_attention(*args)
+        else:
+            status = self.lib.lsq_paged_decode_attention(*args, self._stream())
         check(status, "lsq_paged_decode_attention")
         return out
 

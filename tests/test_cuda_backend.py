@@ -1,0 +1,146 @@
+"""The cuda backend without a GPU: its ops and the engine on it, against the references.
+
+On the CPU (under TRITON_INTERPRET=1, as every CPU test run) backend cuda calls the csrc
+library's emulated entry points: the W4A16 GEMM, the KV write and the decode attention run their
+own block bodies on host memory (csrc/simt.cuh), prefill attention is Triton's kernel
+interpreted, and launches are planned as for an H200 (split-K included). So what only a GPU run
+could show before is checked here: the arguments, strides, workspaces and slot widths the
+backend passes, the fused weights' padding columns, the partition sizes of the decode attention
+and the static decode buffers a CUDA graph replays.
+
+The ops one by one (the engine's logits hardly move with attention in a tiny random model):
+``int4_linear`` on fused parts whose widths are not whole 64-column units, at decode and
+prefill row counts, against the fp64 dequantized reference (the GEMM's tolerances);
+``kv_write`` with the eager step's int64 and the graph buffers' int32 slots, bit for bit
+against ``LayerKV.write``; decode ``attention`` over a pool, with and without a sliding
+window, against the reference attention (csrc/README.md's tolerances).
+
+The engine: against backend triton (interpreted; itself checked against the CPU backend in
+test_triton_engine.py): the same greedy tokens, and prompt and sampled-token log-probabilities
+within 0.005 nats, for every KV policy, over chunked prefill and batched decode. Both run fp16
+activations and the same prefill attention, so they differ only by summation order inside the
+GEMM and the decode attention: measured at most 0.001 (an fp16 step of a logit near ln(512) is
+0.004). head_dim 64, so decode attention is the csrc kernel's. On a GPU host the backend runs
+compiled instead: test_gpu.py::test_cuda_backend_matches_triton.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.engine.engine import Engine
+from runtime.engine.sampler import SamplingParams
+from runtime.kernels.cuda import library
+from tests import cuda_lib
+from tests.conftest import GPU
+from tests.test_gpu import logprobs
+from tests.test_triton_engine import engine_config, mixed_prompts
+
+pytestmark = [
+    pytest.mark.skipif(cuda_lib.NVCC is None, reason="nvcc not installed"),
+    pytest.mark.skipif(GPU, reason="on a GPU the cuda backend runs compiled (test_gpu.py)"),
+]
+
+TOL = 0.005  # nats; see the module docstring
+
+
+class Counting:
+    """The library, counting the calls of each entry point."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib, self._name, self.calls = lib, lib._name, Counter()
+
+    def __getattr__(self, name: str):
+        entry = getattr(self._lib, name)
+
+        def call(*args):
+            self.calls[name] += 1
+            return entry(*args)
+
+        return call
+
+
+@pytest.fixture(scope="module")
+def csrc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Counting]:
+    """The session's build of csrc (cuda_lib), as the library the backend loads."""
+    lib = Counting(cuda_lib.load(cuda_lib.build(tmp_path_factory.mktemp("csrc")).path))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(library, "library", lambda: lib)
+        yield lib
+
+
+@pytest.mark.parametrize("kv_quant", ["none", "int8", "int4"])
+def test_emulated_cuda_backend_matches_triton(
+    csrc: Counting, rtn_artifact_d64: Path, kv_quant: str
+) -> None:
+    params = SamplingParams(
+        temperature=0, max_new_tokens=5, ignore_eos=True, logprobs=0, prompt_logprobs=0
+    )
+    got = {}
+    for backend in ("triton", "cuda"):
+        engine = Engine(rtn_artifact_d64, engine_config(backend, kv_quant=kv_quant))
+        assert engine.backend == backend
+        csrc.calls.clear()
+        seqs = engine.generate(mixed_prompts(), params)
+        got[backend] = ([s.output_ids for s in seqs], logprobs(seqs))
+    assert "emulated on the CPU" in engine.ops.detail
+    kernels = ("w4a16_gemm", "kv_write", "paged_decode_attention")
+    assert all(csrc.calls[f"lsq_emulate_{k}"] for k in kernels), csrc.calls  # all three ran
+    assert got["cuda"][0] == got["triton"][0]
+    for ours, theirs in zip(got["cuda"][1], got["triton"][1], strict=True):
+        assert torch.allclose(ours, theirs, atol=TOL), float((ours - theirs).abs().max())
+
+
+@pytest.fixture(scope="module")
+def backend(csrc: Counting):
+    from runtime.kernels.cuda.backend import CudaBackend
+
+    return CudaBackend(torch.device("cpu"), {}, csrc)
+
+
+@pytest.mark.parametrize("dtype", list(cuda_lib.GEMM_DTYPES))
+def test_int4_linear_on_fused_parts(backend, dtype) -> None:
+    """q, k and v of widths 96, 40, 40 (padded to 128, 64, 64 and cut back to 176 columns),
+    K = 300 at group 32; 1, 5 and 40 rows, each planned as on an H200."""
+    k, gs, widths = 300, 32, (96, 40, 40)
+    parts = [(*cuda_lib.gemm_weight(n, k, gs, seed=n + i), n) for i, n in enumerate(widths)]
+    fused = backend.prepare_int4(parts, k, gs, dtype)
+    gen = torch.Generator().manual_seed(1)
+    for m in (1, 5, 40):
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        y = backend.int4_linear(x, fused)
+        ref = torch.cat([cuda_lib.gemm_reference(x, qw, qp, n, k, gs) for qw, qp, n in parts], 1)
+        assert y.shape == (m, sum(widths)) and y.dtype == dtype
+        assert cuda_lib.gemm_rel_err(y, ref) < cuda_lib.GEMM_TOLERANCE[dtype], m
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("case", cuda_lib.WRITE_CASES[::4], ids=cuda_lib.write_case_id)
+def test_kv_write_bit_identical(backend, case: tuple, slot_dtype) -> None:
+    from runtime.kv.cache import KVCache
+
+    spec, k, v, slots, num_blocks = cuda_lib.write_inputs(case, seed=case[4])
+    ours, theirs = KVCache(spec, num_blocks), KVCache(spec, num_blocks)
+    backend.kv_write(ours.layer(0), k, v, slots.to(slot_dtype))
+    theirs.layer(0).write(k, v, slots)
+    cuda_lib.assert_same_pool(ours, theirs)
+    assert ours.layer(0).k.any()  # something was written
+
+
+@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize("kv_quant", ["none", "int8", "int4"])
+def test_decode_attention(backend, kv_quant: str, window: int | None) -> None:
+    """Three sequences of 1, 40 and 300 tokens, 8 heads over 2 KV heads of 64, blocks of 16:
+    the step metadata as the engine's static decode buffers hold it."""
+    lens = [1, 40, 300]
+    cache, tables, gen = cuda_lib.build_pool(kv_quant, torch.float16, 16, lens, 2, 64, seed=5)
+    q = torch.randn(len(lens), 8, 64, generator=gen).to(torch.float16)
+    attn = backend.decode_attn(tables, torch.tensor(lens, dtype=torch.int32))
+    out = backend.attention(q, cache.layer(0), attn, 0.125, window)
+    cuda_lib.assert_close(out, cuda_lib.reference_decode(q, cache, tables, lens, 0.125, window))
