@@ -34,7 +34,7 @@ if not GPU:
 
 
 # the modules that compile the csrc library (tests/cuda_lib.py) when nvcc is present
-CSRC_BUILD_TESTS = ("test_cuda_attention_build.py", "test_cuda_gemm.py")
+CSRC_BUILD_TESTS = ("test_cuda_attention_build.py", "test_cuda_backend.py", "test_cuda_gemm.py")
 
 
 _CSRC_DIRS: list[str] = []
