@@ -34,13 +34,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.engine.engine import Engine
-from runtime.engine.sampler import SamplingParams
 from runtime.kernels.cuda import library
 from tests import cuda_lib
 from tests.conftest import GPU
-from tests.test_gpu import logprobs
-from tests.test_triton_engine import engine_config, mixed_prompts
+from tests.test_gpu import assert_backends_agree
 
 pytestmark = [
     pytest.mark.skipif(cuda_lib.NVCC is None, reason="nvcc not installed"),
@@ -79,22 +76,10 @@ def csrc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Counting]:
 def test_emulated_cuda_backend_matches_triton(
     csrc: Counting, rtn_artifact_d64: Path, kv_quant: str
 ) -> None:
-    params = SamplingParams(
-        temperature=0, max_new_tokens=5, ignore_eos=True, logprobs=0, prompt_logprobs=0
-    )
-    got = {}
-    for backend in ("triton", "cuda"):
-        engine = Engine(rtn_artifact_d64, engine_config(backend, kv_quant=kv_quant))
-        assert engine.backend == backend
-        csrc.calls.clear()
-        seqs = engine.generate(mixed_prompts(), params)
-        got[backend] = ([s.output_ids for s in seqs], logprobs(seqs))
-    assert "emulated on the CPU" in engine.ops.detail
+    csrc.calls.clear()
+    assert_backends_agree(rtn_artifact_d64, kv_quant, ("triton", "cuda"), 5, TOL)
     kernels = ("w4a16_gemm", "kv_write", "paged_decode_attention")
     assert all(csrc.calls[f"lsq_emulate_{k}"] for k in kernels), csrc.calls  # all three ran
-    assert got["cuda"][0] == got["triton"][0]
-    for ours, theirs in zip(got["cuda"][1], got["triton"][1], strict=True):
-        assert torch.allclose(ours, theirs, atol=TOL), float((ours - theirs).abs().max())
 
 
 @pytest.fixture(scope="module")

@@ -222,15 +222,24 @@ def test_cuda_backend_matches_triton(
     except library.BuildUnavailable as e:
         pytest.skip(f"the csrc library is unavailable: {e}")
     artifact = rtn_artifact if head_dim == 16 else rtn_artifact_d64
+    assert_backends_agree(artifact, kv_quant, ("cuda", "triton"), 8, TOL)
+
+
+def assert_backends_agree(
+    artifact: Path, kv_quant: str, backends: tuple[str, str], new_tokens: int, tol: float
+) -> None:
+    """Greedy generation of mixed_prompts() on two backends: the same tokens, and prompt and
+    sampled-token logprobs within ``tol``."""
     params = SamplingParams(
-        temperature=0, max_new_tokens=8, ignore_eos=True, logprobs=0, prompt_logprobs=0
+        temperature=0, max_new_tokens=new_tokens, ignore_eos=True, logprobs=0, prompt_logprobs=0
     )
     got = {}
-    for backend in ("cuda", "triton"):
+    for backend in backends:
         engine = Engine(artifact, engine_config(backend, kv_quant=kv_quant))
         assert engine.backend == backend
         seqs = engine.generate(mixed_prompts(), params)
         got[backend] = ([s.output_ids for s in seqs], logprobs(seqs))
-    assert got["cuda"][0] == got["triton"][0]
-    for ours, theirs in zip(got["cuda"][1], got["triton"][1], strict=True):
-        assert torch.allclose(ours, theirs, atol=TOL), float((ours - theirs).abs().max())
+    (ours, ours_lp), (theirs, theirs_lp) = got.values()
+    assert ours == theirs
+    for a, b in zip(ours_lp, theirs_lp, strict=True):
+        assert torch.allclose(a, b, atol=tol), float((a - b).abs().max())

@@ -410,6 +410,13 @@ def plan(a: argparse.Namespace, work: Path, logs: Path) -> Plan:
         cap=300 if smoke else 90,
         reserve=20,
     )
+    cuda_gemm = Stage(
+        "cuda-gemm",
+        "csrc W4A16 GEMM against dense bf16, tinygemm and Triton on Llama-3-8B shapes",
+        [PY, str(BENCH / "cuda_gemm.py")] + (["--quick"] if smoke else []),
+        cap=240 if smoke else 90,  # the library may be built first in a smoke run
+        reserve=20,
+    )
     memory = Stage(
         "memory-8b",
         "device memory of the 8B shape, projected to 32 layers",
@@ -429,7 +436,7 @@ def plan(a: argparse.Namespace, work: Path, logs: Path) -> Plan:
             reserve=25,
             needs=(art,),
         )
-    measuring = [decode, engine_cuda, agree, serve, kernels, cuda_attention, memory]
+    measuring = [decode, engine_cuda, agree, serve, kernels, cuda_attention, cuda_gemm, memory]
     p = Plan([tests], [model, model8], measuring)
     chosen = set(a.only.split(",")) if a.only else None
     for s in p.all():

@@ -1,0 +1,195 @@
+"""The csrc W4A16 GEMM (csrc/w4a16_gemm.cu) on a GPU, against the baselines of issue 12 measured
+in the same run: torch's bf16 matmul on dense weights of the same shape, torch's int4 kernel
+(`_weight_int4pack_mm`, "tinygemm", on the same codes, scales and zero points) and the Triton
+GEMM the triton backend runs.
+
+Llama-3-8B's linears (fused qkv 6144x4096, o 4096x4096, fused gate/up 28672x4096, down
+4096x14336) at group 128, bf16 activations, M = 1 .. 4096. The csrc launch is the cuda backend's
+(runtime/kernels/cuda/gemm_plan.py picks the tile config and split-K for this GPU's SM count).
+Every kernel is timed as CUDA-graph replays (how the engine runs decode: host launch overhead
+is not in the figures). Each output is compared with the dequantized weights' bf16 matmul
+(relative Frobenius error), so a wrong layout or packing shows here and not as a fast time.
+Prints one row per shape and M, then the targets:
+
+* M = 1 .. 16: at least 2.5x torch's bf16 dense matmul;
+* M = 1: at least 1.3x tinygemm;
+* M = 4096: at least 0.8x the dense matmul.
+
+--quick runs tiny shapes through the CPU emulation of the kernel (lsq_emulate_w4a16_gemm, no
+GPU, no timing): a check of this script.
+
+Usage: python evals/bench/cuda_gemm.py [--ms 1,4,16,64,256,1024,4096] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+# run as a script, this folder is first on sys.path: the attention bench's timing and loading
+from cuda_attention import graph_ms, load_library
+
+from runtime.artifact.layout import dequantize, pack_qparams, pack_qweight
+from runtime.kernels.cuda import gemm_plan
+from runtime.kv.format import STORAGE_KINDS
+
+SHAPES = {
+    "qkv 6144x4096": (6144, 4096),
+    "o 4096x4096": (4096, 4096),
+    "gate/up 28672x4096": (28672, 4096),
+    "down 4096x14336": (4096, 14336),
+}
+QUICK_SHAPES = {"quick 200x300": (200, 300)}
+GROUP, QUICK_GROUP = 128, 32
+MS = "1,4,16,64,256,1024,4096"
+TINYGEMM_MAX_M = 16  # tinygemm is a decode kernel; the targets compare it at M = 1
+
+
+class Weight:
+    """Random codes, scales and zero points of one [n, k] linear in every form the kernels take."""
+
+    def __init__(self, n: int, k: int, gs: int, device: torch.device) -> None:
+        groups = -(-k // gs)
+        self.n, self.k, self.gs = n, k, gs
+        self.q = torch.randint(0, 16, (n, k), dtype=torch.int32)
+        self.scale = torch.rand(n, groups) * 0.02 + 0.002
+        self.zero = torch.randint(0, 16, (n, groups), dtype=torch.int32)
+        self.qweight = pack_qweight(self.q, gs).to(device)
+        self.qparams = pack_qparams(self.scale, self.zero, gs, k).to(device)
+        self.exact = dequantize(self.qweight, self.qparams, n, k, gs).float()  # the reference
+        self.dense = self.exact.to(torch.bfloat16)  # the dense baseline's weights
+
+    def tinygemm(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """torch's int4 form: two codes a byte (even k high), inner-k tiles of 8, and per group
+        (scale, zero) in bf16 with w = (q - 8) * scale + zero, i.e. zero = b + 8 s."""
+        device = self.qweight.device
+        codes = (self.q[:, ::2] << 4 | self.q[:, 1::2]).to(torch.uint8).to(device)
+        packed = torch.ops.aten._convert_weight_to_int4pack(codes, 8)
+        s = self.scale.to(torch.float16).float()  # as stored in qparams
+        b = (-self.zero.float() * s).to(torch.float16).float()
+        pairs = torch.stack([s, b + 8 * s], dim=-1).transpose(0, 1)  # [groups, n, 2]
+        return packed, pairs.contiguous().to(torch.bfloat16).to(device)
+
+
+def csrc_call(lib, w: Weight, x: torch.Tensor, y: torch.Tensor, sms: int, emulate: bool):
+    """The cuda backend's launch of y = x @ W_hat^T: (run, the plan)."""
+    m = x.shape[0]
+    plan = gemm_plan.plan(gemm_plan.configs(lib), m, w.n, w.k, w.gs, sms)
+    floats = max(plan.workspace_floats, 1)
+    workspace = torch.empty(floats, dtype=torch.float32, device=x.device)
+    args = [x.data_ptr(), x.stride(0), w.qweight.data_ptr(), w.qparams.data_ptr(), y.data_ptr()]
+    args += [y.stride(0), workspace.data_ptr(), m, w.n, w.k, w.gs, STORAGE_KINDS[x.dtype]]
+    args += [plan.config, plan.split_k]
+
+    def run() -> None:
+        if emulate:
+            rc = lib.lsq_emulate_w4a16_gemm(*args, 0)
+        else:
+            rc = lib.lsq_w4a16_gemm(*args, torch.cuda.current_stream().cuda_stream)
+        if rc:
+            raise RuntimeError(f"lsq_w4a16_gemm returned {rc}")
+
+    return run, plan
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref.double()).norm() / ref.double().norm())
+
+
+def row(lib, label: str, w: Weight, m: int, sms: int, quick: bool) -> dict:
+    """One shape and M: the csrc plan, times and errors (None where not run)."""
+    device = w.qweight.device
+    x = torch.randn(m, w.k, device=device).to(torch.bfloat16)
+    y = torch.empty(m, w.n, dtype=torch.bfloat16, device=device)
+    run, plan = csrc_call(lib, w, x, y, sms, quick)
+    ref = x.double() @ w.exact.double().T
+    out = {"label": label, "m": m, "plan": f"{plan.config}/s{plan.split_k}"}
+    if quick:
+        run()
+        return {**out, "err": rel_err(y, ref)}
+    out["ms"] = graph_ms(run)
+    run()
+    out["err"] = rel_err(y, ref)
+    out["dense_ms"] = graph_ms(lambda: torch.matmul(x, w.dense.T))
+    from runtime.kernels.triton.gemm import heuristic_config, w4a16_gemm
+
+    cfg = heuristic_config(m, w.n, w.k, w.gs)
+    out["triton_ms"] = graph_ms(lambda: w4a16_gemm(x, w.qweight, w.qparams, w.n, w.k, w.gs, cfg))
+    if m <= TINYGEMM_MAX_M:
+        try:
+            packed, pairs = w.tinygemm()
+            mm = torch.ops.aten._weight_int4pack_mm
+            out["tiny_err"] = rel_err(mm(x, packed, w.gs, pairs), ref)
+            out["tiny_ms"] = graph_ms(lambda: mm(x, packed, w.gs, pairs))
+        except (RuntimeError, NotImplementedError) as e:  # not in this torch build
+            out["tiny_note"] = str(e).splitlines()[0][:80]
+    return out
+
+
+def fmt(v: float | None, spec: str = ".4f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def print_row(r: dict, w: Weight) -> None:
+    ms, dense, tiny, triton = (r.get(k) for k in ("ms", "dense_ms", "tiny_ms", "triton_ms"))
+    nbytes = w.qweight.numel() * 4 + w.qparams.numel() * 2 + (r["m"] * (w.k + w.n)) * 2
+    tb_s = nbytes / ms / 1e9 if ms else None
+    ratio = lambda base: f"{base / ms:.2f}x" if ms and base else "-"  # noqa: E731
+    tiny_cell = ratio(tiny) if tiny else r.get("tiny_note", "-")
+    print(
+        f"| {r['label']} | {r['m']} | {r['plan']} | {fmt(ms)} | {fmt(tb_s, '.2f')} | "
+        f"{fmt(dense)} | {ratio(dense)} | {fmt(tiny)} | {tiny_cell} | {fmt(triton)} | "
+        f"{ratio(triton)} | {r['err']:.1e} | {fmt(r.get('tiny_err'), '.1e')} |"
+    )
+
+
+def targets(rows: list[dict]) -> None:
+    def ratios(key: str, ms: set[int]) -> list[float]:
+        return [r[key] / r["ms"] for r in rows if r["m"] in ms and r.get(key) and r.get("ms")]
+
+    print("\n## Targets")
+    for what, key, ms, goal in (
+        ("M = 1..16 vs dense bf16", "dense_ms", {1, 4, 16}, 2.5),
+        ("M = 1 vs tinygemm", "tiny_ms", {1}, 1.3),
+        ("M = 4096 vs dense bf16", "dense_ms", {4096}, 0.8),
+    ):
+        got = ratios(key, ms)
+        span = f"{min(got):.2f}x .. {max(got):.2f}x" if got else "not measured"
+        met = "met" if got and min(got) >= goal else "not met"
+        print(f"- {what}: {span} (target >= {goal}x: {met if got else 'unknown'})")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ms", default=MS, help="row counts")
+    p.add_argument("--quick", action="store_true", help="CPU emulation, tiny shapes, no timing")
+    a = p.parse_args()
+    if not a.quick and not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU (or --quick: the CPU emulation, as a smoke test)")
+    device = torch.device("cpu") if a.quick else torch.device("cuda", torch.cuda.current_device())
+    lib = load_library()
+    sms = 132 if a.quick else torch.cuda.get_device_properties(device).multi_processor_count
+    shapes, gs = (QUICK_SHAPES, QUICK_GROUP) if a.quick else (SHAPES, GROUP)
+    ms = (1, 17) if a.quick else tuple(int(m) for m in a.ms.split(","))
+    name = "CPU (emulated)" if a.quick else torch.cuda.get_device_name(device)
+    print(f"# csrc W4A16 GEMM on {name}, torch {torch.__version__}")
+    print(f"group {gs}, bf16 activations, {sms} SMs planned; CUDA-graph replays\n")
+    print(
+        "| shape | M | config/split | csrc ms | TB/s | dense ms | vs dense | tinygemm ms | "
+        "vs tinygemm | triton ms | vs triton | err | tinygemm err |"
+    )
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    rows = []
+    torch.manual_seed(0)
+    for label, (n, k) in shapes.items():
+        w = Weight(n, k, gs, device)
+        for m in ms:
+            rows.append(row(lib, label, w, m, sms, a.quick))
+            print_row(rows[-1], w)
+    if not a.quick:
+        targets(rows)
+
+
+if __name__ == "__main__":
+    main()
