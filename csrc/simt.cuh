@@ -160,7 +160,8 @@ inline void fiber_entry() {
   const int me = b.current;
   (*b.body)(me);
   const CopyQueue& q = b.copies[me];
-  if (!q.open.empty() || !q.committed.empty()) fail("a thread exits with cp.async copies not waited for");
+  if (!q.open.empty() || !q.committed.empty())
+    fail("a thread exits with cp.async copies not waited for");
   b.done[me] = 1;  // returns to main_context (uc_link)
 }
 

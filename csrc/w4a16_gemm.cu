@@ -562,9 +562,10 @@ LSQ_W4A16_CONFIGS(LSQ_TILE)
 template <class Runner>
 int dispatch(const Plan& plan, Runner& runner) {
   switch (plan.config) {
-#define LSQ_CASE(id, bm, bn, bk, wm, wn, st, minb) \
-  case id:                                         \
-    return plan.bf16 ? runner.template run<Tile##id, true>() : runner.template run<Tile##id, false>();
+#define LSQ_CASE(id, bm, bn, bk, wm, wn, st, minb)   \
+  case id:                                           \
+    return plan.bf16 ? runner.template run<Tile##id, true>() \
+                     : runner.template run<Tile##id, false>();
     LSQ_W4A16_CONFIGS(LSQ_CASE)
 #undef LSQ_CASE
     default:

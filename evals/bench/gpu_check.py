@@ -413,7 +413,7 @@ def plan(a: argparse.Namespace, work: Path, logs: Path) -> Plan:
     cuda_gemm = Stage(
         "cuda-gemm",
         "csrc W4A16 GEMM against dense bf16, tinygemm and Triton on Llama-3-8B shapes",
-        [PY, str(BENCH / "cuda_gemm.py")] + (["--quick"] if smoke else []),
+        [PY, str(BENCH / "cuda_gemm.py")] + (["--quick"] if smoke else ["--ms", "1,4,16,4096"]),
         cap=240 if smoke else 90,  # the library may be built first in a smoke run
         reserve=20,
     )
