@@ -44,6 +44,17 @@ def load_library() -> ctypes.CDLL:
     return lib
 
 
+def setup(quick: bool) -> tuple[torch.device, ctypes.CDLL, int]:
+    """The device, the library and the SM count launches are planned for: the current GPU, or
+    with --quick the CPU, running the emulated twins and planning as an H200 (132 SMs)."""
+    if not quick and not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU (or --quick: the CPU emulation, as a smoke test)")
+    device = torch.device("cpu") if quick else torch.device("cuda", torch.cuda.current_device())
+    lib = load_library()
+    sms = 132 if quick else torch.cuda.get_device_properties(device).multi_processor_count
+    return device, lib, sms
+
+
 def make_pool(kv_quant: str, batch: int, ctx: int, device: torch.device):
     spec = KVSpec(1, KV_HEADS, DIM, BLOCK, kv_quant, torch.float16)
     blocks = batch * -(-ctx // BLOCK)
@@ -138,11 +149,7 @@ def main() -> None:
     p.add_argument("--contexts", default="1024,4096,16384,32768")
     p.add_argument("--quick", action="store_true", help="CPU emulation, tiny shapes, no timing")
     a = p.parse_args()
-    if not a.quick and not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA GPU (or --quick: the CPU emulation, as a smoke test)")
-    device = torch.device("cpu") if a.quick else torch.device("cuda", torch.cuda.current_device())
-    lib = load_library()
-    sms = 132 if a.quick else torch.cuda.get_device_properties(device).multi_processor_count
+    device, lib, sms = setup(a.quick)
     batches = (1, 2) if a.quick else tuple(int(b) for b in a.batch.split(","))
     contexts = (200,) if a.quick else tuple(int(c) for c in a.contexts.split(","))
     name = "CPU (emulated)" if a.quick else torch.cuda.get_device_name(device)

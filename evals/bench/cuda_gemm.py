@@ -28,7 +28,7 @@ import argparse
 import torch
 
 # run as a script, this folder is first on sys.path: the attention bench's timing and loading
-from cuda_attention import graph_ms, load_library
+from cuda_attention import graph_ms, setup
 
 from runtime.artifact.layout import dequantize, pack_qparams, pack_qweight
 from runtime.kernels.cuda import gemm_plan
@@ -165,11 +165,7 @@ def main() -> None:
     p.add_argument("--ms", default=MS, help="row counts")
     p.add_argument("--quick", action="store_true", help="CPU emulation, tiny shapes, no timing")
     a = p.parse_args()
-    if not a.quick and not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA GPU (or --quick: the CPU emulation, as a smoke test)")
-    device = torch.device("cpu") if a.quick else torch.device("cuda", torch.cuda.current_device())
-    lib = load_library()
-    sms = 132 if a.quick else torch.cuda.get_device_properties(device).multi_processor_count
+    device, lib, sms = setup(a.quick)
     shapes, gs = (QUICK_SHAPES, QUICK_GROUP) if a.quick else (SHAPES, GROUP)
     ms = (1, 17) if a.quick else tuple(int(m) for m in a.ms.split(","))
     name = "CPU (emulated)" if a.quick else torch.cuda.get_device_name(device)
