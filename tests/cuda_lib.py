@@ -407,7 +407,7 @@ def saturate(cache, tables: torch.Tensor, seq: int, positions: list[int], seed: 
 # The W4A16 GEMM (csrc/w4a16_gemm.cu): data and calls shared by test_cuda_gemm.py (emulated)
 # and test_cuda_gemm_gpu.py.
 
-GEMM_DTYPES = {F16: 2, BF16: 1}  # STORAGE_KINDS codes
+GEMM_DTYPES = (F16, BF16)  # the activations the kernel takes
 # Relative Frobenius error against the fp64 reference; see test_cuda_gemm_gpu.py's docstring.
 GEMM_TOLERANCE = {F16: 2e-3, BF16: 1e-2}
 
@@ -459,7 +459,8 @@ def gemm(
     np_ = -(-n // 64) * 64
     workspace = torch.empty(max(1, split_k * m * np_), dtype=torch.float32, device=x.device)
     args = [x.data_ptr(), x.stride(0), qweight.data_ptr(), qparams.data_ptr(), y.data_ptr()]
-    args += [y.stride(0), workspace.data_ptr(), m, n, k, gs, GEMM_DTYPES[x.dtype], config, split_k]
+    args += [y.stride(0), workspace.data_ptr(), m, n, k, gs, STORAGE_KINDS[x.dtype]]
+    args += [config, split_k]
     if emulate_landing is None:
         rc = lib.lsq_w4a16_gemm(*args, torch.cuda.current_stream().cuda_stream)
     else:

@@ -89,7 +89,7 @@ def backend(csrc: Counting):
     return CudaBackend(torch.device("cpu"), {}, csrc)
 
 
-@pytest.mark.parametrize("dtype", list(cuda_lib.GEMM_DTYPES))
+@pytest.mark.parametrize("dtype", cuda_lib.GEMM_DTYPES)
 def test_int4_linear_on_fused_parts(backend, dtype) -> None:
     """q, k and v of widths 96, 40, 40 (padded to 128, 64, 64 and cut back to 176 columns),
     K = 300 at group 32; 1, 5 and 40 rows, each planned as on an H200."""

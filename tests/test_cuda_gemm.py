@@ -351,7 +351,7 @@ def _check(y: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     assert torch.isfinite(y).all() and err < cuda_lib.GEMM_TOLERANCE[y.dtype], f"{what}: {err:.2e}"
 
 
-@pytest.mark.parametrize("dtype", list(cuda_lib.GEMM_DTYPES))
+@pytest.mark.parametrize("dtype", cuda_lib.GEMM_DTYPES)
 @pytest.mark.parametrize("config", range(8))
 def test_emulated_every_config(
     lib: ctypes.CDLL, table: tuple[gp.TileConfig, ...], config: int, dtype
@@ -381,9 +381,9 @@ def test_emulated_group_sizes(
     for dtype in cuda_lib.GEMM_DTYPES:
         x = torch.randn(5, k, generator=gen).to(dtype)
         ref = cuda_lib.gemm_reference(x, qweight, qparams, n, k, gs)
-        for cfg in (table[0], table[3]):  # BK 128 and 64
+        assert (table[0].block_k, table[3].block_k) == (128, 64)  # both k-step depths
+        for cfg in (table[0], table[3]):
             split = cuda_lib.gemm_splits_to_try(cfg, k, gs)[-1]
-            assert cfg.block_k in (64, 128)
             y = _emulated(lib, x, qweight, qparams, n, k, gs, cfg.id, split)
             _check(y, ref, f"{dtype} config {cfg.id} split {split}")
 

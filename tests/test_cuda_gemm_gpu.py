@@ -58,7 +58,7 @@ def table(lib: ctypes.CDLL) -> tuple[gp.TileConfig, ...]:
     return gp.configs(lib)
 
 
-@pytest.mark.parametrize("dtype", list(GEMM_DTYPES))
+@pytest.mark.parametrize("dtype", GEMM_DTYPES)
 @pytest.mark.parametrize(("n", "k", "gs"), SHAPES)
 def test_every_config_and_split_against_the_reference(
     lib: ctypes.CDLL, table: tuple[gp.TileConfig, ...], n: int, k: int, gs: int, dtype
@@ -78,7 +78,7 @@ def test_every_config_and_split_against_the_reference(
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("dtype", list(GEMM_DTYPES))
+@pytest.mark.parametrize("dtype", GEMM_DTYPES)
 def test_planned_launches(lib: ctypes.CDLL, table: tuple[gp.TileConfig, ...], dtype) -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     shapes = [(960, 576, 64), (576, 1536, 64), (6144, 4096, 128), (4096, 14336, 128)]
@@ -92,7 +92,7 @@ def test_planned_launches(lib: ctypes.CDLL, table: tuple[gp.TileConfig, ...], dt
             assert err < GEMM_TOLERANCE[dtype], (n, k, m, p, err)
 
 
-@pytest.mark.parametrize("dtype", list(GEMM_DTYPES))
+@pytest.mark.parametrize("dtype", GEMM_DTYPES)
 @pytest.mark.parametrize("aligned", [True, False])
 def test_strides_and_padding_left_alone(
     lib: ctypes.CDLL, table: tuple[gp.TileConfig, ...], dtype, aligned: bool
@@ -117,7 +117,7 @@ def test_strides_and_padding_left_alone(
             assert out[:m, n:].isnan().all() and out[m:].isnan().all(), (cfg, split)
 
 
-@pytest.mark.parametrize("dtype", list(GEMM_DTYPES))
+@pytest.mark.parametrize("dtype", GEMM_DTYPES)
 def test_split_k_is_bit_reproducible(
     lib: ctypes.CDLL, table: tuple[gp.TileConfig, ...], dtype
 ) -> None:
@@ -150,7 +150,7 @@ def test_captured_in_a_cuda_graph(lib: ctypes.CDLL, table: tuple[gp.TileConfig, 
     assert gemm_rel_err(y, ref) < GEMM_TOLERANCE[torch.float16]
 
 
-@pytest.mark.parametrize("dtype", list(GEMM_DTYPES))
+@pytest.mark.parametrize("dtype", GEMM_DTYPES)
 def test_agrees_with_its_emulation(lib: ctypes.CDLL, table: tuple[gp.TileConfig, ...], dtype):
     """The GPU and the CPU emulation of the same block body (csrc/simt.cuh). Both accumulate in
     fp32, in a different order inside an mma, so outputs may differ by an ulp of the output
