@@ -22,6 +22,10 @@
 // exactly one thread) and lsq_reduce_splits sums them in split order 0, 1, ... into y: the
 // result is bit-for-bit reproducible. Without split-K the GEMM writes y directly.
 //
+// lsq_w4a16_dequantize writes W_hat itself (the same bits the GEMM multiplies) for a dense GEMM
+// on it: at prefill-sized M, cuBLAS's wgmma kernels on sm_90 outrun mma.sync by more than the
+// write costs (the planner weighs it: runtime/kernels/cuda/gemm_plan.py).
+//
 // The block body is __host__ __device__ and reaches the hardware only through csrc/simt.cuh:
 // lsq_emulate_w4a16_gemm runs it on a CPU (cp.async landing at the latest or the earliest point
 // the PTX allows, reads checked against the tensors given), which is how the tests check the
@@ -472,6 +476,58 @@ __global__ void __launch_bounds__(256) lsq_reduce_splits(const Reduce r) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Dequantization: W_hat[n, k] in the activation dtype, for prefill-sized M where a dense GEMM on
+// it (cuBLAS: wgmma on sm_90, which mma.sync cannot match) beats the fused kernel even after
+// writing the weights out. Each thread takes one packed word, i.e. one lane's fragment of one
+// 16x16 tile, and produces its 8 weights with the GEMM's own int4_codes, group_pair and fma2:
+// the same bits the GEMM multiplies, so the two paths differ only in accumulation order.
+struct Dequant {
+  const uint32_t* qweight;
+  const uint32_t* qparams;
+  void* w;
+  int64_t ldw;
+  int n, k, np, kp, gs_log2;
+  int w_vec;  // w is 4-byte aligned with ldw even: paired stores
+};
+
+LSQ_HD void store_pair(const Dequant& d, uint16_t* row, int kk, uint32_t v) {
+  if (d.w_vec && kk + 1 < d.k) {
+    *reinterpret_cast<uint32_t*>(row + kk) = v;
+  } else {
+    if (kk < d.k) row[kk] = static_cast<uint16_t>(v);
+    if (kk + 1 < d.k) row[kk + 1] = static_cast<uint16_t>(v >> 16);
+  }
+}
+
+// Word `word` of qweight row kt (a 16-deep k-slab): tile word >> 5, lane word & 31.
+template <bool BF16>
+LSQ_HD void dequant_word(const Dequant& d, int kt, int word) {
+  if (word >= 2 * d.np) return;
+  const int t = word & 31;                       // the lane whose fragment this word is
+  const int n_lo = (word >> 5) * 16 + (t >> 2);  // column of n8 half 0 (half 1: + 8)
+  const int k0 = kt * 16 + 2 * (t & 3);          // rows k0, k0 + 1 and k0 + 8, k0 + 9
+  if (n_lo >= d.n || k0 >= d.k) return;
+  const uint32_t* group = d.qparams + (int64_t)((kt * 16) >> d.gs_log2) * d.np;
+  uint32_t r[4];
+  int4_codes<BF16>(d.qweight[(int64_t)kt * (2 * d.np) + word], r);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int n = n_lo + 8 * h;
+    if (n >= d.n) break;
+    uint32_t s2, b2;
+    group_pair<BF16>(group[n], s2, b2);
+    uint16_t* row = static_cast<uint16_t*>(d.w) + n * d.ldw;
+    store_pair(d, row, k0, fma2<BF16>(r[2 * h], s2, b2));
+    store_pair(d, row, k0 + 8, fma2<BF16>(r[2 * h + 1], s2, b2));
+  }
+}
+
+template <bool BF16>
+__global__ void __launch_bounds__(256) lsq_dequantize_words(const Dequant d) {
+  dequant_word<BF16>(d, blockIdx.y, blockIdx.x * blockDim.x + threadIdx.x);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Host side.
 
 // cudaFuncSetAttribute once per (kernel, device): a bit per device (devices >= 64 always call).
@@ -616,6 +672,28 @@ struct Emulator {
   }
 };
 
+// Every check of the dequantization's entry points; fills d. No CUDA call.
+static int plan_dequant(const int32_t* qweight, const void* qparams, void* w, int64_t ldw,
+                        int64_t n, int64_t k, int32_t group_size, int32_t dtype, Dequant* d) {
+  LSQ_REQUIRE(dtype == kDtypeFp16 || dtype == kDtypeBf16);
+  LSQ_REQUIRE(group_size == 32 || group_size == 64 || group_size == 128);
+  constexpr int64_t kMax = 0x7FFFFFFF;
+  LSQ_REQUIRE(n >= 1 && k >= 1 && n <= kMax - 64 && k <= kMax - 128 && ldw >= k);
+  LSQ_REQUIRE(qweight && qparams && w && aligned(qweight, 16) && aligned(qparams, 16));
+  LSQ_REQUIRE(ceil_div(k, 16) <= 65535);  // qweight rows: the grid's y
+  d->qweight = reinterpret_cast<const uint32_t*>(qweight);
+  d->qparams = static_cast<const uint32_t*>(qparams);
+  d->w = w;
+  d->ldw = ldw;
+  d->n = static_cast<int>(n);
+  d->k = static_cast<int>(k);
+  d->np = static_cast<int>(ceil_div(n, 64) * 64);
+  d->kp = static_cast<int>(ceil_div(k, group_size) * group_size);
+  d->gs_log2 = group_size == 32 ? 5 : group_size == 64 ? 6 : 7;
+  d->w_vec = aligned(w, 4) && ldw % 2 == 0;
+  return 0;
+}
+
 }  // namespace lsq_gemm
 
 extern "C" {
@@ -647,6 +725,43 @@ int lsq_w4a16_gemm(const void* x, int64_t ldx, const int32_t* qweight, const voi
   if (err || m == 0) return err;
   lsq_gemm::Launcher launcher{plan, static_cast<cudaStream_t>(stream)};
   return lsq_gemm::dispatch(plan, launcher);
+}
+
+// w[n, k] = W_hat[n, k] (n < N, k < K) in fp16 or bf16, row stride ldw, on `stream`: the weights
+// the GEMM multiplies, bit for bit, for a dense GEMM (prefill-sized M). Same checks and return
+// convention as lsq_w4a16_gemm; columns past K and rows past N of w are left untouched.
+int lsq_w4a16_dequantize(const int32_t* qweight, const void* qparams, void* w, int64_t ldw,
+                         int64_t n, int64_t k, int32_t group_size, int32_t dtype, void* stream) {
+  lsq_gemm::Dequant d;
+  const int err = lsq_gemm::plan_dequant(qweight, qparams, w, ldw, n, k, group_size, dtype, &d);
+  if (err) return err;
+  const dim3 grid(static_cast<unsigned>(lsq_gemm::ceil_div(2 * d.np, 256)), d.kp / 16);
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (dtype == lsq_gemm::kDtypeBf16)
+    lsq_gemm::lsq_dequantize_words<true><<<grid, 256, 0, s>>>(d);
+  else
+    lsq_gemm::lsq_dequantize_words<false><<<grid, 256, 0, s>>>(d);
+  return lsq_launch_status();
+}
+
+// lsq_w4a16_dequantize on the CPU (host pointers), for tests without a GPU.
+int lsq_emulate_w4a16_dequantize(const int32_t* qweight, const void* qparams, void* w,
+                                 int64_t ldw, int64_t n, int64_t k, int32_t group_size,
+                                 int32_t dtype) {
+  lsq_gemm::Dequant d;
+  const int err = lsq_gemm::plan_dequant(qweight, qparams, w, ldw, n, k, group_size, dtype, &d);
+  if (err) return err;
+#ifndef __CUDA_ARCH__
+  for (int kt = 0; kt < d.kp / 16; ++kt) {
+    for (int word = 0; word < 2 * d.np; ++word) {
+      if (dtype == lsq_gemm::kDtypeBf16)
+        lsq_gemm::dequant_word<true>(d, kt, word);
+      else
+        lsq_gemm::dequant_word<false>(d, kt, word);
+    }
+  }
+#endif
+  return 0;
 }
 
 // The same computation run on the CPU by the SIMT emulator (csrc/simt.cuh), on host pointers:

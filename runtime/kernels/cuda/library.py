@@ -74,8 +74,11 @@ _KV_WRITE = [
 # The C entry points (csrc/*.cu) and their argument types; each returns an int status (a
 # cudaError_t: 0 launched, 1 invalid arguments, refused before any CUDA call).
 _GEMM = [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I32, _I32, _I32, _I32, _P]
+# qweight, qparams, w, ldw, n, k, group_size, dtype, stream
+_DEQUANT = [_P, _P, _P, _I64, _I64, _I64, _I32, _I32, _P]
 SIGNATURES: dict[str, tuple[list, type]] = {
     "lsq_w4a16_gemm": (_GEMM, ctypes.c_int),
+    "lsq_w4a16_dequantize": (_DEQUANT, ctypes.c_int),
     "lsq_w4a16_num_configs": ([], ctypes.c_int),
     "lsq_w4a16_config": ([_I32, *[ctypes.POINTER(_I32)] * 5], ctypes.c_int),
     "lsq_paged_decode_attention": (_DECODE, ctypes.c_int),
@@ -89,6 +92,7 @@ SIGNATURES: dict[str, tuple[list, type]] = {
     "lsq_emulate_kv_write": ([*_KV_WRITE[:8], _I32, *_KV_WRITE[8:-1]], ctypes.c_int),
     # the stream's place holds when cp.async copies land: 0 at their wait, 1 at issue
     "lsq_emulate_w4a16_gemm": ([*_GEMM[:-1], _I32], ctypes.c_int),
+    "lsq_emulate_w4a16_dequantize": (_DEQUANT[:-1], ctypes.c_int),
 }
 
 
