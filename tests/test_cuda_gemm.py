@@ -34,7 +34,8 @@ from tests import cuda_lib
 
 ARCHS = cuda_lib.ARCHS
 SMS = 132  # an H200
-KERNELS = 18  # 8 tile configs x 2 dtypes, and the split-K reduction x 2 dtypes
+TILE_KERNELS = 16  # 8 tile configs x 2 dtypes
+KERNELS = TILE_KERNELS + 4  # and the split-K reduction and the dequantization, x 2 dtypes
 INVALID = 1  # cudaErrorInvalidValue
 FP16, BF16 = 2, 1  # STORAGE_KINDS
 
@@ -101,7 +102,7 @@ def test_resource_usage_has_no_local_memory(build: cuda_lib.Build, cuobjdump: st
 
 def _is_gemm(mangled: str) -> bool:
     """The GEMM's kernels among the library's (the build holds all of csrc)."""
-    return "w4a16_gemm_kernel" in mangled or "lsq_reduce_splits" in mangled
+    return any(k in mangled for k in ("w4a16_gemm_kernel", "reduce_splits", "dequantize_words"))
 
 
 def _sass_by_function(cuobjdump: str, lib_path: Path, arch: str) -> dict[str, str]:
@@ -121,7 +122,7 @@ def test_sass_runs_tensor_cores_ldmatrix_cp_async(
 ) -> None:
     sass = _sass_by_function(cuobjdump, build.path, arch)
     gemms = {name: code for name, code in sass.items() if "w4a16_gemm_kernel" in name}
-    assert len(gemms) == KERNELS - 2, sorted(sass)
+    assert len(gemms) == TILE_KERNELS, sorted(sass)
     for name, code in gemms.items():
         assert "HMMA.16816.F32" in code, name  # mma.sync.m16n8k16, fp32 accumulators
         assert "LDSM.16.M88.4" in code, name  # ldmatrix.x4 for x
@@ -130,10 +131,14 @@ def test_sass_runs_tensor_cores_ldmatrix_cp_async(
         # int4 codes become fp16/bf16 by magic numbers: no int-to-float conversion at all
         assert "I2F" not in code, name
         assert "LDL" not in code and "STL" not in code, name  # no local memory
+    dequant = {name: code for name, code in sass.items() if "dequantize_words" in name}
+    assert len(dequant) == 2, sorted(sass)
+    for name, code in dequant.items():  # the same bit tricks, and paired stores
+        assert "LOP3.LUT" in code and "I2F" not in code and "STG.E " in code, name
 
 
 def test_config_table(table: tuple[gp.TileConfig, ...], lib: ctypes.CDLL) -> None:
-    assert len(table) == lib.lsq_w4a16_num_configs() == (KERNELS - 2) // 2
+    assert len(table) == lib.lsq_w4a16_num_configs() == TILE_KERNELS // 2
     for c in table:
         assert c.block_m % 16 == 0 and c.block_n % 64 == 0, c
         assert c.block_k in (64, 128) and c.warps in (4, 8) and c.stages >= 2, c
@@ -158,6 +163,33 @@ def _call(lib: ctypes.CDLL, **over: int) -> int:
     )  # fmt: skip
     args.update(over)
     return lib.lsq_w4a16_gemm(*args.values())
+
+
+def _call_dequant(lib: ctypes.CDLL, **over: int) -> int:
+    args = dict(qweight=QW, qparams=QP, w=Y, ldw=576, n=576, k=576, group_size=64, dtype=FP16)
+    args.update(over)
+    return lib.lsq_w4a16_dequantize(*args.values(), 0)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"dtype": 0},
+        {"group_size": 48},
+        {"n": 0},
+        {"k": 0},
+        {"ldw": 575},
+        {"qweight": 0},
+        {"qparams": 0},
+        {"w": 0},
+        {"qweight": QW + 4},
+        {"qparams": QP + 8},
+    ],
+)
+def test_dequantize_refuses_bad_arguments(lib: ctypes.CDLL, bad: dict) -> None:
+    assert _call_dequant(lib, **bad) == INVALID
+    args = dict(qweight=QW, qparams=QP, w=Y, ldw=576, n=576, k=576, group_size=64, dtype=FP16)
+    assert lib.lsq_emulate_w4a16_dequantize(*{**args, **bad}.values()) == INVALID
 
 
 def test_valid_arguments_with_no_rows_launch_nothing(lib: ctypes.CDLL) -> None:
@@ -235,6 +267,11 @@ def test_plan(
     m: int,
 ) -> None:
     p = gp.plan(table, m, n, k, gs, SMS)
+    # prefill on sm_90 may run dequantized; at 4096 rows the Llama/Qwen-sized matrices do
+    if isinstance(p, gp.DequantPlan):
+        assert m > gp.DECODE_ROWS and p == gp.DequantPlan(m, n, k), p
+        return
+    assert not (m == 4096 and n * k >= 4096 * 4096), f"{p}: the dequantized path is faster"
     c = p.tile
     assert table[p.config] is c
     assert p.grid == (gp.cdiv(n, c.block_n), gp.cdiv(m, c.block_m), p.split_k)
@@ -263,6 +300,24 @@ def test_plan(
         assert p.split_k <= p.k_steps
         if m == 4096:
             assert fill >= 0.9, p
+
+
+def test_ranked_plans(table: tuple[gp.TileConfig, ...]) -> None:
+    """The plan is the ranking's first; the dequantized path competes only past the decode
+    rows, and wins only where cuBLAS outruns mma.sync (sm_90) and M is prefill-sized."""
+    n, k, gs = SHAPES["llama-3-8b"]["down"]
+    for m in (1, 16, 17, 256, 4096):
+        plans = gp.ranked(table, m, n, k, gs, SMS)
+        assert plans[0] == gp.plan(table, m, n, k, gs, SMS)
+        assert len(set(plans)) == len(plans)
+        assert (gp.DequantPlan(m, n, k) in plans) == (m > gp.DECODE_ROWS)
+        fused = [p for p in plans[1:] if isinstance(p, gp.GemmPlan)]
+        times = [gp.estimate_seconds(p.tile, m, n, k, p.split_k, SMS) for p in fused]
+        assert times == sorted(times)
+    assert isinstance(gp.plan(table, 4096, n, k, gs, SMS), gp.DequantPlan)
+    assert isinstance(gp.plan(table, 256, n, k, gs, SMS), gp.GemmPlan)
+    for m in (17, 4096):  # on sm_80 cuBLAS runs mma.sync too: the fused kernel keeps every M
+        assert isinstance(gp.plan(table, m, n, k, gs, 108, arch="sm_80"), gp.GemmPlan)
 
 
 def test_plan_splits_a_decode_matrix_until_it_fills_the_gpu(
@@ -303,6 +358,11 @@ def test_pinned_plans(table: tuple[gp.TileConfig, ...]) -> None:
         gp.plan(table, 200, n, k, gs, SMS, pinned={key: {**entry, "split_k": 999}})
     with pytest.raises(ValueError, match="keys"):
         gp.plan(table, 200, n, k, gs, SMS, pinned={key: {"config": 1}})
+    dequant = gp.plan(table, 200, n, k, gs, SMS, pinned={256: {"dequant": 1}})
+    assert dequant == gp.DequantPlan(200, n, k) and dequant.to_dict() == {"dequant": 1}
+    assert dequant.scratch_bytes == 2 * n * k and dequant.workspace_floats == 0
+    with pytest.raises(ValueError, match="dequant: 1"):
+        gp.plan(table, 200, n, k, gs, SMS, pinned={256: {"dequant": 0}})
 
 
 def test_plan_refuses_bad_shapes(table: tuple[gp.TileConfig, ...]) -> None:
@@ -411,3 +471,30 @@ def test_emulated_strides_and_padding_left_alone(
             _emulated(lib, x, qweight, qparams, n, k, gs, config, split, y=y)
             _check(y, ref, f"{dtype} config {config} split {split}")
             assert out[:m, n:].isnan().all() and out[m:].isnan().all(), (config, split)
+
+
+@pytest.mark.parametrize(("n", "k", "gs"), [(200, 96, 32), (136, 128, 64), (72, 256, 128)])
+def test_emulated_dequantize_gives_the_gemms_weights(
+    lib: ctypes.CDLL, n: int, k: int, gs: int
+) -> None:
+    """The dequantized path multiplies the very weights the fused GEMM does: the GEMM of the
+    identity (one product per output, exact in fp32) is W_hat^T, and lsq_w4a16_dequantize must
+    give the same bits. Odd N, K not a multiple of the group, a row stride past K (left
+    untouched), every group size; both also agree with the layout's reference within one
+    rounding of s and b."""
+    from runtime.kernels.cuda.w4a16 import dequantize
+
+    for dtype in cuda_lib.GEMM_DTYPES:
+        for n_, k_ in ((n, k), (n - 3, k - 5)):
+            qweight, qparams = cuda_lib.gemm_weight(n_, k_, gs, seed=n_ + k_)
+            w = dequantize(lib, qweight, qparams, n_, k_, gs, dtype, emulated=True)
+            eye = torch.eye(k_, dtype=dtype)
+            wt = _emulated(lib, eye, qweight, qparams, n_, k_, gs, 6, 1)
+            assert torch.equal(wt.T.contiguous().view(torch.int16), w.view(torch.int16))
+            ref = cuda_lib.gemm_reference(eye, qweight, qparams, n_, k_, gs).T
+            _check(w, ref, f"{dtype} {n_}x{k_}")
+            wide = torch.full((n_, k_ + 7), float("nan"), dtype=dtype)
+            args = (qweight.data_ptr(), qparams.data_ptr(), wide.data_ptr(), k_ + 7, n_, k_, gs)
+            assert lib.lsq_emulate_w4a16_dequantize(*args, cuda_lib.STORAGE_KINDS[dtype]) == 0
+            assert torch.equal(wide[:, :k_].view(torch.int16), w.view(torch.int16))
+            assert wide[:, k_:].isnan().all()

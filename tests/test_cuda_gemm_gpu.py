@@ -80,16 +80,48 @@ def test_every_config_and_split_against_the_reference(
 
 @pytest.mark.parametrize("dtype", GEMM_DTYPES)
 def test_planned_launches(lib: ctypes.CDLL, table: tuple[gp.TileConfig, ...], dtype) -> None:
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    """As the backend plans them (runtime/kernels/cuda/w4a16.py), the dequantized path at 4096
+    rows of the Llama-sized matrices included."""
+    from runtime.kernels.cuda import w4a16
+    from runtime.kernels.gpu import gpu_arch
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
     shapes = [(960, 576, 64), (576, 1536, 64), (6144, 4096, 128), (4096, 14336, 128)]
+    kinds = set()
     for i, (n, k, gs) in enumerate(shapes):
         qweight, qparams = gemm_weight(n, k, gs, seed=i, device="cuda")
-        for m in (1, 16, 100, 512):
-            p = gp.plan(table, m, n, k, gs, sms)
+        for m in (1, 16, 100, 512, 4096):
+            p = gp.plan(table, m, n, k, gs, sms, arch=gpu_arch(device))
+            kinds.add(type(p))
             x = torch.randn(m, k, device="cuda").to(dtype)
-            y = gemm(lib, x, qweight, qparams, n, k, gs, p.config, p.split_k)
+            y = w4a16.linear(lib, x, qweight, qparams, n, k, gs, p, emulated=False)
             err = gemm_rel_err(y, gemm_reference(x, qweight, qparams, n, k, gs))
             assert err < GEMM_TOLERANCE[dtype], (n, k, m, p, err)
+    if gpu_arch(device) == "sm_90":
+        assert kinds == {gp.GemmPlan, gp.DequantPlan}
+
+
+@pytest.mark.parametrize("dtype", GEMM_DTYPES)
+def test_dequantize_is_its_emulation_bit_for_bit(lib: ctypes.CDLL, dtype) -> None:
+    """No accumulation in the dequantization: the GPU's bits are the emulation's, which
+    test_cuda_gemm.py checks to be the weights the fused GEMM multiplies. And it is captured in
+    a CUDA graph (launched on torch's current stream)."""
+    from runtime.kernels.cuda.w4a16 import dequantize
+
+    n, k, gs = 197, 300, 32
+    qweight, qparams = gemm_weight(n, k, gs, seed=13)
+    emulated = dequantize(lib, qweight, qparams, n, k, gs, dtype, emulated=True)
+    qweight, qparams = qweight.cuda(), qparams.cuda()
+    on_gpu = dequantize(lib, qweight, qparams, n, k, gs, dtype, emulated=False)
+    assert torch.equal(on_gpu.cpu().view(torch.int16), emulated.view(torch.int16))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = dequantize(lib, qweight, qparams, n, k, gs, dtype, emulated=False)
+    captured.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, on_gpu)
 
 
 @pytest.mark.parametrize("dtype", GEMM_DTYPES)

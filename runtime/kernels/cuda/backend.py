@@ -6,6 +6,9 @@ kernel handles chunked prefill over the paged pool), as is decode attention for 
 csrc kernel is not built for (said once in the log); norms and the lm_head are torch's.
 Every kernel launches on torch's current stream, so the decode CUDA graphs capture them.
 
+Prefill-sized GEMMs may run as the weights dequantized plus a dense GEMM (cuBLAS) where the
+planner finds that faster (runtime/kernels/cuda/gemm_plan.py; ``lite tune`` pins either).
+
 On the CPU (only under TRITON_INTERPRET=1, for tests) the same backend calls the library's
 ``lsq_emulate_*`` twins, which run the kernels' own block bodies on host memory
 (csrc/simt.cuh), and plans launches as for an H200: the engine's glue to the csrc kernels is
@@ -22,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.kernels.cuda import gemm_plan
+from runtime.kernels.cuda import gemm_plan, w4a16
 from runtime.kernels.cuda.library import check
 from runtime.kernels.gpu import (
     FusedInt4,
@@ -38,7 +41,7 @@ from runtime.kv.layer import LayerKV
 
 log = logging.getLogger("runtime.kernels")
 HEAD_DIMS = (64, 96, 128)  # what the decode attention kernel is instantiated for
-EMULATED_SMS = 132  # the emulated GPU plans its launches as an H200 does
+EMULATED_SMS, EMULATED_ARCH = 132, "sm_90"  # the emulated GPU plans its launches as an H200
 
 
 @dataclass
@@ -61,6 +64,7 @@ class CudaBackend(GpuBackend):
         self.emulated = device.type == "cpu"
         self.arch = gpu_arch(device)
         self.pinned = kernels.get(f"cuda/{self.arch}", {})
+        self.plan_arch = EMULATED_ARCH if self.emulated else self.arch
         self.sm_count = (
             EMULATED_SMS
             if self.emulated
@@ -78,45 +82,27 @@ class CudaBackend(GpuBackend):
 
     def prepare_int4(self, parts, k, group_size, dtype) -> CudaInt4Weight:  # noqa: ARG002
         fused = fuse_int4(parts, k, group_size, self.device)
-        pinned = {
-            b: self.pinned[gemm_key(fused.n, k, b)]
-            for b in gemm_plan.M_BUCKETS
-            if gemm_key(fused.n, k, b) in self.pinned
-        }
+        pinned = {}
+        for b in gemm_plan.M_BUCKETS:
+            entry = self.pinned.get(gemm_key(fused.n, k, b))
+            if entry is None:
+                continue
+            try:  # checked once here, not on every call
+                gemm_plan.plan(self.configs, b, fused.n, k, group_size, 1, {b: entry})
+            except ValueError as e:
+                log.warning("ignoring a pinned GEMM config of the artifact: %s", e)
+                continue
+            pinned[b] = entry
         return CudaInt4Weight(**vars(fused), pinned=pinned)
 
     def int4_linear(self, x: torch.Tensor, w: CudaInt4Weight) -> torch.Tensor:
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        m = x.shape[0]
-        plan = gemm_plan.plan(self.configs, m, w.n, w.k, w.group_size, self.sm_count, w.pinned)
-        y = torch.empty(m, w.n, dtype=x.dtype, device=x.device)
-        workspace = (
-            torch.empty(plan.workspace_floats, dtype=torch.float32, device=x.device)
-            if plan.workspace_floats
-            else None
+        plan = gemm_plan.plan(
+            self.configs, x.shape[0], w.n, w.k, w.group_size, self.sm_count, w.pinned,
+            self.plan_arch,
+        )  # fmt: skip
+        y = w4a16.linear(
+            self.lib, x, w.qweight, w.qparams, w.n, w.k, w.group_size, plan, self.emulated
         )
-        args = (
-            x.data_ptr(),
-            x.stride(0),
-            w.qweight.data_ptr(),
-            w.qparams.data_ptr(),
-            y.data_ptr(),
-            y.stride(0),
-            None if workspace is None else workspace.data_ptr(),
-            m,
-            w.n,
-            w.k,
-            w.group_size,
-            STORAGE_KINDS[x.dtype],
-            plan.config,
-            plan.split_k,
-        )
-        if self.emulated:  # cp.async copies land at their wait
-            status = self.lib.lsq_emulate_w4a16_gemm(*args, 0)
-        else:
-            status = self.lib.lsq_w4a16_gemm(*args, self._stream())
-        check(status, "lsq_w4a16_gemm")
         return self.linear_out(y, w)
 
     def kv_write(self, kv: LayerKV, k, v, slot_mapping) -> None:

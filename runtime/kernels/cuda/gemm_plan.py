@@ -25,9 +25,18 @@ then the larger tile, then the lower id):
 
 So a single weight matrix at decode is split until its blocks cover the SMs with enough bytes in
 flight, while a small one (SmolLM2's) is not split when the extra launch costs more than the
-latency it hides. Pinned configs (``lite tune``) override the model per shape and row bucket:
-a pinned entry is a tile shape plus split_k (:meth:`GemmPlan.to_dict`), looked up by the row
-bucket (a weight's own pins) or by the full key ``w4a16/N{n}xK{k}/m{bucket}``.
+latency it hides.
+
+Past the decode rows the plan may instead be a :class:`DequantPlan`: ``lsq_w4a16_dequantize``
+writes the weights out in the activation dtype (the bits the GEMM would multiply) and a dense
+GEMM (cuBLAS) runs on them. On sm_90 cuBLAS issues wgmma, about 1.5x the tensor-core rate that
+mma.sync reaches, so at prefill sizes (hundreds of rows and up) it wins even after the weights'
+write and read; vLLM's AWQ path makes the same switch at 256 rows. Elsewhere cuBLAS runs
+mma.sync too and the fused kernel keeps every M. The model picks it only when clearly faster.
+
+Pinned entries (``lite tune``) override the model per shape and row bucket: a tile shape plus
+split_k, or ``{"dequant": 1}`` (:meth:`GemmPlan.to_dict`, :meth:`DequantPlan.to_dict`), looked up
+by the row bucket (a weight's own pins) or by the full key ``w4a16/N{n}xK{k}/m{bucket}``.
 """
 
 from __future__ import annotations
@@ -54,6 +63,10 @@ _REGS_PER_SM = 65536
 _REGS_PER_THREAD = 128  # the configs' launch bounds keep most at or under this
 _MAX_BLOCKS_PER_SM = 16
 _TIE = 1.03
+# cuBLAS's tensor-core rate per SM against mma.sync's (_SM_FLOPS): wgmma on sm_90 (about 700 of
+# the H100/H200's 989 dense TFLOPS reached on large GEMMs, mma.sync about two thirds of that)
+_DENSE_SPEEDUP = {"sm_90": 1.5}
+_DEQUANT_MARGIN = 1.15  # the dequantized path must beat the fused kernel's estimate by this
 
 
 @dataclass(frozen=True)
@@ -113,6 +126,29 @@ class GemmPlan:
     def to_dict(self) -> dict[str, int]:
         """The pinned form: the tile shape and split_k (values of :func:`plan`'s ``pinned``)."""
         return {**self.tile.shape(), "split_k": self.split_k}
+
+
+@dataclass(frozen=True)
+class DequantPlan:
+    """The weights dequantized (``lsq_w4a16_dequantize``) into an [n, k] scratch tensor in the
+    activation dtype, then a dense GEMM on them."""
+
+    m: int
+    n: int
+    k: int
+
+    workspace_floats = 0  # the scratch is the activation dtype's, see scratch_bytes
+
+    @property
+    def scratch_bytes(self) -> int:
+        return 2 * self.n * self.k
+
+    def to_dict(self) -> dict[str, int]:
+        """The pinned form."""
+        return {"dequant": 1}
+
+
+Plan = GemmPlan | DequantPlan
 
 
 def configs(lib: ctypes.CDLL) -> tuple[TileConfig, ...]:
@@ -235,6 +271,22 @@ def estimate_seconds(
     return total
 
 
+def dense_speedup(arch: str) -> float:
+    """cuBLAS's tensor-core rate over mma.sync's on ``arch`` (``sm_90``); 1 where it has none
+    faster."""
+    return _DENSE_SPEEDUP.get(arch, 1.0)
+
+
+def estimate_dequant_seconds(m: int, n: int, k: int, sm_count: int, speedup: float) -> float:
+    """The model's time for the dequantized path: the packed weights read and the dense ones
+    written at HBM bandwidth, then a dense GEMM bound by its compute or its bytes."""
+    np_, kp = cdiv(n, N_ALIGN) * N_ALIGN, cdiv(k, 16) * 16
+    dequant = _LAUNCH_S + (np_ * kp // 2 + 2 * n * k) / _HBM_BYTES_PER_S
+    compute = 2 * m * n * k / (sm_count * _SM_FLOPS * speedup)
+    memory = (2 * n * k + 2 * m * k + 2 * m * n) / _HBM_BYTES_PER_S
+    return dequant + _LAUNCH_S + max(compute, memory)
+
+
 def plan(
     table: tuple[TileConfig, ...],
     m: int,
@@ -243,13 +295,14 @@ def plan(
     group_size: int,
     sm_count: int,
     pinned: Mapping[int | str, Mapping[str, int]] | None = None,
+    arch: str = "sm_90",
     smem_per_sm: int = _SMEM_PER_SM,
-) -> GemmPlan:
-    """The launch of ``y[m, n] = x[m, k] @ W^T`` from ``table`` (:func:`configs`): the pinned
-    entry for m's row bucket when ``pinned`` has one (keyed by the bucket, or by
-    ``w4a16/N{n}xK{k}/m{bucket}``), else the model's fastest candidate. A pinned entry naming no
-    tile of the table, or a split this k cannot take, raises ValueError (the caller warns and
-    plans without it)."""
+) -> Plan:
+    """How to compute ``y[m, n] = x[m, k] @ W^T`` with ``table`` (:func:`configs`) on a GPU of
+    ``arch`` with ``sm_count`` SMs: the pinned entry for m's row bucket when ``pinned`` has one
+    (keyed by the bucket, or by ``w4a16/N{n}xK{k}/m{bucket}``), else the model's choice
+    (:func:`ranked`). A pinned entry naming no tile of the table, or a split this k cannot
+    take, raises ValueError (the caller warns and plans without it)."""
     _check(m, n, k, group_size, sm_count)
     bucket = m_bucket(m)
     key = gemm_key(n, k, bucket)
@@ -257,15 +310,41 @@ def plan(
         for found in (bucket, key):
             if found in pinned:
                 return _pinned_plan(table, key, pinned[found], m, n, k, group_size)
-    timed = []
+    return ranked(table, m, n, k, group_size, sm_count, arch, smem_per_sm)[0]
+
+
+def ranked(
+    table: tuple[TileConfig, ...],
+    m: int,
+    n: int,
+    k: int,
+    group_size: int,
+    sm_count: int,
+    arch: str = "sm_90",
+    smem_per_sm: int = _SMEM_PER_SM,
+) -> list[Plan]:
+    """Every candidate plan, the model's choice first and the rest by estimate (what ``lite
+    tune`` times). The choice among the fused launches within 3% of the fastest: fewer splits,
+    more SMs busy, the larger tile, the lower id. Past the decode rows the dequantized path
+    competes too, and is the choice only when clearly faster (by _DEQUANT_MARGIN)."""
+    _check(m, n, k, group_size, sm_count)
+    timed: list[tuple[float, Plan]] = []
     for cfg in candidates(table, m):
         for split in range(1, MAX_SPLIT_K + 1):
             if split_ok(cfg, k, group_size, split):
                 seconds = estimate_seconds(cfg, m, n, k, split, sm_count, smem_per_sm)
                 timed.append((seconds, make_plan(cfg, m, n, k, split)))
     fastest = min(t for t, _ in timed)
-    near = [p for t, p in timed if t <= fastest * _TIE]
-    return min(near, key=lambda p: _preference(p, sm_count))
+    choice = min(
+        (p for t, p in timed if t <= fastest * _TIE), key=lambda p: _preference(p, sm_count)
+    )
+    if m > DECODE_ROWS:
+        dequant = estimate_dequant_seconds(m, n, k, sm_count, dense_speedup(arch))
+        if dequant * _DEQUANT_MARGIN < fastest:
+            choice = DequantPlan(m, n, k)
+        timed.append((dequant, DequantPlan(m, n, k)))
+    rest = [p for _, p in sorted(timed, key=lambda tp: tp[0]) if p != choice]
+    return [choice, *rest]
 
 
 def _preference(p: GemmPlan, sm_count: int) -> tuple[int, int, int, int]:
@@ -282,13 +361,16 @@ def _pinned_plan(
     n: int,
     k: int,
     group_size: int,
-) -> GemmPlan:
+) -> Plan:
     if not isinstance(entry, Mapping):
         raise ValueError(f"pinned {key}: expected a mapping, got {type(entry).__name__}")
+    if dict(entry) == DequantPlan(m, n, k).to_dict():
+        return DequantPlan(m, n, k)
     want = {"block_m", "block_n", "block_k", "warps", "stages", "split_k"}
     if set(entry) != want:
         raise ValueError(
-            f"pinned {key}: keys must be {sorted(want)}, got {sorted(str(x) for x in entry)}"
+            f"pinned {key}: keys must be {sorted(want)} (or only dequant: 1), got "
+            f"{sorted(str(x) for x in entry)}"
         )
     shape = {f: entry[f] for f in want - {"split_k"}}
     cfg = next((c for c in table if c.shape() == shape), None)
