@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
+from lite.tune import TUNED_BACKENDS
 from runtime.artifact.reader import ArtifactError
 
 USER_ERRORS = (ValueError, ArtifactError, FileExistsError, PermissionError, FileNotFoundError)
@@ -240,12 +241,22 @@ def export_cmd(artifact: Path, fmt: str, output: Path, overwrite: bool) -> None:
     show_default=True,
     help="Activation dtype the server will run.",
 )
-def tune_cmd(artifact: Path, buckets: str | None, max_configs: int | None, dtype: str) -> None:
-    """Pin the W4A16 GEMM's tile configs for this GPU into ARTIFACT's manifest.
+@click.option(
+    "--backend",
+    type=click.Choice(TUNED_BACKENDS),
+    default="auto",
+    show_default=True,
+    help="GPU backend to tune (auto: cuda when its library loads, else triton).",
+)
+def tune_cmd(
+    artifact: Path, buckets: str | None, max_configs: int | None, dtype: str, backend: str
+) -> None:
+    """Pin the W4A16 GEMM's launches for this GPU into ARTIFACT's manifest.
 
-    Times every config of the kernel's space for each GEMM shape of the model at M in
-    1, 2, 4, ..., 512+ and writes the winners under the GPU's architecture (e.g. sm_90); the
-    server then starts without autotuning. Only manifest.json changes.
+    Times the backend's candidates (triton: its config space; cuda: tile configs, split-K and
+    the dequantized path, as its planner ranks them) for each GEMM shape of the model at M in
+    1, 2, 4, ..., 512+ and writes the winners under the GPU's architecture (sm_90, or
+    cuda/sm_90); the server then starts without autotuning. Only manifest.json changes.
     """
     import torch
 
@@ -253,7 +264,10 @@ def tune_cmd(artifact: Path, buckets: str | None, max_configs: int | None, dtype
 
     try:
         chosen = tuple(int(b) for b in _csv(buckets)) or None
-        winners = tune(artifact, chosen, max_configs, getattr(torch, dtype), progress=click.echo)
+        winners = tune(
+            artifact, chosen, max_configs, getattr(torch, dtype), progress=click.echo,
+            backend=backend,
+        )  # fmt: skip
     except USER_ERRORS as e:
         _fail(e)
     click.echo(f"pinned {len(winners)} GEMM configs in {artifact / 'manifest.json'}")

@@ -1,10 +1,11 @@
-"""`lite tune`: pin the W4A16 GEMM's tile configs for this GPU into the artifact's manifest.
+"""`lite tune`: pin the W4A16 GEMM's launches for this GPU into the artifact's manifest.
 
 Every distinct GEMM the runtime will run (the fused q/k/v and gate/up shapes included, as the
-triton backend builds them) is timed over the kernel's config space at each row bucket, and the
-winner is written under the GPU's architecture name (``sm_90``). A server then starts without
-autotuning and always runs the same kernels. The artifact's weights, and so its checksums, are
-untouched: only manifest.json changes, by an atomic replace.
+GPU backends build them) is timed over the backend's candidates at each row bucket, and the
+winner is written under the GPU's architecture: ``sm_90`` for the triton backend's configs,
+``cuda/sm_90`` for the cuda backend's (tile config and split-K, or the dequantized path). A
+server then starts without autotuning and always runs the same kernels. The artifact's
+weights, and so its checksums, are untouched: only manifest.json changes, by an atomic replace.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -24,11 +25,8 @@ from runtime.artifact.writer import write_manifest
 from runtime.kernels.ops import interpreting
 from runtime.model.llama import FUSED_LINEARS
 
-if TYPE_CHECKING:
-    from runtime.kernels.triton.backend import TritonInt4Weight
-    from runtime.kernels.triton.gemm import GemmConfig
-
 log = logging.getLogger("lite.tune")
+TUNED_BACKENDS = ("auto", "cuda", "triton")
 
 
 class TuneError(ValueError):
@@ -87,24 +85,91 @@ def _timer(device: torch.device, reps: int) -> Callable[[Callable[[], object]], 
     return wall
 
 
-def _fastest(
-    x: torch.Tensor,
-    w: TritonInt4Weight,
-    space: list[GemmConfig],
-    timer: Callable[[Callable[[], object]], float],
-) -> tuple[float, GemmConfig]:
-    from runtime.kernels.triton.gemm import w4a16_gemm
+@dataclass
+class Tuner:
+    """What tuning one backend's GEMM takes: its weights as the backend prepares them, its
+    candidates per row count (each with ``to_dict``, the pinned form), a call of one, and where
+    its winners go in ``launch.kernels``."""
 
-    timed = []
-    for cfg in space:
+    kernels_key: str
+    prepare: Callable[[list, int, int], Any]  # (parts, k, group_size) -> weight
+    space: Callable[[int, Any], list]  # (rows, weight) -> candidates, best guess first
+    call: Callable[[torch.Tensor, Any, Any], object]  # (x, weight, candidate)
+
+
+def triton_tuner(device: torch.device, max_configs: int | None) -> Tuner:
+    """The Triton GEMM's config space (tile shapes, split-K, warps, stages): one compile each."""
+    from runtime.kernels.gpu import gpu_arch
+    from runtime.kernels.triton.backend import prepare_weight
+    from runtime.kernels.triton.gemm import config_space, w4a16_gemm
+
+    return Tuner(
+        gpu_arch(device),
+        lambda parts, k, gs: prepare_weight(parts, k, gs, device, {}),
+        lambda m, w: config_space(m, w.n, w.k, w.group_size)[:max_configs],
+        lambda x, w, cfg: w4a16_gemm(x, w.qweight, w.qparams, w.n, w.k, w.group_size, cfg),
+    )
+
+
+def cuda_tuner(dtype: torch.dtype, max_configs: int | None) -> Tuner:
+    """The csrc GEMM's launches as the planner ranks them (tile config and split-K, and past
+    the decode rows the dequantized weights with a dense GEMM, always timed there: the model's
+    least certain choice). No compiles, so the whole ranking is cheap to time."""
+    from runtime.kernels.cuda import gemm_plan as gp
+    from runtime.kernels.cuda import w4a16
+    from runtime.kernels.ops import BackendError, select_backend
+
+    try:
+        backend = select_backend("cuda", {})
+    except BackendError as e:
+        raise TuneError(f"cannot tune the cuda backend: {e}") from e
+
+    def space(m: int, w: Any) -> list:
+        plans = gp.ranked(
+            backend.configs, m, w.n, w.k, w.group_size, backend.sm_count, backend.plan_arch
+        )
+        chosen = plans[:max_configs]
+        dequant = gp.DequantPlan(m, w.n, w.k)
+        return chosen + [dequant] if dequant in plans and dequant not in chosen else chosen
+
+    return Tuner(
+        f"cuda/{backend.arch}",
+        lambda parts, k, gs: backend.prepare_int4(parts, k, gs, dtype),
+        space,
+        lambda x, w, plan: w4a16.linear(
+            backend.lib, x, w.qweight, w.qparams, w.n, w.k, w.group_size, plan, backend.emulated
+        ),
+    )
+
+
+def tuner_for(backend: str, device: torch.device, dtype: torch.dtype, max_configs: int | None):
+    """``auto``: the backend `runtime serve --backend auto` would run here, cuda when the csrc
+    library loads, else triton."""
+    if backend not in TUNED_BACKENDS:
+        raise TuneError(f"unknown backend {backend!r}: expected one of {', '.join(TUNED_BACKENDS)}")
+    if backend == "cuda":
+        return cuda_tuner(dtype, max_configs)
+    if backend == "auto":
         try:
-            ms = timer(lambda c=cfg: w4a16_gemm(x, w.qweight, w.qparams, w.n, w.k, w.group_size, c))
+            return cuda_tuner(dtype, max_configs)
+        except TuneError as e:
+            log.info("tuning the triton backend: %s", e)
+    return triton_tuner(device, max_configs)
+
+
+def _fastest(
+    x: torch.Tensor, w: Any, space: list, call: Callable, timer: Callable[[Callable], float]
+) -> tuple[float, Any]:
+    timed = []
+    for cand in space:
+        try:
+            ms = timer(lambda c=cand: call(x, w, c))
         except Exception as e:  # a config the compiler rejects on this GPU
-            log.debug("config %s failed: %s", cfg, e)
+            log.debug("candidate %s failed: %s", cand, e)
             continue
-        timed.append((ms, cfg))
+        timed.append((ms, cand))
     if not timed:
-        raise TuneError(f"no config of the space ran for N={w.n} K={w.k} M={x.shape[0]}")
+        raise TuneError(f"no candidate ran for N={w.n} K={w.k} M={x.shape[0]}")
     return min(timed, key=lambda t: t[0])
 
 
@@ -115,11 +180,14 @@ def tune(
     dtype: torch.dtype = torch.bfloat16,
     reps: int = 5,
     progress: Callable[[str], None] = log.info,
+    backend: str = "auto",
 ) -> dict[str, dict[str, int]]:
-    """Time every config per shape and bucket; write the winners; return them by key."""
-    from runtime.kernels.gpu import gemm_key, gpu_arch
-    from runtime.kernels.triton.backend import prepare_weight
-    from runtime.kernels.triton.gemm import M_BUCKETS, config_space
+    """Time the candidates per shape and bucket; write the winners under the backend's key
+    (``sm_90`` for triton, ``cuda/sm_90`` for cuda); return them by GEMM key. The open-ended
+    last bucket (512+) is timed at the artifact's max_prefill_tokens rows, the size of the
+    prefill chunks it mostly serves."""
+    from runtime.kernels.gpu import gemm_key
+    from runtime.kernels.triton.gemm import M_BUCKETS
 
     device = check_device()
     bad = [b for b in buckets or () if b not in M_BUCKETS]
@@ -128,6 +196,7 @@ def tune(
     artifact = Artifact(path)
     manifest = artifact.manifest
     gs = manifest.quantization.group_size
+    tuner = tuner_for(backend, device, dtype, max_configs)
     timer = _timer(device, reps)
     winners: dict[str, dict[str, int]] = {}
     for shape in gemm_shapes(artifact):
@@ -139,15 +208,16 @@ def tune(
             )
             for name in shape.names
         ]
-        w = prepare_weight(parts, shape.k, gs, device, {})
+        w = tuner.prepare(parts, shape.k, gs)
         for bucket in buckets or M_BUCKETS:
-            x = torch.randn(bucket, shape.k, device=device, dtype=dtype)
-            space = config_space(bucket, shape.n, shape.k, gs)[:max_configs]
-            ms, best = _fastest(x, w, space, timer)
+            rows = bucket
+            if bucket == M_BUCKETS[-1]:
+                rows = max(bucket, manifest.launch.max_prefill_tokens)
+            x = torch.randn(rows, shape.k, device=device, dtype=dtype)
+            ms, best = _fastest(x, w, tuner.space(rows, w), tuner.call, timer)
             winners[gemm_key(shape.n, shape.k, bucket)] = best.to_dict()
-            progress(f"N={shape.n} K={shape.k} M={bucket}: {ms:.4f} ms with {best}")
-    arch = gpu_arch(device)
-    kernels = {**manifest.launch.kernels, arch: winners}
+            progress(f"N={shape.n} K={shape.k} M={rows}: {ms:.4f} ms with {best.to_dict()}")
+    kernels = {**manifest.launch.kernels, tuner.kernels_key: winners}
     launch = manifest.launch.model_copy(update={"kernels": kernels})
     write_manifest(artifact.path, manifest.model_copy(update={"launch": launch}))
     return winners

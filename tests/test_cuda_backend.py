@@ -105,6 +105,70 @@ def test_int4_linear_on_fused_parts(backend, dtype) -> None:
         assert cuda_lib.gemm_rel_err(y, ref) < cuda_lib.GEMM_TOLERANCE[dtype], m
 
 
+def test_int4_linear_dequantized_where_pinned(csrc: Counting) -> None:
+    """A pinned {"dequant": 1} runs the weights dequantized and a dense GEMM, on fused parts
+    with padding columns; a pin the planner refuses is dropped at load with a warning, not
+    raised on every call."""
+    from runtime.kernels.cuda.backend import CudaBackend
+    from runtime.kernels.gpu import gemm_key
+
+    k, gs, widths = 300, 32, (96, 40, 40)
+    parts = [(*cuda_lib.gemm_weight(n, k, gs, seed=n + i), n) for i, n in enumerate(widths)]
+    pins = {gemm_key(256, k, 64): {"dequant": 1}, gemm_key(256, k, 8): {"dequant": 2}}
+    pinned = CudaBackend(torch.device("cpu"), {"cuda/interpreter": pins}, csrc)
+    for dtype in cuda_lib.GEMM_DTYPES:
+        fused = pinned.prepare_int4(parts, k, gs, dtype)
+        assert fused.pinned == {64: {"dequant": 1}}
+        x = torch.randn(40, k, generator=torch.Generator().manual_seed(2)).to(dtype)
+        csrc.calls.clear()
+        y = pinned.int4_linear(x, fused)
+        assert csrc.calls["lsq_emulate_w4a16_dequantize"] == 1, csrc.calls
+        assert not csrc.calls["lsq_emulate_w4a16_gemm"], csrc.calls
+        ref = torch.cat([cuda_lib.gemm_reference(x, qw, qp, n, k, gs) for qw, qp, n in parts], 1)
+        assert y.shape == (40, sum(widths)) and y.dtype == dtype
+        assert cuda_lib.gemm_rel_err(y, ref) < cuda_lib.GEMM_TOLERANCE[dtype]
+
+
+def test_lite_tune_pins_the_cuda_backends_launches(
+    csrc: Counting, rtn_artifact_d64: Path, tmp_path: Path
+) -> None:
+    """`lite tune --backend cuda` (emulated: times mean nothing, the plumbing is what is
+    checked) times the planner's ranking, the dequantized path included past the decode rows,
+    and pins the winners under cuda/<arch>, which the backend then plans with."""
+    import json
+    import shutil
+
+    from click.testing import CliRunner
+
+    from lite.cli import main
+    from runtime.artifact.reader import Artifact
+    from runtime.engine.engine import Engine
+    from runtime.kernels.cuda import gemm_plan as gp
+    from tests.test_triton_engine import engine_config
+
+    art = tmp_path / "art"
+    shutil.copytree(rtn_artifact_d64, art)
+    csrc.calls.clear()
+    args = ["tune", str(art), "--backend", "cuda", "--buckets", "1,32", "--max-configs", "1"]
+    result = CliRunner().invoke(main, [*args, "--dtype", "float16"])
+    assert result.exit_code == 0, result.output
+    assert csrc.calls["lsq_emulate_w4a16_dequantize"] > 0, csrc.calls  # timed at 32 rows
+    kernels = json.loads((art / "manifest.json").read_text())["launch"]["kernels"]
+    pinned = kernels["cuda/interpreter"]
+    assert len(pinned) == 2 * 4 and all(key.endswith(("/m1", "/m32")) for key in pinned)
+    table = gp.configs(csrc)
+    for key, entry in pinned.items():
+        n, k = (int(v) for v in key.split("/")[1][1:].split("xK"))
+        m = int(key.split("/m")[1])
+        ranking = gp.ranked(table, m, n, k, 64, 132)
+        allowed = [ranking[0], *(p for p in ranking if isinstance(p, gp.DequantPlan))]
+        assert entry in [p.to_dict() for p in allowed], (key, entry)
+    Artifact(art, checksums=True)  # weights untouched
+    engine = Engine(art, engine_config("cuda"))
+    qkv = engine.model.layers[0].qkv.weight
+    assert qkv.pinned == {b: pinned[f"w4a16/N{qkv.n}xK{qkv.k}/m{b}"] for b in (1, 32)}
+
+
 @pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("case", cuda_lib.WRITE_CASES[1::3], ids=cuda_lib.write_case_id)
 def test_kv_write_bit_identical(backend, case: tuple, slot_dtype) -> None:

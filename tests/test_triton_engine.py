@@ -128,7 +128,8 @@ def test_lite_tune_pins_configs_the_backend_uses(
 
     art = tmp_path / "art"
     shutil.copytree(rtn_artifact, art)
-    args = ["tune", str(art), "--buckets", "1,16", "--max-configs", "2", "--dtype", "float16"]
+    args = ["tune", str(art), "--backend", "triton", "--buckets", "1,16", "--max-configs", "2"]
+    args += ["--dtype", "float16"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     kernels = json.loads((art / "manifest.json").read_text())["launch"]["kernels"]

@@ -9,7 +9,9 @@ Llama-3-8B's linears (fused qkv 6144x4096, o 4096x4096, fused gate/up 28672x4096
 Every kernel is timed as CUDA-graph replays (how the engine runs decode: host launch overhead
 is not in the figures). Each output is compared with the dequantized weights' bf16 matmul
 (relative Frobenius error), so a wrong layout or packing shows here and not as a fast time.
-Prints one row per shape and M, then the targets:
+Where the plan is the dequantized weights plus a dense GEMM (prefill-sized M), the fused
+kernel's best launch by the planner's model is timed too. Prints one row per shape and M, then
+the targets:
 
 * M = 1 .. 16: at least 2.5x torch's bf16 dense matmul;
 * M = 1: at least 1.3x tinygemm;
@@ -31,8 +33,8 @@ import torch
 from cuda_attention import graph_ms, setup
 
 from runtime.artifact.layout import dequantize, pack_qparams, pack_qweight
-from runtime.kernels.cuda import gemm_plan
-from runtime.kv.format import STORAGE_KINDS
+from runtime.kernels.cuda import gemm_plan, w4a16
+from runtime.kernels.gpu import gpu_arch
 
 SHAPES = {
     "qkv 6144x4096": (6144, 4096),
@@ -40,7 +42,9 @@ SHAPES = {
     "gate/up 28672x4096": (28672, 4096),
     "down 4096x14336": (4096, 14336),
 }
-QUICK_SHAPES = {"quick 200x300": (200, 300)}
+# --quick: (shape, rows) through the emulation: decode, a fused prefill launch, and a shape
+# and M the planner gives the dequantized path
+QUICK = {"quick 200x300": ((200, 300), (1, 17)), "quick 1024x1024": ((1024, 1024), (4096,))}
 GROUP, QUICK_GROUP = 128, 32
 MS = "1,4,16,64,256,1024,4096"
 TINYGEMM_MAX_M = 16  # tinygemm is a decode kernel; the targets compare it at M = 1
@@ -72,45 +76,41 @@ class Weight:
         return packed, pairs.contiguous().to(torch.bfloat16).to(device)
 
 
-def csrc_call(lib, w: Weight, x: torch.Tensor, y: torch.Tensor, sms: int, emulate: bool):
-    """The cuda backend's launch of y = x @ W_hat^T: (run, the plan)."""
-    m = x.shape[0]
-    plan = gemm_plan.plan(gemm_plan.configs(lib), m, w.n, w.k, w.gs, sms)
-    floats = max(plan.workspace_floats, 1)
-    workspace = torch.empty(floats, dtype=torch.float32, device=x.device)
-    args = [x.data_ptr(), x.stride(0), w.qweight.data_ptr(), w.qparams.data_ptr(), y.data_ptr()]
-    args += [y.stride(0), workspace.data_ptr(), m, w.n, w.k, w.gs, STORAGE_KINDS[x.dtype]]
-    args += [plan.config, plan.split_k]
+def csrc_call(lib, w: Weight, x: torch.Tensor, plan: gemm_plan.Plan, emulate: bool):
+    """The cuda backend's y = x @ W_hat^T under ``plan``, as a call returning y."""
+    return lambda: w4a16.linear(lib, x, w.qweight, w.qparams, w.n, w.k, w.gs, plan, emulate)
 
-    def run() -> None:
-        if emulate:
-            rc = lib.lsq_emulate_w4a16_gemm(*args, 0)
-        else:
-            rc = lib.lsq_w4a16_gemm(*args, torch.cuda.current_stream().cuda_stream)
-        if rc:
-            raise RuntimeError(f"lsq_w4a16_gemm returned {rc}")
 
-    return run, plan
+def label(plan: gemm_plan.Plan) -> str:
+    """config/split of a fused launch; dequant for the dequantized weights and a dense GEMM."""
+    if isinstance(plan, gemm_plan.DequantPlan):
+        return "dequant"
+    return f"{plan.config}/s{plan.split_k}"
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.double() - ref.double()).norm() / ref.double().norm())
 
 
-def row(lib, label: str, w: Weight, m: int, sms: int, quick: bool) -> dict:
-    """One shape and M: the csrc plan, times and errors (None where not run)."""
+def row(lib, shape: str, w: Weight, m: int, sms: int, arch: str, quick: bool) -> dict:
+    """One shape and M: the csrc plan, times and errors (None where not run). Where the plan is
+    the dequantized path, the fused kernel's best launch by the model is timed too."""
     device = w.qweight.device
     x = torch.randn(m, w.k, device=device).to(torch.bfloat16)
-    y = torch.empty(m, w.n, dtype=torch.bfloat16, device=device)
-    run, plan = csrc_call(lib, w, x, y, sms, quick)
+    plans = gemm_plan.ranked(gemm_plan.configs(lib), m, w.n, w.k, w.gs, sms, arch)
+    fused = next(p for p in plans if isinstance(p, gemm_plan.GemmPlan))
+    run = csrc_call(lib, w, x, plans[0], quick)
     ref = x.double() @ w.exact.double().T
-    out = {"label": label, "m": m, "plan": f"{plan.config}/s{plan.split_k}"}
-    if quick:
-        run()
-        return {**out, "err": rel_err(y, ref)}
+    out = {"label": shape, "m": m, "plan": label(plans[0])}
+    if quick:  # the fused kernel emulated at prefill M would take minutes: not compared
+        return {**out, "err": rel_err(run(), ref)}
+    if plans[0] is not fused:
+        out["fused"] = label(fused)
+        out["fused_err"] = rel_err(csrc_call(lib, w, x, fused, quick)(), ref)
     out["ms"] = graph_ms(run)
-    run()
-    out["err"] = rel_err(y, ref)
+    out["err"] = rel_err(run(), ref)
+    if plans[0] is not fused:
+        out["fused_ms"] = graph_ms(csrc_call(lib, w, x, fused, quick))
     out["dense_ms"] = graph_ms(lambda: torch.matmul(x, w.dense.T))
     from runtime.kernels.triton.gemm import heuristic_config, w4a16_gemm
 
@@ -137,10 +137,13 @@ def print_row(r: dict, w: Weight) -> None:
     tb_s = nbytes / ms / 1e9 if ms else None
     ratio = lambda base: f"{base / ms:.2f}x" if ms and base else "-"  # noqa: E731
     tiny_cell = ratio(tiny) if tiny else r.get("tiny_note", "-")
+    fused = "-"
+    if "fused" in r:
+        fused = f"{r['fused']}: {fmt(r.get('fused_ms'))} (err {r['fused_err']:.1e})"
     print(
         f"| {r['label']} | {r['m']} | {r['plan']} | {fmt(ms)} | {fmt(tb_s, '.2f')} | "
         f"{fmt(dense)} | {ratio(dense)} | {fmt(tiny)} | {tiny_cell} | {fmt(triton)} | "
-        f"{ratio(triton)} | {r['err']:.1e} | {fmt(r.get('tiny_err'), '.1e')} |"
+        f"{ratio(triton)} | {fused} | {r['err']:.1e} | {fmt(r.get('tiny_err'), '.1e')} |"
     )
 
 
@@ -166,22 +169,24 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="CPU emulation, tiny shapes, no timing")
     a = p.parse_args()
     device, lib, sms = setup(a.quick)
-    shapes, gs = (QUICK_SHAPES, QUICK_GROUP) if a.quick else (SHAPES, GROUP)
-    ms = (1, 17) if a.quick else tuple(int(m) for m in a.ms.split(","))
+    ms = tuple(int(m) for m in a.ms.split(","))
+    runs = QUICK if a.quick else {name: (shape, ms) for name, shape in SHAPES.items()}
+    gs = QUICK_GROUP if a.quick else GROUP
     name = "CPU (emulated)" if a.quick else torch.cuda.get_device_name(device)
     print(f"# csrc W4A16 GEMM on {name}, torch {torch.__version__}")
     print(f"group {gs}, bf16 activations, {sms} SMs planned; CUDA-graph replays\n")
     print(
-        "| shape | M | config/split | csrc ms | TB/s | dense ms | vs dense | tinygemm ms | "
-        "vs tinygemm | triton ms | vs triton | err | tinygemm err |"
+        "| shape | M | plan | csrc ms | TB/s | dense ms | vs dense | tinygemm ms | "
+        "vs tinygemm | triton ms | vs triton | fused kernel ms | err | tinygemm err |"
     )
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
     rows = []
     torch.manual_seed(0)
-    for label, (n, k) in shapes.items():
+    arch = "sm_90" if a.quick else gpu_arch(device)
+    for name, ((n, k), rows_m) in runs.items():
         w = Weight(n, k, gs, device)
-        for m in ms:
-            rows.append(row(lib, label, w, m, sms, a.quick))
+        for m in rows_m:
+            rows.append(row(lib, name, w, m, sms, arch, a.quick))
             print_row(rows[-1], w)
     if not a.quick:
         targets(rows)
