@@ -98,16 +98,17 @@ class Tuner:
 
 
 def triton_tuner(device: torch.device, max_configs: int | None) -> Tuner:
-    """The Triton GEMM's config space (tile shapes, split-K, warps, stages): one compile each."""
+    """The Triton GEMM's config space (tile shapes, split-K, warps, stages; one compile each),
+    and past the decode rows the dequantized path."""
     from runtime.kernels.gpu import gpu_arch
     from runtime.kernels.triton.backend import prepare_weight
-    from runtime.kernels.triton.gemm import config_space, w4a16_gemm
+    from runtime.kernels.triton.gemm import tune_space, w4a16_linear
 
     return Tuner(
         gpu_arch(device),
         lambda parts, k, gs: prepare_weight(parts, k, gs, device, {}),
-        lambda m, w: config_space(m, w.n, w.k, w.group_size)[:max_configs],
-        lambda x, w, cfg: w4a16_gemm(x, w.qweight, w.qparams, w.n, w.k, w.group_size, cfg),
+        lambda m, w: tune_space(m, w.n, w.k, w.group_size, max_configs),
+        lambda x, w, cfg: w4a16_linear(x, w.qweight, w.qparams, w.n, w.k, w.group_size, cfg),
     )
 
 

@@ -16,12 +16,19 @@ import torch
 
 from runtime.artifact.layout import dequantize, pack_qparams, pack_qweight
 from runtime.kernels.triton.gemm import (
+    DEQUANT_FROM_BUCKET,
     M_BUCKETS,
+    DequantConfig,
     GemmConfig,
+    choose_config,
+    config_from_dict,
     config_space,
     heuristic_config,
     m_bucket,
+    tune_space,
+    w4a16_dequantize,
     w4a16_gemm,
+    w4a16_linear,
 )
 from tests.conftest import spread
 
@@ -254,6 +261,56 @@ def test_bad_inputs(case: str, device: torch.device) -> None:
     mutate, message = BAD_INPUTS[case]
     with pytest.raises(ValueError, match=message):
         w4a16_gemm(**mutate(args))
+
+
+@pytest.mark.parametrize(("n", "k", "gs"), [(72, 80, 32), (40, 200, 64), (72, 130, 128)])
+def test_dequantize_gives_the_gemms_weights(n: int, k: int, gs: int, device: torch.device) -> None:
+    """The dequantized path multiplies the very weights the GEMM does: the GEMM of the identity
+    (one exact product per output) is W_hat^T, and w4a16_dequantize must give the same bits.
+    N and K not multiples of 64 and of the group. In fp16 both are also the reference
+    dequantization rounded once (the interpreter truncates to bf16, so bf16 is compared there
+    with the GEMM only)."""
+    torch.manual_seed(n + k)
+    qweight, qparams = make_weight(n, k, gs, device)
+    for dtype in (F16, BF16):
+        w = w4a16_dequantize(qweight, qparams, n, k, gs, dtype)
+        assert w.shape == (n, k) and w.dtype == dtype
+        eye = torch.eye(k, dtype=dtype, device=device)
+        wt = w4a16_gemm(eye, qweight, qparams, n, k, gs, CONFIGS["split1"])
+        assert torch.equal(wt.T.contiguous().view(torch.int16), w.view(torch.int16)), dtype
+        if dtype == F16 or device.type == "cuda":
+            ref = dequantize(qweight, qparams, n, k, gs).to(dtype)
+            assert torch.equal(ref.view(torch.int16), w.view(torch.int16)), dtype
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_prefill_rows_run_dequantized(dtype: torch.dtype, device: torch.device) -> None:
+    """From DEQUANT_FROM_BUCKET rows the backend's choice is the dequantized weights and torch's
+    matmul, within the GEMM's tolerance; below it the heuristic tile config. A pin may choose
+    either (``{"dequant": 1}`` round-trips), and `lite tune` times the dequantized path past
+    the decode rows."""
+    n, k, gs = 72, 130, 64
+    torch.manual_seed(3)
+    qweight, qparams = make_weight(n, k, gs, device)
+    m = DEQUANT_FROM_BUCKET // 2 + 1  # the first row count of the bucket
+    assert m_bucket(m) == DEQUANT_FROM_BUCKET
+    assert choose_config(m, n, k, gs) == DequantConfig()
+    assert choose_config(m - 1, n, k, gs) == heuristic_config(m - 1, n, k, gs)
+    x = torch.randn(m, k, dtype=dtype, device=device)
+    y = w4a16_linear(x, qweight, qparams, n, k, gs, DequantConfig())
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert rel_error(y, x, qweight, qparams, gs) < TOL[dtype]
+    assert config_from_dict({"dequant": 1}) == DequantConfig()
+    cfg = heuristic_config(1, n, k, gs)
+    assert config_from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="missing"):
+        config_from_dict({"dequant": 0})
+    assert DequantConfig() not in tune_space(16, n, k, gs, 2)
+    assert tune_space(17, n, k, gs, 2) == [*config_space(17, n, k, gs)[:2], DequantConfig()]
+    with pytest.raises(ValueError, match="x must be"):
+        w4a16_linear(x.float(), qweight, qparams, n, k, gs, DequantConfig())
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        w4a16_dequantize(qweight, qparams, n, k, gs, torch.float32)
 
 
 def corner_configs(m: int, n: int, k: int, gs: int) -> list[GemmConfig | None]:

@@ -3,7 +3,9 @@
 
 Tile configs come from the artifact's pinned launch config for this GPU architecture (written
 by ``lite tune``), so a server starts without autotuning and always runs the same kernels; on
-an architecture the artifact was not tuned for, the GEMM's heuristic picks them, with a warning.
+an architecture the artifact was not tuned for, the GEMM's heuristic picks them, with a warning,
+and prefill-sized steps (256+ rows) dequantize the weights for torch's dense GEMM
+(``triton/gemm.py``'s DequantConfig), which a pin may also choose or overrule.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ from runtime.kernels.gpu import (
 from runtime.kernels.triton.attention import paged_decode_attention, paged_prefill_attention
 from runtime.kernels.triton.gemm import (
     M_BUCKETS,
-    GemmConfig,
-    heuristic_config,
+    LinearConfig,
+    choose_config,
+    config_from_dict,
     m_bucket,
-    w4a16_gemm,
+    w4a16_linear,
 )
 from runtime.kernels.triton.kv_write import kv_write
 from runtime.kv.layer import LayerKV
@@ -37,12 +40,11 @@ log = logging.getLogger("runtime.kernels")
 
 @dataclass
 class TritonInt4Weight(FusedInt4):
-    pinned: dict[int, GemmConfig] = field(default_factory=dict)  # by m bucket
+    pinned: dict[int, LinearConfig] = field(default_factory=dict)  # by m bucket
 
-    def config(self, m: int) -> GemmConfig:
-        bucket = m_bucket(m)
-        cfg = self.pinned.get(bucket)
-        return cfg or heuristic_config(m, self.n, self.k, self.group_size)
+    def config(self, m: int) -> LinearConfig:
+        cfg = self.pinned.get(m_bucket(m))
+        return cfg or choose_config(m, self.n, self.k, self.group_size)
 
 
 def prepare_weight(
@@ -54,7 +56,7 @@ def prepare_weight(
 ) -> TritonInt4Weight:
     fused = fuse_int4(parts, k, group_size, device)
     configs = {
-        b: GemmConfig.from_dict(pinned[gemm_key(fused.n, k, b)])
+        b: config_from_dict(pinned[gemm_key(fused.n, k, b)])
         for b in M_BUCKETS
         if gemm_key(fused.n, k, b) in pinned
     }
@@ -85,7 +87,7 @@ class TritonBackend(GpuBackend):
 
     def int4_linear(self, x: torch.Tensor, w: TritonInt4Weight) -> torch.Tensor:
         x = x.contiguous()
-        y = w4a16_gemm(x, w.qweight, w.qparams, w.n, w.k, w.group_size, w.config(x.shape[0]))
+        y = w4a16_linear(x, w.qweight, w.qparams, w.n, w.k, w.group_size, w.config(x.shape[0]))
         return self.linear_out(y, w)
 
     def kv_write(self, kv: LayerKV, k, v, slot_mapping) -> None:

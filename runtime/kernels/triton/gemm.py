@@ -127,6 +127,43 @@ class GemmConfig:
             )
 
 
+@dataclass(frozen=True)
+class DequantConfig:
+    """Not a tile config: the weights dequantized by :func:`w4a16_dequantize` and torch's dense
+    GEMM (cuBLAS) on them. This kernel's ``tl.dot`` runs 0.2-0.27x torch's bf16 matmul at 256+
+    rows on an H200 (measured), while the dequantization costs one write and read of the
+    weights, so prefill-sized M takes this path (vLLM's AWQ linear switches at 256 rows too)."""
+
+    def to_dict(self) -> dict[str, int]:
+        return {"dequant": 1}
+
+
+LinearConfig = GemmConfig | DequantConfig
+DEQUANT_FROM_BUCKET = 256  # row buckets from this one dequantize unless a pin says otherwise
+
+
+def config_from_dict(d: Mapping[str, object]) -> LinearConfig:
+    """A pinned entry: ``{"dequant": 1}`` or a :class:`GemmConfig`'s dict."""
+    if isinstance(d, Mapping) and dict(d) == DequantConfig().to_dict():
+        return DequantConfig()
+    return GemmConfig.from_dict(d)
+
+
+def choose_config(m: int, n: int, k: int, group_size: int) -> LinearConfig:
+    """Without a pinned entry: the dequantized path from DEQUANT_FROM_BUCKET rows, else
+    :func:`heuristic_config`."""
+    if m_bucket(m) >= DEQUANT_FROM_BUCKET:
+        return DequantConfig()
+    return heuristic_config(m, n, k, group_size)
+
+
+def tune_space(m: int, n: int, k: int, group_size: int, limit: int | None) -> list[LinearConfig]:
+    """What `lite tune` times: the first ``limit`` of :func:`config_space`, and past the decode
+    rows the dequantized path."""
+    space: list[LinearConfig] = list(config_space(m, n, k, group_size)[:limit])
+    return space + [DequantConfig()] if m_bucket(m) > 16 else space
+
+
 def m_bucket(m: int) -> int:
     """The bucket of a row count: the smallest bucket >= m, and 512 for every m > 256."""
     if m < 1:
@@ -219,6 +256,47 @@ def heuristic_config(m: int, n: int, k: int, group_size: int) -> GemmConfig:
 
 
 @triton.jit
+def _tile_layout(
+    qw_ptr, stride_qwk, stride_qwn, N, pid_n, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """Index math of one [BLOCK_K, BLOCK_N] weight tile (module docstring): k and n of each tile
+    row and column, the shifts that pick each code's nibble, and the word grid's pointers at
+    k-step 0."""
+    # Index arithmetic uses // and % (not shifts and masks) so that the compiler's axis analysis
+    # sees the contiguous runs: the 4 words of a row quad, the k0 pairs of x.
+    # Tile row i = 4 r + 2 k3 + k0 holds local k = 16 (i // 16) + 8 k3 + 2 (k2 k1) + k0.
+    i = tl.arange(0, BLOCK_K)
+    k_perm = (i // 16) * 16 + (i // 2 % 2) * 8 + (i // 4 % 4) * 2 + i % 2
+    k_perm = tl.max_contiguous(tl.multiple_of(k_perm, 2), 2)
+    row_shift = 16 * (i % 2) + 4 * (i // 2 % 2)  # nibble p = 4 k0 + 2 n3 + k3
+    # Tile column j = 2 c + n3 holds n = pid_n * BLOCK_N + 16 (j // 16) + 8 n3 + (n2 n1 n0).
+    j = tl.arange(0, BLOCK_N)
+    offs_n = pid_n * BLOCK_N + (j // 16) * 16 + (j % 2) * 8 + j // 2 % 8
+    col_shift = 8 * (j % 2)
+    # Word grid: row r = (kt, k2 k1), column c = (nt, n2 n1 n0); word t = 4 (n2 n1 n0) + k2 k1.
+    r = tl.arange(0, BLOCK_K // 4)
+    c = tl.arange(0, BLOCK_N // 2)
+    word_n = pid_n * BLOCK_N + (c // 8) * 16 + c % 8  # the n3 = 0 column of each word
+    word_cols = (pid_n * (BLOCK_N // 16) + c // 8) * 32 + (c % 8) * 4
+    word_ptrs = (
+        qw_ptr
+        + (r // 4)[:, None] * stride_qwk
+        + ((r % 4)[:, None] + word_cols[None, :]) * stride_qwn
+    )
+    word_mask = (word_n < N)[None, :]
+    return k_perm, row_shift, offs_n, col_shift, word_ptrs, word_mask
+
+
+@triton.jit
+def _codes(words, row_shift, col_shift, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The [BLOCK_K / 4, BLOCK_N / 2] word grid -> the [BLOCK_K, BLOCK_N] int4 code tile."""
+    rep = tl.broadcast_to(words[:, None, :, None], (BLOCK_K // 4, 4, BLOCK_N // 2, 2))
+    rep = tl.reshape(rep, (BLOCK_K, BLOCK_N))
+    # Arithmetic >> sign-extends negative words, but & 0xF keeps exactly the nibble.
+    return (rep >> (row_shift[:, None] + col_shift[None, :])) & 0xF
+
+
+@triton.jit
 def _w4a16_kernel(
     x_ptr,
     qw_ptr,
@@ -256,29 +334,10 @@ def _w4a16_kernel(
     pid_m = first_m + (pid % in_group) % group_m
     pid_n = (pid % in_group) // group_m
 
-    # Index arithmetic uses // and % (not shifts and masks) so that the compiler's axis analysis
-    # sees the contiguous runs: the 4 words of a row quad, the k0 pairs of x.
-    # Tile row i = 4 r + 2 k3 + k0 holds local k = 16 (i // 16) + 8 k3 + 2 (k2 k1) + k0.
-    i = tl.arange(0, BLOCK_K)
-    k_perm = (i // 16) * 16 + (i // 2 % 2) * 8 + (i // 4 % 4) * 2 + i % 2
-    k_perm = tl.max_contiguous(tl.multiple_of(k_perm, 2), 2)
-    row_shift = 16 * (i % 2) + 4 * (i // 2 % 2)  # nibble p = 4 k0 + 2 n3 + k3
-    # Tile column j = 2 c + n3 holds n = pid_n * BLOCK_N + 16 (j // 16) + 8 n3 + (n2 n1 n0).
-    j = tl.arange(0, BLOCK_N)
-    offs_n = pid_n * BLOCK_N + (j // 16) * 16 + (j % 2) * 8 + j // 2 % 8
-    col_shift = 8 * (j % 2)
-    n_mask = offs_n < N
-    # Word grid: row r = (kt, k2 k1), column c = (nt, n2 n1 n0); word t = 4 (n2 n1 n0) + k2 k1.
-    r = tl.arange(0, BLOCK_K // 4)
-    c = tl.arange(0, BLOCK_N // 2)
-    word_n = pid_n * BLOCK_N + (c // 8) * 16 + c % 8  # the n3 = 0 column of each word
-    word_cols = (pid_n * (BLOCK_N // 16) + c // 8) * 32 + (c % 8) * 4
-    word_ptrs = (
-        qw_ptr
-        + (r // 4)[:, None] * stride_qwk
-        + ((r % 4)[:, None] + word_cols[None, :]) * stride_qwn
+    k_perm, row_shift, offs_n, col_shift, word_ptrs, word_mask = _tile_layout(
+        qw_ptr, stride_qwk, stride_qwn, N, pid_n, BLOCK_K, BLOCK_N
     )
-    word_mask = (word_n < N)[None, :]
+    n_mask = offs_n < N
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
@@ -296,10 +355,7 @@ def _w4a16_kernel(
             other=0.0,
         )
         words = tl.load(word_ptrs + step * (BLOCK_K // 16) * stride_qwk, mask=word_mask, other=0)
-        rep = tl.broadcast_to(words[:, None, :, None], (BLOCK_K // 4, 4, BLOCK_N // 2, 2))
-        rep = tl.reshape(rep, (BLOCK_K, BLOCK_N))
-        # Arithmetic >> sign-extends negative words, but & 0xF keeps exactly the nibble.
-        codes = (rep >> (row_shift[:, None] + col_shift[None, :])) & 0xF
+        codes = _codes(words, row_shift, col_shift, BLOCK_K, BLOCK_N)
         qp = qp_ptr + (k0 // GROUP_SIZE) * stride_qpg + offs_n * stride_qpn
         s = tl.load(qp, mask=n_mask, other=0.0).to(tl.float32)
         b = tl.load(qp + stride_qpc, mask=n_mask, other=0.0).to(tl.float32)
@@ -318,22 +374,54 @@ def _w4a16_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def _check_inputs(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    qparams: torch.Tensor,
-    n: int,
-    k: int,
-    group_size: int,
+@triton.jit
+def _dequant_kernel(
+    qw_ptr,
+    qp_ptr,
+    w_ptr,
+    N,
+    K,
+    stride_qwk,
+    stride_qwn,
+    stride_qpg,
+    stride_qpn,
+    stride_qpc,
+    stride_wn,
+    stride_wk,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """W_hat[n, k] for one [BLOCK_K, BLOCK_N] tile, with the GEMM's own unpacking and fma: the
+    bits its ``tl.dot`` multiplies."""
+    pid_k = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    k_perm, row_shift, offs_n, col_shift, word_ptrs, word_mask = _tile_layout(
+        qw_ptr, stride_qwk, stride_qwn, N, pid_n, BLOCK_K, BLOCK_N
+    )
+    n_mask = offs_n < N
+    words = tl.load(word_ptrs + pid_k * (BLOCK_K // 16) * stride_qwk, mask=word_mask, other=0)
+    codes = _codes(words, row_shift, col_shift, BLOCK_K, BLOCK_N)
+    k0 = pid_k * BLOCK_K
+    qp = qp_ptr + (k0 // GROUP_SIZE) * stride_qpg + offs_n * stride_qpn
+    s = tl.load(qp, mask=n_mask, other=0.0).to(tl.float32)
+    b = tl.load(qp + stride_qpc, mask=n_mask, other=0.0).to(tl.float32)
+    w = tl.fma(codes.to(tl.float32), s[None, :], b[None, :]).to(w_ptr.dtype.element_ty)
+    offs_k = k0 + k_perm
+    out = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    tl.store(out, w, mask=(offs_k < K)[:, None] & n_mask[None, :])
+
+
+_DEQUANT_BLOCK_K, _DEQUANT_BLOCK_N = 32, 64  # 32 divides every group size: one group a tile
+
+
+def _check_weight(
+    qweight: torch.Tensor, qparams: torch.Tensor, n: int, k: int, group_size: int
 ) -> None:
     if group_size not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size!r}")
     if n < 1 or k < 1:
         raise ValueError(f"n and k must be positive, got n={n}, k={k}")
-    if x.dtype not in ACTIVATION_DTYPES:
-        raise ValueError(f"x must be float16 or bfloat16, got {x.dtype}")
-    if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"x must be [M, K={k}], got shape {tuple(x.shape)}")
     np_, kp = padded_shape(n, k, group_size)
     qw_shape = (kp // TILE, 2 * np_)
     if qweight.dtype != torch.int32 or tuple(qweight.shape) != qw_shape:
@@ -347,7 +435,26 @@ def _check_inputs(
             f"qparams must be float16 {list(qp_shape)} for N={n}, K={k}, "
             f"group_size={group_size}, got {qparams.dtype} {list(qparams.shape)}"
         )
-    if not (same_device(x.device, qweight.device) and same_device(x.device, qparams.device)):
+    if not same_device(qweight.device, qparams.device):
+        raise ValueError(
+            f"qweight and qparams must share a device, got {qweight.device}, {qparams.device}"
+        )
+
+
+def _check_inputs(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qparams: torch.Tensor,
+    n: int,
+    k: int,
+    group_size: int,
+) -> None:
+    _check_weight(qweight, qparams, n, k, group_size)
+    if x.dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"x must be float16 or bfloat16, got {x.dtype}")
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [M, K={k}], got shape {tuple(x.shape)}")
+    if not same_device(x.device, qweight.device):
         raise ValueError(
             f"x, qweight and qparams must share a device, got {x.device}, {qweight.device}, "
             f"{qparams.device}"
@@ -408,3 +515,53 @@ def w4a16_gemm(
     if splits == 1:
         return out[0]
     return out.sum(dim=0).to(x.dtype)
+
+
+def w4a16_dequantize(
+    qweight: torch.Tensor,
+    qparams: torch.Tensor,
+    n: int,
+    k: int,
+    group_size: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """W_hat [n, k] in ``dtype`` (fp16 or bf16): the weights :func:`w4a16_gemm` multiplies, bit
+    for bit (the fp32 fma of the reference dequantization, rounded once to ``dtype``)."""
+    _check_weight(qweight, qparams, n, k, group_size)
+    if dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"the weights dequantize to float16 or bfloat16, not {dtype}")
+    w = torch.empty(n, k, dtype=dtype, device=qweight.device)
+    grid = (triton.cdiv(k, _DEQUANT_BLOCK_K), triton.cdiv(n, _DEQUANT_BLOCK_N))
+    _dequant_kernel[grid](
+        qweight,
+        qparams,
+        w,
+        n,
+        k,
+        *qweight.stride(),
+        *qparams.stride(),
+        *w.stride(),
+        GROUP_SIZE=group_size,
+        BLOCK_K=_DEQUANT_BLOCK_K,
+        BLOCK_N=_DEQUANT_BLOCK_N,
+    )
+    return w
+
+
+def w4a16_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qparams: torch.Tensor,
+    n: int,
+    k: int,
+    group_size: int,
+    config: LinearConfig,
+) -> torch.Tensor:
+    """x [M, K] -> y [M, N] in x.dtype, by :func:`w4a16_gemm` or, for a DequantConfig, the
+    dequantized weights and torch's matmul."""
+    if isinstance(config, DequantConfig):
+        _check_inputs(x, qweight, qparams, n, k, group_size)
+        return torch.nn.functional.linear(
+            x, w4a16_dequantize(qweight, qparams, n, k, group_size, x.dtype)
+        )
+    return w4a16_gemm(x, qweight, qparams, n, k, group_size, config)
