@@ -2,7 +2,8 @@
 measured in the same run (the device's copy bandwidth, torch's fp16 matmul on the same shapes).
 
 GEMM: Llama-3-8B's linear shapes (N x K = 4096x4096, 14336x4096 gate/up, 4096x14336 down) at
-M = 1 .. 4096, with the heuristic config or, with --tune, the best of the config space; prints
+M = 1 .. 4096, as the backend runs them (the heuristic config; from 256 rows the weights
+dequantized and torch's matmul) or, with --tune, the best of `lite tune`'s candidates; prints
 time, achieved GB/s (weights + activations + output read/written once) and TFLOP/s, and ratios
 to the copy bandwidth and to torch.matmul in fp16 on dense weights of the same shape.
 Decode attention: one token per sequence over 1k..32k cached tokens, fp16/int8/int4 KV, Llama-3-8B
@@ -24,7 +25,7 @@ import torch
 
 from runtime.artifact.layout import pack_qparams, pack_qweight
 from runtime.kernels.triton.attention import paged_decode_attention
-from runtime.kernels.triton.gemm import config_space, heuristic_config, w4a16_gemm
+from runtime.kernels.triton.gemm import DequantConfig, choose_config, tune_space, w4a16_linear
 from runtime.kv.cache import KVCache
 from runtime.kv.format import KVSpec
 
@@ -73,12 +74,12 @@ def gemm_rows(device: torch.device, tune: bool, shapes: dict, ms: tuple[int, ...
         for m in ms:
             x = torch.randn(m, k, device=device, dtype=torch.float16)
             if tune:
-                candidates = config_space(m, n, k, GROUP)
+                candidates = tune_space(m, n, k, GROUP, None)
             else:
-                candidates = [heuristic_config(m, n, k, GROUP)]
+                candidates = [choose_config(m, n, k, GROUP)]
             timed = []
             for cfg in candidates:
-                run = partial(w4a16_gemm, x, qweight, qparams, n, k, GROUP, cfg)
+                run = partial(w4a16_linear, x, qweight, qparams, n, k, GROUP, cfg)
                 try:
                     timed.append((bench(run, device), cfg))
                 except Exception:  # a config the compiler rejects here
@@ -88,7 +89,11 @@ def gemm_rows(device: torch.device, tune: bool, shapes: dict, ms: tuple[int, ...
             nbytes = qweight.numel() * 4 + qparams.numel() * 2 + (m * k + m * n) * 2
             gbs = nbytes / t / 1e6
             tflops = 2 * m * n * k / t / 1e9
-            c = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}/s{cfg.split_k}/w{cfg.num_warps}"
+            c = (
+                "dequant"
+                if isinstance(cfg, DequantConfig)
+                else f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}/s{cfg.split_k}/w{cfg.num_warps}"
+            )
             print(
                 f"| {label} | {m} | {c} | {t:.4f} | {gbs:.0f} | {gbs / copy_bw:.2f} | "
                 f"{tflops:.1f} | {t_ref:.4f} | {t_ref / t:.2f}x |"
@@ -135,7 +140,7 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (interpreted)"
     print(f"# kernels on {name}, torch {torch.__version__}")
     shapes = {"quick 96x160": (96, 160)} if a.quick else SHAPES
-    ms = (1, 17) if a.quick else MS
+    ms = (1, 17, 300) if a.quick else MS
     contexts = (70,) if a.quick else CONTEXTS
     heads = (6, 2, 16) if a.quick else (32, 8, 128)
     gemm_rows(device, a.tune, shapes, ms, copy_bandwidth(device, 2**20 if a.quick else 2**30))
