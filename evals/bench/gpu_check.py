@@ -7,16 +7,20 @@ call of `bash evals/bench/gpu_check.sh` (which sets up the carried wheels, then 
   gpu-tests    python -m pytest -q -m gpu
   model-1b     a random Llama of Llama-3.2-1B's shape (the carried 49152-token tokenizer), built
                with transformers on the GPU, and its RTN g128 artifact (`lite auto_awq`)
-  model-8b     Llama-3-8B's shape with --layers-8b of its 32 layers (RTN runs on the CPU, and
-               all 32 layers do not fit the time budget), for the memory figures
+  model-8b     Llama-3-8B's shape with --layers-8b of its 32 layers (all 32 do not fit the
+               time budget), for the memory and calibration figures
   engine       engine_gpu.py decode: start-up, first request, decode at batch 1/16/64/256,
                GPU vs host time, CUDA graphs vs eager, the streaming floor, transformers
+  engine-cuda  the same decode figures with backend cuda (the csrc library)
   agree        engine_gpu.py agree: triton (bf16, fp16) against the CPU backend in fp32
   serve        serving_gpu.py: `runtime serve` with 1, 8 and 32 concurrent streams
   kernels      kernels.py: the W4A16 GEMM and decode attention on Llama-3-8B shapes
+  cuda-attention, cuda-gemm   the csrc kernels against their baselines
   memory-8b    engine_gpu.py memory on the 8B-shaped artifact, projected to 32 layers
+  awq-8b       lite auto_awq --device cuda at 128 x 512 calibration tokens on the 8B shape's
+               layers: time projected to 32 layers, peak host RSS and GPU memory
 
-The model stages run in the background while the GPU tests run (they need the CPU for RTN);
+The model stages run in the background while the GPU tests run;
 nothing runs beside the measuring stages. Each stage is a subprocess with its own timeout,
 taken from one budget (--budget, 8 minutes in all with the set-up) so that a slow stage
 leaves time for the ones after it. A stage that fails or times out is recorded with its
@@ -207,6 +211,37 @@ def render_pytest(r: Result) -> Result:
     return r
 
 
+AWQ_LINE = re.compile(
+    r"wrote \S+ in (?P<s>\d+) s on (?P<dev>[^;]+); peak RSS (?P<rss>[\d.]+) GiB"
+    r"(?:; peak GPU memory (?P<gpu>[\d.]+) GiB)?"
+)
+
+
+def render_awq(source: Path, full: int) -> Callable[[Result], Result]:
+    """`lite auto_awq`'s last line as a table: wall time on the source's layers and its
+    projection to `full` (layers x per-layer time, the fixed costs counted `full / layers`
+    times: an upper bound), peak host RSS and peak GPU memory (one layer at a time: the same
+    at any depth)."""
+
+    def render(r: Result) -> Result:
+        found = AWQ_LINE.search(r.stderr_tail)
+        if found is None:
+            r.stdout = "No summary line from lite auto_awq: see logs/ and the tail below.\n"
+            return r
+        seconds = int(found["s"])
+        layers = json.loads((source / "config.json").read_text())["num_hidden_layers"]
+        gpu = f"{found['gpu']} GiB" if found["gpu"] else "-"
+        row = f"| {layers} | {seconds} | {seconds * full / layers / 60:.1f} min | {found['dev']} | "
+        r.stdout = (
+            f"| layers | wall s | projected to {full} layers | device | peak RSS | peak GPU |\n"
+            "|---:|---:|---:|---|---:|---:|\n"
+            f"{row}{found['rss']} GiB | {gpu} |\n"
+        )
+        return r
+
+    return render
+
+
 def _mentions_gpu(test_file: str) -> bool:
     path = ROOT / test_file
     try:
@@ -310,7 +345,7 @@ def plan(a: argparse.Namespace, work: Path, logs: Path) -> Plan:
     tok = ["--tokenizer", str(a.tokenizer)] if a.tokenizer.is_dir() else []
     small = "tiny" if smoke else "1b"
     src, art = work / f"src-{small}", work / f"art-{small}"
-    art8 = work / "art-8b"
+    src8, art8 = work / "src-8b", work / "art-8b"
     device = "cpu" if smoke else "cuda"
     triton_cache = {"TRITON_CACHE_DIR": str(work / "triton-cache")}
     interp = {"TRITON_INTERPRET": "1"} if smoke else {}
@@ -338,7 +373,7 @@ def plan(a: argparse.Namespace, work: Path, logs: Path) -> Plan:
         f"Llama-3-8B shape with {a.layers_8b} of its 32 layers (RTN runs on the CPU: all 32 do "
         "not fit the 8-minute budget), and its RTN g128 artifact",
         [PY, str(BENCH / "random_model.py"), "8b", str(work), "--device", device, "--artifact"]
-        + ["--layers", str(a.layers_8b), "--drop-source", *tok],
+        + ["--layers", str(a.layers_8b), *tok],
         cap=240,
         background=True,
         skip=gpu_only,
@@ -426,6 +461,23 @@ def plan(a: argparse.Namespace, work: Path, logs: Path) -> Plan:
         needs=(art8,),
         skip=gpu_only,
     )
+    # issue 13: AWQ calibration on the GPU at the issue's 128 x 512 tokens (smoke: the tiny
+    # model on the CPU at 8 x 64, to check the stage)
+    awq_src = src if smoke else src8
+    calib = ["8", "64"] if smoke else ["128", "512"]
+    awq = Stage(
+        "awq-8b",
+        f"`lite auto_awq --device {device}` with {calib[0]} x {calib[1]} calibration tokens on "
+        + ("the tiny model" if smoke else f"{a.layers_8b} layers of the 8B shape")
+        + ": wall time projected to 32 layers, peak host RSS and GPU memory",
+        [PY, "-m", "lite", "auto_awq", str(awq_src), "--work-dir", str(work / "awq-8b")]
+        + ["--device", device, "--calib-samples", calib[0], "--calib-seqlen", calib[1]]
+        + ["--w-group-size", "128" if not smoke else "32", "--overwrite", "--quiet"],
+        cap=240 if smoke else 150,
+        reserve=90,
+        needs=(awq_src,),
+        render=render_awq(awq_src, 32),
+    )
     if smoke:  # the memory code on the tiny model instead, to check it runs
         memory = Stage(
             "memory",
@@ -437,6 +489,7 @@ def plan(a: argparse.Namespace, work: Path, logs: Path) -> Plan:
             needs=(art,),
         )
     measuring = [decode, engine_cuda, agree, serve, kernels, cuda_attention, cuda_gemm, memory]
+    measuring.append(awq)
     p = Plan([tests], [model, model8], measuring)
     chosen = set(a.only.split(",")) if a.only else None
     for s in p.all():
@@ -611,12 +664,12 @@ def main() -> int:
     )
     p.add_argument("--tokenizer", type=Path, default=ROOT / ".tok")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU: check the check")
-    p.add_argument("--budget", type=float, help="seconds for all stages (default 450; smoke 900)")
+    p.add_argument("--budget", type=float, help="seconds for all stages (default 480; smoke 900)")
     p.add_argument("--layers-8b", type=int, default=4, help="layers of the 8B shape to build")
     p.add_argument("--only", help="run only these stages (comma-separated names)")
     p.add_argument("--keep-work", action="store_true", help="leave --work in place at the end")
     a = p.parse_args()
-    a.budget = a.budget or (900.0 if a.smoke else 450.0)
+    a.budget = a.budget or (900.0 if a.smoke else 480.0)
     a.command = os.environ.get("GPU_CHECK_COMMAND") or shlex.join(
         ["python3", "evals/bench/gpu_check.py", *sys.argv[1:]]
     )
