@@ -103,6 +103,9 @@ def test_int4_linear_on_fused_parts(backend, dtype) -> None:
         ref = torch.cat([cuda_lib.gemm_reference(x, qw, qp, n, k, gs) for qw, qp, n in parts], 1)
         assert y.shape == (m, sum(widths)) and y.dtype == dtype
         assert cuda_lib.gemm_rel_err(y, ref) < cuda_lib.GEMM_TOLERANCE[dtype], m
+    hits = backend._plan.cache_info().hits
+    assert torch.equal(backend.int4_linear(x, fused), y)  # planned once per shape and m
+    assert backend._plan.cache_info().hits == hits + 1
 
 
 def test_int4_linear_dequantized_where_pinned(csrc: Counting) -> None:
