@@ -525,12 +525,15 @@ def w4a16_dequantize(
     group_size: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """W_hat [n, k] in ``dtype`` (fp16 or bf16): the weights :func:`w4a16_gemm` multiplies, bit
-    for bit (the fp32 fma of the reference dequantization, rounded once to ``dtype``)."""
+    """W_hat [n, k] in ``dtype`` (fp16 or bf16; a transposed view of a contiguous [k, n]): the
+    weights :func:`w4a16_gemm` multiplies, bit for bit (the fp32 fma of the reference
+    dequantization, rounded once to ``dtype``)."""
     _check_weight(qweight, qparams, n, k, group_size)
     if dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"the weights dequantize to float16 or bfloat16, not {dtype}")
-    w = torch.empty(n, k, dtype=dtype, device=qweight.device)
+    # stored k-major ([k, n] contiguous, returned transposed): a tile row is then 64 adjacent
+    # columns, where an [n, k] store would scatter 2-element runs; matmul reads either layout
+    w = torch.empty(k, n, dtype=dtype, device=qweight.device).T
     grid = (triton.cdiv(k, _DEQUANT_BLOCK_K), triton.cdiv(n, _DEQUANT_BLOCK_N))
     _dequant_kernel[grid](
         qweight,
