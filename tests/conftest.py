@@ -8,7 +8,8 @@ machine into the liteserve cache).
 Kernel tests (``tests/test_triton_*.py``) run on every host: compiled on the current GPU where
 there is one, interpreted on the CPU (``TRITON_INTERPRET=1``) otherwise. On a GPU host they
 also carry the ``gpu`` marker, so ``pytest -m gpu`` is the whole GPU part; tests marked ``gpu``
-by hand are skipped where there is no GPU.
+by hand are skipped where there is no GPU. Modules without gpu tests run their CPU path on a
+GPU host too: the GPU is hidden from them (``_cpu_modules_see_no_gpu``).
 """
 
 from __future__ import annotations
@@ -70,6 +71,24 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.gpu)
         elif not GPU and item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cpu_modules_see_no_gpu(request: pytest.FixtureRequest) -> Iterator[None]:
+    """On a GPU host, a module with no gpu test checks the CPU path it was written for: there
+    ``auto`` would pick a GPU backend (and refuse the float32 activations many of them ask
+    for), in this process and in the servers and CLIs they start. So for those modules the
+    GPU is hidden: torch.cuda.is_available() is False here, CUDA_VISIBLE_DEVICES is empty for
+    child processes. Whether this host has a GPU stays ``GPU`` (tests that must never launch
+    on fake pointers ask that, not torch)."""
+    mine = [item for item in request.session.items if item.module is request.module]
+    if not GPU or any(item.get_closest_marker("gpu") for item in mine):
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: False)
+        patch.setenv("CUDA_VISIBLE_DEVICES", "")
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -47,6 +47,7 @@ import torch
 
 from runtime.kv.cache import KVCache
 from tests import cuda_lib
+from tests.conftest import GPU
 from tests.cuda_lib import BF16, DECODE_CASES, F16, INVALID, WRITE_CASES
 
 pytestmark = pytest.mark.skipif(cuda_lib.NVCC is None, reason="nvcc not installed")
@@ -232,7 +233,7 @@ def test_attention_refuses_bad_arguments(lib: ctypes.CDLL, change: dict) -> None
 def test_attention_valid_arguments_reach_cuda(lib: ctypes.CDLL) -> None:
     """The control of the test above: the same arguments unchanged pass every check, so the
     call gets as far as CUDA (no GPU here: a CUDA error, neither 0 nor 1)."""
-    if torch.cuda.is_available():
+    if GPU:  # conftest's: the host's, even where a module hides it
         pytest.skip("would launch on fake pointers")
     unquantized = {"kv_kind": 2, "k_scale": None, "k_zero": None, "v_scale": None, "v_zero": None}
     one_partition = {"partition_size": 1024, "workspace": None}
@@ -279,7 +280,7 @@ def test_kv_write_refuses_bad_arguments(lib: ctypes.CDLL, change: dict) -> None:
 
 
 def test_kv_write_valid_arguments_reach_cuda(lib: ctypes.CDLL) -> None:
-    if torch.cuda.is_available():
+    if GPU:  # conftest's: the host's, even where a module hides it
         pytest.skip("would launch on fake pointers")
     assert lib.lsq_kv_write(*write_args(), None) not in (0, INVALID)
     assert lib.lsq_kv_write(*write_args(head_dim=127, kv_kind=3), None) not in (0, INVALID)
