@@ -239,6 +239,21 @@ def test_cli_generate_tp2_matches_tp1(artifacts: dict[str, Path]) -> None:
     assert two.output == one.output
 
 
+def test_more_ranks_than_gpus_is_refused_before_any_rank_starts(
+    artifacts: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--tp 2 from cuda:0 on a host with one GPU (simulated: the check only counts devices):
+    a message naming the GPUs the ranks need and the fix, and no process started."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    children = psutil.Process().children()
+    with pytest.raises(
+        ValueError, match=r"--tp 2 runs one rank per GPU, cuda:0 to cuda:1: .*1 GPU"
+    ):
+        Engine(artifacts["llama"], _config(2, backend="triton", device="cuda:0", dtype="float16"))
+    assert psutil.Process().children() == children
+
+
 def test_plan_per_rank(artifacts: dict[str, Path]) -> None:
     """Per-rank weights and KV heads; the pool fits more tokens than on one rank of the same
     memory, as each rank holds half the KV heads."""

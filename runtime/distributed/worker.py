@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from runtime.artifact.reader import Artifact
 from runtime.config import EngineConfig
+from runtime.device import resolve_device
 from runtime.distributed.group import START_SECONDS, RankFailure, TPGroup
 from runtime.distributed.shard import Shard, plan_shards
 
@@ -75,7 +76,16 @@ class Workers:
         start ranks 1..tp-1 and join the group as rank 0. `config` has the artifact's launch
         defaults filled in."""
         shard = _shard(artifact, config, 0)
-        device = rank_device(config, _backend(artifact, config), 0)
+        devices = [rank_device(config, _backend(artifact, config), r) for r in range(config.tp)]
+        for d in devices:  # every rank's GPU exists, before any process starts
+            try:
+                resolve_device(d)
+            except ValueError as e:
+                raise ValueError(
+                    f"--tp {config.tp} runs one rank per GPU, {devices[0]} to {devices[-1]}: {e}; "
+                    "use a --tp no larger than the GPUs from --device on, or --backend cpu"
+                ) from e
+        device = devices[0]
         store = TPGroup.store(config.tp)
         ctx = mp.get_context("spawn")  # a fresh interpreter: no forked threads or GPU state
         procs = [
