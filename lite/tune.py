@@ -143,7 +143,9 @@ def cuda_tuner(dtype: torch.dtype, max_configs: int | None) -> Tuner:
     )
 
 
-def tuner_for(backend: str, device: torch.device, dtype: torch.dtype, max_configs: int | None):
+def tuner_for(
+    backend: str, device: torch.device, dtype: torch.dtype, max_configs: int | None
+) -> Tuner:
     """``auto``: the backend `runtime serve --backend auto` would run here, cuda when the csrc
     library loads, else triton."""
     if backend not in TUNED_BACKENDS:
