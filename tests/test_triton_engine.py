@@ -111,6 +111,19 @@ def staggered_run(engine: Engine) -> Outputs:
     return [(seq.output_ids, seq.logprobs) for seq in seqs]
 
 
+def test_int32_tensor_of_step_metadata() -> None:
+    """The step buffers' list-to-tensor conversion: exact int32 values, slot -1 included, and
+    an empty list."""
+    from runtime.kernels.gpu import int32_tensor
+
+    values = [0, -1, 5, 2**31 - 1, -(2**31), 123456]
+    got = int32_tensor(values)
+    assert got.dtype == torch.int32 and got.tolist() == values
+    assert int32_tensor([]).shape == (0,)
+    with pytest.raises(OverflowError):
+        int32_tensor([2**31])
+
+
 def test_decode_from_static_buffers_matches_eager(rtn_artifact: Path) -> None:
     """Decode steps from cuda_graph.py's static padded buffers (replayed as CUDA graphs on a
     GPU, run eagerly from the same buffers here) against eager steps (the reference): the same

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from runtime.kernels.gpu import int32_tensor
 from runtime.kernels.ops import Backend, StepInputs, StepTensors
 from runtime.kv.cache import KVCache
 from runtime.model.context import step_context
@@ -83,18 +84,20 @@ class DecodeGraphs:
         )
 
     def _fill(self, step: StepInputs) -> None:
-        """One copy of the step's metadata into the static buffers, padded to max_bs rows."""
-        n, host = len(step.input_ids), self._host
+        """One copy of the step's metadata into the static buffers, padded to max_bs rows
+        (built as one list: a tensor per row cost 2.9 ms of host time at batch 256)."""
+        pad = self.max_bs - len(step.input_ids)
         columns = (step.input_ids, step.positions, step.slot_mapping, step.context_lens)
-        for i, (name, values) in enumerate(zip(_PAD, columns, strict=True)):
-            field = host[i * self.max_bs : (i + 1) * self.max_bs]
-            field[:n] = torch.tensor(values, dtype=torch.int32)
-            field[n:] = _PAD[name]
-        tables = host[len(_PAD) * self.max_bs :].view(self.max_bs, self.width)
-        tables.zero_()
-        for row, table in enumerate(step.block_tables):
-            tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
-        self._dev.copy_(host, non_blocking=True)
+        flat: list[int] = []
+        for name, values in zip(_PAD, columns, strict=True):
+            flat += values
+            flat += [_PAD[name]] * pad
+        for table in step.block_tables:
+            flat += table
+            flat += [0] * (self.width - len(table))
+        flat += [0] * (pad * self.width)
+        self._host.copy_(int32_tensor(flat))
+        self._dev.copy_(self._host, non_blocking=True)
 
     def _forward(self, bs: int) -> torch.Tensor:
         with step_context(self._steps[bs], self.cache):

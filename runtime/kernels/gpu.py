@@ -10,6 +10,7 @@ multiple of 64 the fused output carries its padding columns, which one index_sel
 from __future__ import annotations
 
 import itertools
+from array import array
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,16 @@ from runtime.kernels.ops import Backend, StepInputs, StepTensors
 
 N_TILE = 64
 _ALIGN = 4  # int32 elements in 16 bytes
+_INT32 = next(code for code in "ilh" if array(code).itemsize == 4)  # C int on every platform
+
+
+def int32_tensor(values: list[int]) -> torch.Tensor:
+    """A CPU int32 tensor of a list of ints. torch.tensor walks a list element by element in
+    Python; array's C loop is about 10x faster on a decode step's metadata (10k values at batch
+    256: 2.9 ms of host time per step before, measured on the 2-core EPYC)."""
+    if not values:
+        return torch.empty(0, dtype=torch.int32)
+    return torch.frombuffer(array(_INT32, values), dtype=torch.int32)
 
 
 def gpu_arch(device: torch.device) -> str:
@@ -111,10 +122,11 @@ class StepBuffer:
         padded = [-(-n // _ALIGN) * _ALIGN for n in sizes]
         total = sum(padded)
         self._reserve(total)
-        flat = [
-            v for x, room in zip(parts, padded, strict=True) for v in (*x, *[0] * (room - len(x)))
-        ]
-        self._host[:total] = torch.tensor(flat, dtype=torch.int32)
+        flat: list[int] = []
+        for x, room in zip(parts, padded, strict=True):
+            flat += x
+            flat += [0] * (room - len(x))
+        self._host[:total].copy_(int32_tensor(flat))
         dev = self._dev[:total]
         dev.copy_(self._host[:total], non_blocking=True)
         return [v[:n] for v, n in zip(dev.split(padded), sizes, strict=True)]
