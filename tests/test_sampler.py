@@ -156,6 +156,56 @@ def test_seeded_reproducible_across_batches():
     assert e != a
 
 
+def _sorted_reference(x: torch.Tensor, p: SamplingParams, u: float) -> int:
+    """The filters on a full stable descending sort of the row, and the inverse-CDF draw at
+    u in that order: what the sampler's candidate search must reproduce token for token."""
+    vals, order = (x / p.temperature).sort(descending=True, stable=True)
+    pos = torch.arange(len(vals))
+    remove = pos >= (p.top_k or len(vals))
+    probs = vals.masked_fill(remove, -math.inf).softmax(-1)
+    if p.top_p < 1:
+        remove |= probs.cumsum(-1) - probs >= p.top_p
+    if p.min_p:
+        remove |= vals < vals[0] + math.log(p.min_p)
+    w = (vals.masked_fill(remove, -math.inf) - vals[0]).exp().double()
+    cdf = w.cumsum(-1)
+    at = min(u * float(cdf[-1]), math.nextafter(float(cdf[-1]), 0))
+    return int(order[torch.searchsorted(cdf, torch.tensor([at], dtype=torch.float64), right=True)])
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=1.5, top_p=0.99),  # nucleus past the first candidates
+        SamplingParams(temperature=1.0, top_k=40),
+        SamplingParams(temperature=0.8, top_k=300, top_p=0.953, min_p=0.01),
+        SamplingParams(temperature=1.2, top_p=0.5, min_p=0.2),
+    ],
+    ids=["top_p", "wide_top_p", "top_k", "all_three", "top_p_min_p"],
+)
+def test_candidate_search_draws_what_a_full_sort_draws(params: SamplingParams) -> None:
+    """Rows of a 5000-token vocabulary, peaked (an LM's shape) and flat (the nucleus spills
+    past 256 candidates, so the search widens), and rows of coarse values (ties at the
+    candidates' edge): each seeded draw equals the full-sort reference at the same uniform."""
+    gen = torch.Generator().manual_seed(11)
+    rows = [torch.randn(5000, generator=gen) * s for s in (8.0, 3.0, 0.5)]
+    rows.append(torch.randint(0, 4, (5000,), generator=gen).float())
+    for seed in range(20):
+        for row in rows:
+            tokens, _ = _run(row.unsqueeze(0), [params], generators=[_gen(seed)])
+            u = float(torch.rand(1, generator=_gen(seed), dtype=torch.float64))
+            assert int(tokens[0]) == _sorted_reference(row, params, u), (seed, params)
+
+
+def test_top_k_ties_keep_the_lowest_ids():
+    """Five tokens tied at the top, top_k 3: the stable order keeps ids 0, 1, 2 (as argmax
+    would pick 0), however the candidate search's topk orders ties."""
+    logits = torch.tensor([[1.0] * 5 + [0.0] * 995]).repeat(300, 1)
+    tokens, _ = _run(logits, [SamplingParams(top_k=3)] * 300)
+    assert set(tokens.tolist()) == {0, 1, 2}
+
+
 def test_temperature_distribution_matches_softmax():
     logits = torch.tensor([1.0, 0.5, 0.0, -0.5, 2.0])
     temperature = 0.8
