@@ -198,6 +198,24 @@ def test_candidate_search_draws_what_a_full_sort_draws(params: SamplingParams) -
             assert int(tokens[0]) == _sorted_reference(row, params, u), (seed, params)
 
 
+def test_grammar_masked_rows_stay_on_the_candidates():
+    """A constrained row (all but 5 tokens at -inf) with top-p: the -inf tokens tie at the
+    candidates' edge but are never kept, so the first 256 candidates suffice (no widening to
+    the whole vocabulary) and the draw is among the 5."""
+    from runtime.engine import sampler
+
+    logits = torch.full((1, 5000), -math.inf)
+    logits[0, [7, 70, 700, 1234, 4999]] = torch.tensor([1.0, 0.5, 0.2, 0.0, -0.3])
+    calls = []
+    real = sampler._from_candidates
+    sampler_calls = lambda *a: calls.append(a[1]) or real(*a)  # noqa: E731
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sampler, "_from_candidates", sampler_calls)
+        tokens, _ = _run(logits.repeat(200, 1), [SamplingParams(top_p=0.95)] * 200)
+    assert calls == [256]
+    assert set(tokens.tolist()) <= {7, 70, 700, 1234, 4999} and len(set(tokens.tolist())) > 2
+
+
 def test_top_k_ties_keep_the_lowest_ids():
     """Five tokens tied at the top, top_k 3: the stable order keeps ids 0, 1, 2 (as argmax
     would pick 0), however the candidate search's topk orders ties."""

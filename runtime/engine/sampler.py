@@ -203,33 +203,34 @@ def _inverse_cdf(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, x, right=True).squeeze(1)
 
 
-def _stable_top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest of each row, in the order of a stable descending sort of the whole row
-    (equal values by ascending id, as argmax and the sort this replaces)."""
-    vals, idx = x.topk(k, dim=-1)
-    by_id = idx.argsort(dim=-1)
-    vals, idx = vals.gather(1, by_id), idx.gather(1, by_id)
-    vals, order = vals.sort(dim=-1, descending=True, stable=True)
-    return vals, idx.gather(1, order)
-
-
 def _from_candidates(
-    x: torch.Tensor, count: int, ks: list[int], ps: list[float], mins: list[float], u: torch.Tensor
+    x: torch.Tensor,
+    count: int,
+    ks: list[int],
+    ps: list[float],
+    mins: list[float],
+    u: torch.Tensor,
+    lse: torch.Tensor,
 ) -> tuple[torch.Tensor, list[bool]]:
     """Each row's token drawn among its ``count`` best, and whether those hold its filtered
-    set: its top-k is on (at most ``count``), or the candidates' mass reaches its top-p; and no
-    token outside them ties the last one."""
+    set: its top-k is on (at most ``count``) or the candidates' mass reaches its top-p, and no
+    kept candidate ties the next token (one more is fetched to tell). ``lse``: each row's
+    logsumexp, the top-p normaliser where top-k is off."""
     S, V = x.shape
     device = x.device
-    vals, idx = _stable_top(x, count)
+    vals, idx = x.topk(min(V, count + 1), dim=-1)
+    next_val = vals[:, count] if count < V else None
+    vals, idx = vals[:, :count], idx[:, :count]
+    by_id = idx.argsort(dim=-1)  # the order of a stable sort: equal values by ascending id
+    vals, idx = vals.gather(1, by_id), idx.gather(1, by_id)
+    vals, order = vals.sort(dim=-1, descending=True, stable=True)
+    idx = idx.gather(1, order)
     pos = torch.arange(count, device=device).unsqueeze(0)
     on = torch.tensor([k < V for k in ks], device=device)
     remove = pos >= torch.tensor(ks, device=device).unsqueeze(1)  # top-k
     # top-p over the top-k tokens where top-k is on, else over the whole row
-    lse = torch.where(
-        on, vals.masked_fill(remove, -math.inf).logsumexp(dim=1), x.logsumexp(dim=1)
-    ).unsqueeze(1)
-    probs = (vals - lse).exp().masked_fill(remove, 0.0)
+    norm = torch.where(on, vals.masked_fill(remove, -math.inf).logsumexp(dim=1), lse)
+    probs = (vals - norm.unsqueeze(1)).exp().masked_fill(remove, 0.0)
     p_t = torch.tensor(ps, device=device, dtype=probs.dtype).unsqueeze(1)
     before = probs.cumsum(dim=1) - probs
     remove |= (before >= p_t) & (p_t < 1.0)
@@ -237,11 +238,13 @@ def _from_candidates(
     remove |= vals < vals[:, :1] + logmin.unsqueeze(1)  # min-p: prob < min_p * max prob
     chosen = _inverse_cdf(vals.masked_fill(remove, -math.inf), u)
     tokens = idx.gather(1, chosen.unsqueeze(1)).squeeze(1)
-    if count == V:
+    if next_val is None:
         return tokens, [True] * S
     held = on | (probs.sum(dim=1) >= p_t.squeeze(1))
-    no_tie = (x >= vals[:, -1:]).sum(dim=1) == count
-    return tokens, (held & no_tie).tolist()
+    # every kept candidate above the next token: tokens tied with it (whose order a topk does
+    # not keep) are all filtered out, here as in a full sort (their prefix mass is the same)
+    above = (remove | (vals > next_val.unsqueeze(1))).all(dim=1)
+    return tokens, (held & above).tolist()
 
 
 def _nucleus(
@@ -249,20 +252,21 @@ def _nucleus(
 ) -> torch.Tensor:
     """Tokens of rows with top-k and/or top-p (and maybe min-p), drawn from their best
     candidates instead of a sort of the whole vocabulary (2.4 ms a row at 49k tokens on the
-    CPU; the vocabulary's exp and compare are a tenth of it). A row starts with its top-k or
-    _CANDIDATES, whichever is more, and retries with 8x as many while they do not hold its
-    filtered set, up to the whole row; its count depends on nothing else in the batch. The
-    candidates come in the order of a full stable sort, so the draw is the one a sort of the
-    whole row would give."""
+    CPU; a topk of 256 is a twentieth of it). A row starts with its top-k or _CANDIDATES,
+    whichever is more, and retries with 8x as many while they do not hold its filtered set, up
+    to the whole row; its count depends on nothing else in the batch. The candidates come in
+    the order of a full stable sort, so the draw is the one a sort of the whole row gives."""
     S, V = x.shape
     out = torch.empty(S, dtype=torch.long, device=x.device)
+    lse = x.logsumexp(dim=1)
     todo = {i: min(V, max(_CANDIDATES, ks[i] if ks[i] < V else 0)) for i in range(S)}
     while todo:
         count = min(todo.values())
         rows = [i for i, c in todo.items() if c == count]
+        sub = x if len(rows) == S else x[rows]
         tokens, fits = _from_candidates(
-            x[rows], count, [ks[i] for i in rows], [ps[i] for i in rows],
-            [mins[i] for i in rows], u[rows],
+            sub, count, [ks[i] for i in rows], [ps[i] for i in rows],
+            [mins[i] for i in rows], u[rows], lse[rows],
         )  # fmt: skip
         done = [i for i, ok in zip(rows, fits, strict=True) if ok]
         if done:
