@@ -224,6 +224,24 @@ def test_top_k_ties_keep_the_lowest_ids():
     assert set(tokens.tolist()) == {0, 1, 2}
 
 
+def test_long_rows_draw_the_softmax():
+    """A 3000-token row (drawn in two levels: block sums, then one block) with its mass on
+    tokens at block edges and in the padded last block: frequencies match the softmax."""
+    heavy = [0, 255, 256, 1023, 1024, 2047, 2816, 2999]
+    logits = torch.full((3000,), -4.0)
+    logits[heavy] = torch.tensor([1.0, 0.5, 0.0, 1.5, -0.5, 0.8, 0.2, 1.2])
+    expected = logits.softmax(-1)
+    n, B = 40000, 2000
+    counts = torch.zeros(3000)
+    torch.manual_seed(12)
+    for _ in range(n // B):
+        tokens, _ = _run(logits.expand(B, -1).contiguous(), [SamplingParams()] * B)
+        counts += torch.bincount(tokens, minlength=3000)
+    assert (counts[heavy] / n - expected[heavy]).abs().max() < 0.01
+    rest = [i for i in range(3000) if i not in heavy]
+    assert abs(counts[rest].sum() / n - expected[rest].sum()) < 0.01
+
+
 def test_temperature_distribution_matches_softmax():
     logits = torch.tensor([1.0, 0.5, 0.0, -0.5, 2.0])
     temperature = 0.8

@@ -25,6 +25,7 @@ from runtime.engine.grammar import apply_mask
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 _CANDIDATES = 256  # tokens a top-k/top-p row is first drawn from (more when its nucleus is wider)
+_CDF_BLOCK = 256  # columns per first-level sum of a long row's draw
 
 
 @dataclass(frozen=True)
@@ -193,11 +194,28 @@ def _uniforms(generators: Sequence[torch.Generator | None], device: torch.device
 
 def _inverse_cdf(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Per row, the column whose probability interval (softmax of the row, in column order)
-    holds u: the first column whose cumulative weight exceeds u * total. Weights and sums in
-    float64, so no token's interval is off by more than ~1e-16 of the total; a -inf column has
-    an empty interval and is never drawn."""
+    holds u: the first column whose cumulative weight exceeds u * total. Weights summed in
+    float64, so no interval is off by more than ~1e-16 of the total; a -inf column has an empty
+    interval and is never drawn. Long rows go in two levels, sums of _CDF_BLOCK columns and then
+    one block's running sum: a running sum over the whole vocabulary is sequential, and was
+    most of a temperature-only draw."""
+    S, N = logits.shape
     w = (logits - logits.max(dim=1, keepdim=True).values).exp()
-    cdf = w.cumsum(dim=1, dtype=torch.float64)
+    if N <= 4 * _CDF_BLOCK:
+        return _first_above(w.cumsum(dim=1, dtype=torch.float64), u)
+    blocks = torch.nn.functional.pad(w, (0, -N % _CDF_BLOCK)).view(S, -1, _CDF_BLOCK)
+    cdf = blocks.sum(dim=2, dtype=torch.float64).cumsum(dim=1)
+    b = _first_above(cdf, u)
+    start = torch.where(b > 0, cdf.gather(1, (b - 1).clamp_min(0).unsqueeze(1)).squeeze(1), 0.0)
+    x = u * cdf[:, -1] - start  # where u falls inside block b
+    inner = blocks.gather(1, b.view(S, 1, 1).expand(S, 1, _CDF_BLOCK)).squeeze(1)
+    inner = inner.cumsum(dim=1, dtype=torch.float64)
+    return b * _CDF_BLOCK + _first_above(inner, x / inner[:, -1])
+
+
+def _first_above(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index whose running sum exceeds u (in [0, 1)) times the row's total;
+    below the total even where u * total rounds up to it, so the index has positive weight."""
     total = cdf[:, -1:]
     x = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, x, right=True).squeeze(1)
