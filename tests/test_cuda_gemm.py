@@ -379,6 +379,8 @@ def test_keys_and_buckets_match_the_gpu_backends() -> None:
     triton_gemm = pytest.importorskip("runtime.kernels.triton.gemm")
     assert gp.M_BUCKETS == triton_gemm.M_BUCKETS
     assert gp.gemm_key(960, 576, 16) == gpu.gemm_key(960, 576, 16)
+    # lite tune pins the dequantized path in the same form for both backends
+    assert gp.DequantPlan(1, 64, 64).to_dict() == triton_gemm.DequantConfig().to_dict()
     for m in (1, 3, 16, 17, 300, 5000):
         assert gp.m_bucket(m) == triton_gemm.m_bucket(m)
 

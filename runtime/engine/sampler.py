@@ -227,6 +227,14 @@ def _first_above(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, x, right=True).squeeze(1)
 
 
+def _log_min_p(mins: Sequence[float], device: torch.device) -> torch.Tensor:
+    """[S, 1] log(min_p) per row, -inf where min-p is off: prob < min_p * max prob is
+    logit < max logit + log(min_p)."""
+    return torch.tensor(
+        [math.log(m) if m > 0 else -math.inf for m in mins], device=device
+    ).unsqueeze(1)
+
+
 def _from_candidates(
     x: torch.Tensor,
     count: int,
@@ -258,8 +266,7 @@ def _from_candidates(
     p_t = torch.tensor(ps, device=device, dtype=probs.dtype).unsqueeze(1)
     before = probs.cumsum(dim=1) - probs
     remove |= (before >= p_t) & (p_t < 1.0)
-    logmin = torch.tensor([math.log(m) if m > 0 else -math.inf for m in mins], device=device)
-    remove |= vals < vals[:, :1] + logmin.unsqueeze(1)  # min-p: prob < min_p * max prob
+    remove |= vals < vals[:, :1] + _log_min_p(mins, device)  # min-p
     chosen = _inverse_cdf(vals.masked_fill(remove, -math.inf), u)
     tokens = idx.gather(1, chosen.unsqueeze(1)).squeeze(1)
     if next_val is None:
@@ -282,7 +289,8 @@ def _nucleus(
     the order of a full stable sort, so the draw is the one a sort of the whole row gives."""
     S, V = x.shape
     out = torch.empty(S, dtype=torch.long, device=x.device)
-    lse = x.logsumexp(dim=1)
+    # the top-p normaliser of rows without top-k (a pass over the vocabulary: only if needed)
+    lse = x.logsumexp(dim=1) if any(k >= V for k in ks) else x.new_zeros(S)
     todo = {i: min(V, max(_CANDIDATES, ks[i] if ks[i] < V else 0)) for i in range(S)}
     while todo:
         count = min(todo.values())
@@ -325,10 +333,8 @@ def _sample(
     if whole:
         rows = x if len(whole) == S else x[whole]
         if any(mins[i] > 0 for i in whole):
-            logmin = torch.tensor(
-                [math.log(mins[i]) if mins[i] > 0 else -math.inf for i in whole], device=device
-            ).unsqueeze(1)
             top = rows.max(dim=1, keepdim=True).values
+            logmin = _log_min_p([mins[i] for i in whole], device)
             rows = rows.masked_fill(rows < top + logmin, -math.inf)
         tokens[whole] = _inverse_cdf(rows, u[whole])
     if nucleus:
