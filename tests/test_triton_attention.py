@@ -28,10 +28,12 @@ import pytest
 import torch
 
 from runtime.kernels.reference import paged_attention
+from runtime.kernels.triton import attention
 from runtime.kernels.triton.attention import (
     decode_partition_size,
     paged_decode_attention,
     paged_prefill_attention,
+    prefill_tiles,
 )
 from runtime.kv.cache import KVCache
 from runtime.kv.format import KVSpec
@@ -183,6 +185,37 @@ def test_prefill_matches_reference(case, windowed, device):
         meta[0], on_device(cache, device).layer(1), *meta[1:], scale, window
     )
     assert_close(out, reference(q, cache, tables, ctx, qlens, scale, window))
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize(
+    "case",
+    [("int8", BF16, 16, 8, 2, 32, MIXED, 20), ("int4", F16, 16, 4, 2, 136, MIXED, 20)],
+    ids=case_id,
+)
+def test_prefill_tiles_of_each_architecture(case, arch, device, monkeypatch):
+    """The tiles chosen for sm_8x and for sm_90 (``prefill_tiles``: 64 or 128 query rows; 16,
+    32 or 64 KV tokens past or within 128-wide heads) give the same attention."""
+    monkeypatch.setattr(attention, "target_arch", lambda: arch)
+    kv_quant, dtype, bs, heads, kv_heads, dim, seqs, window = case
+    ctx, qlens = [c for c, _ in seqs], [n for _, n in seqs]
+    cache, tables, gen = build(kv_quant, dtype, bs, ctx, kv_heads, dim, seed=arch + dim)
+    q = torch.randn(sum(qlens), heads, dim, generator=gen).to(dtype)
+    cu = torch.tensor([0, *qlens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    lens = torch.tensor(ctx, dtype=torch.int32)
+    meta = [t.to(device) for t in (q, tables, cu, lens)]
+    out = paged_prefill_attention(
+        meta[0], on_device(cache, device).layer(1), *meta[1:], 0.2, window
+    )
+    assert_close(out, reference(q, cache, tables, ctx, qlens, 0.2, window))
+
+
+def test_prefill_tiles_shrink_before_sm_90():
+    opts = {"BLOCK_D": 128}
+    assert prefill_tiles(opts, BF16, 90) == (128, 64, 8)
+    assert prefill_tiles(opts, BF16, 80) == (64, 32, 8)
+    assert prefill_tiles({"BLOCK_D": 256}, F16, 89) == (64, 16, 8)
+    assert prefill_tiles(opts, F32, 90) == (64, 32, 4)
 
 
 def test_prefill_decode_rows_agree_with_decode_kernel(device):

@@ -33,17 +33,24 @@ Design, and why:
   scale), masked scores are -inf, and a fully masked row never produces NaN (its max is
   replaced by 0 before exponentiation). Probabilities are cast to the KV dtype for the
   ``P @ V`` dot, as flash attention does; fp32 KV uses IEEE dots (not TF32).
+* **Tiles per GPU generation.** The prefill tile depends on the architecture Triton compiles
+  for: on sm_90 ``wgmma`` reads its operands from shared memory and 128-row tiles fit in
+  registers; on sm_8x (``mma.sync``: A100, A10, L4, RTX 30/40) the same tiles spill up to 1 KiB
+  a thread with int8 KV, so they are 64 rows, 8 warps, and 16-token KV tiles past 128-wide
+  heads (every launch compiled offline for both, no spills: ``tests/triton_compile.py``).
 
 head_dim may be any size: tiles are padded to a power of two (at least 16) with masks.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.driver import driver
 from triton.runtime.interpreter import InterpretedFunction
 
 from runtime.device import check_devices
@@ -556,6 +563,30 @@ def _kernel_options(kv: LayerKV, num_heads: int) -> dict:
     }
 
 
+@functools.cache
+def _compile_arch(device_index: int) -> int:  # noqa: ARG001 - the cache key
+    return driver.active.get_current_target().arch
+
+
+def target_arch() -> int:
+    """The compute capability Triton compiles for now (its current device's, e.g. 90);
+    interpreted, 90, whose tiles the interpreter runs (it has no registers to spill)."""
+    if _INTERPRETED:
+        return 90
+    return _compile_arch(torch.cuda.current_device() if torch.cuda.is_available() else -1)
+
+
+def prefill_tiles(opts: dict, dtype: torch.dtype, arch: int) -> tuple[int, int, int]:
+    """(query rows, KV tokens, warps) of a prefill tile for ``arch``: the largest that ptxas
+    holds without spilling (see the module docstring)."""
+    wide = opts["BLOCK_D"] > 128
+    if arch < 90:
+        return 64, 16 if wide else 32, 8
+    if _large_tiles(opts, dtype):
+        return 128, 64, 8
+    return 64, 32, 8 if wide else 4
+
+
 def _large_tiles(opts: dict, dtype: torch.dtype) -> bool:
     """Whether 16-bit tiles of up to 128 columns fit: fp32 or head_dim > 128 halve the tiles
     (register and shared-memory budget on sm_90, checked with ptxas: no spills)."""
@@ -701,9 +732,9 @@ def paged_prefill_attention(
         return out
     num_heads = q.shape[1]
     opts = _kernel_options(kv, num_heads)
-    large = _large_tiles(opts, q.dtype)
+    rows, block_n, warps = prefill_tiles(opts, q.dtype, target_arch())
     block_g = triton.next_power_of_2(opts["GROUP"])
-    block_q = max(1, (128 if large else 64) // block_g)
+    block_q = max(1, rows // block_g)
     pool, pool_strides = _pool(kv)
     _prefill_kernel[(q.shape[0] // block_q + num_seqs, kv.spec.num_kv_heads)](
         q, *pool, block_tables, cu_query_lens, context_lens, out,
@@ -714,8 +745,8 @@ def paged_prefill_attention(
         BLOCK_S=triton.next_power_of_2(num_seqs + 1),
         BLOCK_G=block_g,
         BLOCK_Q=block_q,
-        BLOCK_N=64 if large else 32,
-        num_warps=8 if large or opts["BLOCK_D"] > 128 else 4,
+        BLOCK_N=block_n,
+        num_warps=warps,
         **opts,
     )  # fmt: skip
     return out

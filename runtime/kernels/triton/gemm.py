@@ -247,7 +247,9 @@ def heuristic_config(m: int, n: int, k: int, group_size: int) -> GemmConfig:
         block_k = min(group_size, 128 if bucket <= 16 else 64)
         tiles = triton.cdiv(m, block_m) * triton.cdiv(n, 64)
         split = _split_for(tiles, triton.cdiv(k, block_k), 8 if bucket <= 16 else 4)
-        stages = 4 if bucket <= 16 else 3
+        # four stages, but two of 128-deep k-steps: four of those spill 8 bytes a thread at
+        # sm_80 (compiled offline: tests/triton_compile.py)
+        stages = 3 if bucket > 16 else 2 if block_k == 128 else 4
         return GemmConfig(block_m, 64, block_k, split, 4, stages)
     block_m = 128 if bucket >= 256 else 64
     block_n = 128 if np_ >= 128 else 64
