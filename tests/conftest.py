@@ -41,22 +41,33 @@ CSRC_BUILD_TESTS = ("test_cuda_attention_build.py", "test_cuda_backend.py", "tes
 _CSRC_DIRS: list[str] = []
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start nvcc's minutes-long build in the background when its modules will run."""
-    if session.config.option.collectonly or not any(
-        item.path.name in CSRC_BUILD_TESTS for item in session.items
-    ):
-        return
-    from tests import cuda_lib
+OFFLINE_COMPILE_TESTS = "test_offline_compile.py"  # compiles the Triton kernels for GPUs
 
-    if cuda_lib.NVCC is not None:
-        _CSRC_DIRS.append(tempfile.mkdtemp(prefix="liteserve-csrc-"))
-        cuda_lib.start(Path(_CSRC_DIRS[-1]))
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the minutes-long compiles in the background when their modules will run: nvcc's
+    build of csrc, and the Triton kernels compiled for real GPU targets."""
+    if session.config.option.collectonly:
+        return
+    modules = {item.path.name for item in session.items}
+    if modules & set(CSRC_BUILD_TESTS):
+        from tests import cuda_lib
+
+        if cuda_lib.NVCC is not None:
+            _CSRC_DIRS.append(tempfile.mkdtemp(prefix="liteserve-csrc-"))
+            cuda_lib.start(Path(_CSRC_DIRS[-1]))
+    if OFFLINE_COMPILE_TESTS in modules:
+        from tests import cuda_lib, triton_compile
+
+        cuobjdump = cuda_lib.find_cuobjdump()
+        if cuobjdump is not None:  # else the module's fixture says what is missing
+            triton_compile.start(cuobjdump)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    if "tests.cuda_lib" in sys.modules:
-        sys.modules["tests.cuda_lib"].stop()
+    for module in ("tests.cuda_lib", "tests.triton_compile"):
+        if module in sys.modules:
+            sys.modules[module].stop()
     for path in _CSRC_DIRS:
         shutil.rmtree(path, ignore_errors=True)
 
