@@ -190,12 +190,16 @@ def test_prefill_matches_reference(case, windowed, device):
 @pytest.mark.parametrize("arch", [80, 90])
 @pytest.mark.parametrize(
     "case",
-    [("int8", BF16, 16, 8, 2, 32, MIXED, 20), ("int4", F16, 16, 4, 2, 136, MIXED, 20)],
+    [
+        ("int8", BF16, 16, 8, 2, 32, MIXED, 20),
+        ("int4", F16, 16, 4, 2, 136, MIXED, 20),
+        ("none", BF16, 32, 6, 3, 136, MIXED, 20),
+    ],
     ids=case_id,
 )
 def test_prefill_tiles_of_each_architecture(case, arch, device, monkeypatch):
-    """The tiles chosen for sm_8x and for sm_90 (``prefill_tiles``: 64 or 128 query rows; 16,
-    32 or 64 KV tokens past or within 128-wide heads) give the same attention."""
+    """The tiles chosen for sm_8x and for sm_90 (``prefill_tiles``: 32, 64 or 128 query rows;
+    16, 32 or 64 KV tokens, within or past 128-wide heads) give the same attention."""
     monkeypatch.setattr(attention, "target_arch", lambda: arch)
     kv_quant, dtype, bs, heads, kv_heads, dim, seqs, window = case
     ctx, qlens = [c for c, _ in seqs], [n for _, n in seqs]
@@ -214,7 +218,8 @@ def test_prefill_tiles_shrink_before_sm_90():
     opts = {"BLOCK_D": 128}
     assert prefill_tiles(opts, BF16, 90) == (128, 64, 8)
     assert prefill_tiles(opts, BF16, 80) == (64, 32, 8)
-    assert prefill_tiles({"BLOCK_D": 256}, F16, 89) == (64, 16, 8)
+    assert prefill_tiles({"BLOCK_D": 256, "QUANT": 0}, F16, 89) == (64, 16, 8)
+    assert prefill_tiles({"BLOCK_D": 256, "QUANT": 1}, F16, 86) == (32, 32, 8)
     assert prefill_tiles(opts, F32, 90) == (64, 32, 4)
 
 

@@ -69,7 +69,6 @@ class Launch:
 class Capture:
     """The launches of the case being run (filled by the patched ``JITFunction.run``)."""
 
-    case: str = ""
     kernels: list = field(default_factory=list)
 
 
@@ -116,6 +115,8 @@ def _resources(cuobjdump: str, cubin: bytes) -> tuple[dict[str, int], str]:
         ).stdout
         sass = subprocess.run([cuobjdump, "--dump-sass", f.name], capture_output=True, text=True)
     found = {k: int(v) for k, v in re.findall(r"(REG|STACK|LOCAL):(\d+)", usage)}
+    if "REG" not in found or "STACK" not in found:  # never a silent pass
+        raise RuntimeError(f"{cuobjdump} printed no resource usage: {usage[-500:]!r}")
     return found, sass.stdout
 
 

@@ -36,8 +36,9 @@ Design, and why:
 * **Tiles per GPU generation.** The prefill tile depends on the architecture Triton compiles
   for: on sm_90 ``wgmma`` reads its operands from shared memory and 128-row tiles fit in
   registers; on sm_8x (``mma.sync``: A100, A10, L4, RTX 30/40) the same tiles spill up to 1 KiB
-  a thread with int8 KV, so they are 64 rows, 8 warps, and 16-token KV tiles past 128-wide
-  heads (every launch compiled offline for both, no spills: ``tests/triton_compile.py``).
+  a thread with int8 KV, so they are 64 rows on 8 warps, and past 128-wide heads 16-token KV
+  tiles, or 32 rows for quantized KV (every launch compiled offline for both with triton 3.6
+  and 3.9, no spills: ``tests/triton_compile.py``).
 
 head_dim may be any size: tiles are padded to a power of two (at least 16) with masks.
 """
@@ -581,7 +582,9 @@ def prefill_tiles(opts: dict, dtype: torch.dtype, arch: int) -> tuple[int, int, 
     holds without spilling (see the module docstring)."""
     wide = opts["BLOCK_D"] > 128
     if arch < 90:
-        return 64, 16 if wide else 32, 8
+        if not wide:
+            return 64, 32, 8
+        return (32, 32, 8) if opts["QUANT"] else (64, 16, 8)  # dequantizing takes registers
     if _large_tiles(opts, dtype):
         return 128, 64, 8
     return 64, 32, 8 if wide else 4
