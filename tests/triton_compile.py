@@ -21,6 +21,7 @@ wrappers are never read (nothing runs).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -31,7 +32,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 
@@ -65,13 +66,6 @@ class Launch:
     error: str = ""
 
 
-@dataclass
-class Capture:
-    """The launches of the case being run (filled by the patched ``JITFunction.run``)."""
-
-    kernels: list = field(default_factory=list)
-
-
 def _stand_in_driver(arch: int) -> object:
     """The part of Triton's driver that compiling (not loading or launching) asks for."""
     from triton.backends.compiler import GPUTarget
@@ -92,15 +86,16 @@ def _stand_in_driver(arch: int) -> object:
     return Driver()
 
 
-def _compile_only(capture: Capture) -> None:
-    """Every ``kernel[grid](...)`` compiles for the stand-in target and launches nothing."""
+def _compile_only(compiled: list) -> None:
+    """Every ``kernel[grid](...)`` compiles for the stand-in target and launches nothing; the
+    (kernel name, compiled kernel) pairs go to ``compiled``."""
     from triton.runtime.jit import JITFunction
 
     run = JITFunction.run
 
     def warmup_run(self: JITFunction, *args: object, grid: object, warmup: bool, **kw: object):
         kernel = run(self, *args, grid=grid, warmup=True, **kw)
-        capture.kernels.append((self.fn.__name__, kernel))
+        compiled.append((self.fn.__name__, kernel))
         return kernel
 
     JITFunction.run = warmup_run
@@ -216,12 +211,12 @@ def compile_all(arch: int, cuobjdump: str, quick: bool) -> list[Launch]:
     from triton.runtime.driver import driver
 
     driver.set_active(_stand_in_driver(arch))
-    capture = Capture()
-    _compile_only(capture)
+    compiled: list = []
+    _compile_only(compiled)
     launches: list[Launch] = []
     seen: set[str] = set()
-    for case, call in [*gemm_cases(quick), *attention_cases(quick)]:
-        capture.kernels.clear()
+    for case, call in itertools.chain(gemm_cases(quick), attention_cases(quick)):
+        compiled.clear()
         start = time.perf_counter()
         try:
             call()
@@ -229,7 +224,7 @@ def compile_all(arch: int, cuobjdump: str, quick: bool) -> list[Launch]:
             launches.append(Launch(case, "?", error=traceback.format_exc(limit=-3)))
             continue
         seconds = round(time.perf_counter() - start, 2)
-        for name, kernel in capture.kernels:
+        for name, kernel in compiled:
             if kernel.hash in seen:  # the same specialization as an earlier case
                 continue
             seen.add(kernel.hash)
