@@ -214,6 +214,24 @@ def test_prefill_tiles_of_each_architecture(case, arch, device, monkeypatch):
     assert_close(out, reference(q, cache, tables, ctx, qlens, 0.2, window))
 
 
+@pytest.mark.parametrize("seq_block", [4, 32])
+def test_prefill_scans_for_each_tiles_sequence(seq_block, device, monkeypatch):
+    """A query tile finds its sequence scanning ``BLOCK_S`` sequences at a time (so one kernel
+    serves any number of them): 11 sequences, among them empty and one-token chunks, scanned 4
+    at a time (three scans, the last one partial) and 32 at a time."""
+    monkeypatch.setattr(attention, "_SEQ_BLOCK", seq_block)
+    seqs = [(5, 5), (17, 1), (40, 20), (3, 0), (1, 1), (33, 16), (20, 3), (64, 1), (9, 9)]
+    seqs += [(2, 2), (50, 17)]
+    ctx, qlens = [c for c, _ in seqs], [n for _, n in seqs]
+    cache, tables, gen = build("none", F32, 16, ctx, 2, 16, seed=seq_block)
+    q = torch.randn(sum(qlens), 4, 16, generator=gen)
+    cu = torch.tensor([0, *qlens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    lens = torch.tensor(ctx, dtype=torch.int32)
+    meta = [t.to(device) for t in (q, tables, cu, lens)]
+    out = paged_prefill_attention(meta[0], on_device(cache, device).layer(1), *meta[1:], 0.25)
+    assert_close(out, reference(q, cache, tables, ctx, qlens, 0.25, None))
+
+
 def test_prefill_tiles_shrink_before_sm_90():
     opts = {"BLOCK_D": 128}
     assert prefill_tiles(opts, BF16, 90) == (128, 64, 8)
@@ -238,10 +256,9 @@ def test_prefill_decode_rows_agree_with_decode_kernel(device):
 
 
 def test_decode_partition_size():
-    assert decode_partition_size(16, 48) == 48  # short context: one partition
-    assert decode_partition_size(16, 4096) == 512
-    assert decode_partition_size(48, 4096) == 528  # rounded up to whole blocks
-    assert decode_partition_size(1024, 4096) == 1024
+    assert decode_partition_size(16) == 512  # whatever the table's width (one constexpr)
+    assert decode_partition_size(48) == 528  # rounded up to whole blocks
+    assert decode_partition_size(1024) == 1024
 
 
 @pytest.fixture(scope="module")

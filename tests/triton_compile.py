@@ -66,7 +66,7 @@ class Launch:
     error: str = ""
 
 
-def _stand_in_driver(arch: int) -> object:
+def stand_in_driver(arch: int) -> object:
     """The part of Triton's driver that compiling (not loading or launching) asks for."""
     from triton.backends.compiler import GPUTarget
 
@@ -183,7 +183,7 @@ def attention_cases(quick: bool) -> Iterator[tuple[str, Callable[[], object]]]:
                     kv, tables, ctx = _pool(kv_quant, dtype, kv_heads, head_dim, lens)
                     q = torch.randn(len(lens), heads, head_dim).to(dtype)
                     name = f"{heads}/{kv_heads}x{head_dim} kv={kv_quant} {dtype} window={window}"
-                    for partition in (None, 256):  # one partition; three, merged
+                    for partition in (1024, None):  # one partition; the default two, merged
                         yield (
                             f"decode {name} partition={partition}",
                             lambda q=q, kv=kv, t=tables, c=ctx, w=window, p=partition: (
@@ -210,7 +210,7 @@ def compile_all(arch: int, cuobjdump: str, quick: bool) -> list[Launch]:
     """Every case's launches compiled for ``arch``; a case that fails records its error."""
     from triton.runtime.driver import driver
 
-    driver.set_active(_stand_in_driver(arch))
+    driver.set_active(stand_in_driver(arch))
     compiled: list = []
     _compile_only(compiled)
     launches: list[Launch] = []

@@ -199,7 +199,9 @@ class Engine:
         self.runner = ModelRunner(
             self.model, self.cache, self.blocks, self.ops, self._graphs(), self.workers
         )
-        self.runner.warm_up(self.config.max_prefill_token_num)
+        # a step holds at most max_batch_size decode rows or the prefill token budget
+        max_rows = max(self.config.max_batch_size, self.config.max_prefill_token_num)
+        self.runner.warm_up(max_rows, self.session_len)
 
     def _graphs(self) -> DecodeGraphs | None:
         """Decode steps from static buffers, captured as CUDA graphs on a GPU, unless the

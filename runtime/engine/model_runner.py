@@ -9,6 +9,7 @@ slices of the same forward.
 
 from __future__ import annotations
 
+import bisect
 from typing import TYPE_CHECKING
 
 import torch
@@ -71,18 +72,28 @@ class ModelRunner:
         )
         return step, chunks
 
-    def warm_up(self, max_tokens: int) -> None:
-        """Run a prefill of each of the backend's warm-up sizes (up to ``max_tokens``) over the
-        pool's first blocks, so kernels compile before the first request. The blocks written
-        are free: whoever gets them writes their KV before reading it."""
+    def warm_up(self, max_rows: int, max_context: int) -> None:
+        """Compile the kernels before the first request, for backends that compile
+        (``ops.warmup_tokens``, row counts ascending): a prefill of each row count up to the
+        first that holds the largest step (``max_rows``), then decode steps at the shortest and
+        the longest context (long ones take the split-context kernels). The outputs are
+        dropped, and the blocks written are free: whoever gets them writes their KV before
+        reading it."""
+        tokens = self.ops.warmup_tokens
+        for n in tokens[: bisect.bisect_left(tokens, max_rows) + 1]:
+            self.forward(self._warm_step(n, n))
+        for ctx in sorted({1, max_context}) if tokens else ():
+            self.forward(self._warm_step(ctx, 1))
+
+    def _warm_step(self, ctx: int, n: int) -> StepInputs:
+        """One sequence of ``ctx`` tokens whose last ``n`` are new, over the pool's first
+        blocks, wrapping past its end (a warm-up may outgrow a small pool; what it computes is
+        never read)."""
         bs = self.block_size
-        limit = min(max_tokens, self.cache.num_blocks * bs)
-        for n in (t for t in self.ops.warmup_tokens if t <= limit):
-            table = list(range(-(-n // bs)))
-            step = StepInputs(
-                [0] * n, list(range(n)), list(range(n)), [table], [n], [n], [n - 1], bs
-            )
-            self.forward(step)
+        table = [b % self.cache.num_blocks for b in range(-(-ctx // bs))]
+        positions = list(range(ctx - n, ctx))
+        slots = [table[p // bs] * bs + p % bs for p in positions]
+        return StepInputs([0] * n, positions, slots, [table], [ctx], [n], [n - 1], bs)
 
     def forward(self, step: StepInputs) -> torch.Tensor:
         """The model over one step, eagerly (every rank's slice of it under TP)."""
@@ -91,13 +102,17 @@ class ModelRunner:
         with step_context(self.ops.prepare_step(step), self.cache):
             return self.model()
 
+    def step(self, step: StepInputs) -> torch.Tensor:
+        """Logits of the step's ``logits_indices`` rows: replayed from a captured graph when
+        one holds the step, else eagerly."""
+        if self.graphs is not None and self.graphs.holds(step):
+            return self.graphs.run(step)
+        return self.forward(step)
+
     def run(self, batch: Batch) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """Logits of each sequence's last new token ([B, V], float32, on the device), and for
         sequences that asked for prompt logprobs the logits of every new token of the chunk."""
         step, chunks = self.inputs(batch)
-        if self.graphs is not None and self.graphs.holds(step):
-            logits = self.graphs.run(step)
-        else:
-            logits = self.forward(step)
+        logits = self.step(step)
         last = logits[: len(batch.seqs)]
         return last, [None if c is None else logits[c[0] : c[0] + c[1]] for c in chunks]

@@ -92,8 +92,8 @@ class Backend(ABC):
     detail: str  # what it runs on, for logs, /health and `runtime check`
     graphs: bool = False  # decode steps can run from static buffers (CUDA graphs on a GPU)
     fuses_layers: bool = False  # fp32 steps run a whole decoder layer per call
-    # step sizes (tokens) that compile kernels of their own: run once at start-up, so that no
-    # request waits on a compile
+    # row counts (ascending) that compile kernels of their own: run once at start-up
+    # (ModelRunner.warm_up), so that no request waits on a compile
     warmup_tokens: tuple[int, ...] = ()
 
     @abstractmethod

@@ -60,6 +60,7 @@ from runtime.kv.layer import LayerKV
 _LOG2E = math.log2(math.e)
 DEFAULT_PARTITION = 512  # tokens per decode partition (rounded up to whole blocks)
 _MERGE_BLOCK_P = 32
+_SEQ_BLOCK = 32  # cu_query_lens entries a prefill program scans at a time for its sequence
 
 
 @triton.jit
@@ -241,7 +242,10 @@ def _attend(
     return m_i, l_i, acc
 
 
-@triton.jit
+# do_not_specialize: integers that change from step to step. Triton would otherwise compile a
+# variant the first time one of them is 1 or a multiple of 16: about a second on a GPU, inside
+# a request (tests/test_triton_request_path.py).
+@triton.jit(do_not_specialize=["max_blocks", "stride_bt", "num_partitions"])
 def _decode_partition_kernel(
     q_ptr,
     k_cache,
@@ -366,7 +370,7 @@ def _merge_step(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_partitions"])  # see _decode_partition_kernel
 def _decode_merge_kernel(
     part_m,
     part_l,
@@ -413,6 +417,39 @@ def _decode_merge_kernel(
 
 
 @triton.jit
+def _seqs_before(cu_query_lens, num_seqs, tile, s0, BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr):
+    """How many of sequences ``[s0, s0 + BLOCK_S)`` start at or before query tile ``tile``."""
+    offs_s = s0 + tl.arange(0, BLOCK_S)
+    valid = offs_s < num_seqs
+    cu = tl.load(cu_query_lens + offs_s, mask=valid, other=0).to(tl.int32)
+    return tl.sum(((cu // BLOCK_Q + offs_s <= tile) & valid).to(tl.int32), axis=0)
+
+
+@triton.jit
+def _owning_seq(
+    cu_query_lens,
+    num_seqs,
+    tile,
+    INTERPRETED: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """The sequence query tile ``tile`` belongs to: the last one whose first tile (its first
+    query's tile, plus one spare tile per sequence before it) is <= tile. Scanned ``BLOCK_S``
+    sequences at a time, so one compiled kernel serves any number of sequences."""
+    count = tl.zeros([], tl.int32)
+    if INTERPRETED:
+        s0 = 0
+        while s0 < num_seqs:
+            count += _seqs_before(cu_query_lens, num_seqs, tile, s0, BLOCK_Q, BLOCK_S)
+            s0 += BLOCK_S
+    else:
+        for s0 in range(0, num_seqs, BLOCK_S):
+            count += _seqs_before(cu_query_lens, num_seqs, tile, s0, BLOCK_Q, BLOCK_S)
+    return count - 1
+
+
+@triton.jit(do_not_specialize=["max_blocks", "num_seqs", "stride_bt"])  # as decode
 def _prefill_kernel(
     q_ptr,
     k_cache,
@@ -456,11 +493,7 @@ def _prefill_kernel(
     """One (query tile, KV head): rows are ``BLOCK_Q`` tokens x ``BLOCK_G`` heads of a group."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    # the owning sequence is the last one whose first tile index is <= tile
-    offs_s = tl.arange(0, BLOCK_S)
-    cu = tl.load(cu_query_lens + offs_s, mask=offs_s < num_seqs, other=0).to(tl.int32)
-    first_tile = cu // BLOCK_Q + offs_s
-    seq = tl.sum(((first_tile <= tile) & (offs_s < num_seqs)).to(tl.int32), axis=0) - 1
+    seq = _owning_seq(cu_query_lens, num_seqs, tile, INTERPRETED, BLOCK_Q, BLOCK_S)
     q_start = tl.load(cu_query_lens + seq).to(tl.int32)
     q_len = tl.load(cu_query_lens + seq + 1).to(tl.int32) - q_start
     q0 = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
@@ -601,11 +634,11 @@ def _contiguous_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def decode_partition_size(block_size: int, max_context: int) -> int:
-    """Tokens per decode partition: :data:`DEFAULT_PARTITION` rounded up to whole blocks, or
-    the whole (block-rounded) context when it is shorter."""
-    size = min(DEFAULT_PARTITION, max_context)
-    return -(-size // block_size) * block_size
+def decode_partition_size(block_size: int) -> int:
+    """Tokens per decode partition: :data:`DEFAULT_PARTITION` rounded up to whole blocks. Not
+    shrunk to a shorter block table: the partition is a constexpr, and eager steps' tables
+    widen as contexts grow, so each width would compile its own kernel while serving."""
+    return -(-DEFAULT_PARTITION // block_size) * block_size
 
 
 def paged_decode_attention(
@@ -622,7 +655,7 @@ def paged_decode_attention(
 
     ``block_tables [B, max_blocks]`` (padded with valid ids, e.g. 0) and ``context_lens [B]``
     are int32 or int64. ``partition_size`` (tokens, a multiple of the block size) defaults to
-    :func:`decode_partition_size` of the table's capacity. Context lengths and block ids are
+    :func:`decode_partition_size` of the block size. Context lengths and block ids are
     checked only when they are on the CPU (on a GPU the check would sync); the kernel never
     reads past the block table either way. Returns ``[B, H, D]`` in ``q.dtype``."""
     batch = q.shape[0] if q.dim() == 3 else -1
@@ -630,7 +663,7 @@ def paged_decode_attention(
     bs = kv.spec.block_size
     capacity = block_tables.shape[1] * bs
     if partition_size is None:
-        partition_size = decode_partition_size(bs, capacity)
+        partition_size = decode_partition_size(bs)
     elif partition_size < 1 or partition_size % bs:
         raise ValueError(
             f"partition_size {partition_size} must be a positive multiple of block size {bs}"
@@ -676,7 +709,7 @@ def paged_decode_attention(
             PARTITION=partition_size,
             INTERPRETED=_INTERPRETED,
             BLOCK_D=opts["BLOCK_D"],
-            BLOCK_P=min(_MERGE_BLOCK_P, triton.next_power_of_2(num_partitions)),
+            BLOCK_P=_MERGE_BLOCK_P,
         )  # fmt: skip
     return out
 
@@ -745,7 +778,7 @@ def paged_prefill_attention(
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         *pool_strides,
         SLIDING=sliding_window is not None,
-        BLOCK_S=triton.next_power_of_2(num_seqs + 1),
+        BLOCK_S=_SEQ_BLOCK,
         BLOCK_G=block_g,
         BLOCK_Q=block_q,
         BLOCK_N=block_n,

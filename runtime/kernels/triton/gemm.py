@@ -298,7 +298,7 @@ def _codes(words, row_shift, col_shift, BLOCK_K: tl.constexpr, BLOCK_N: tl.const
     return (rep >> (row_shift[:, None] + col_shift[None, :])) & 0xF
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # rows change every step: one kernel for any count
 def _w4a16_kernel(
     x_ptr,
     qw_ptr,
