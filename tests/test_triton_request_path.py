@@ -29,7 +29,8 @@ from tests.triton_compile import stand_in_driver
 
 BLOCK = 16
 SESSION = 1536  # three decode partitions of 512 tokens
-MAX_PREFILL = 96  # the largest chunk; warm-up covers the row buckets up to it
+MAX_PREFILL = 96  # the largest chunk (row bucket 128)
+MAX_BATCH = 200  # the largest decode batch (row bucket 256)
 
 
 class _Pointer:
@@ -141,7 +142,7 @@ def serving_steps() -> Iterator[StepInputs]:
         ctx = [(1 + 37 * i) % (SESSION - 1) + 1 for i in range(decoding)]
         for n in (1, 9, 32, 50):
             yield _step([(c, 1) for c in ctx] + [(n + 20, n)])
-    for batch in (*range(1, 41), 64, 100):  # decode batches at short and long contexts
+    for batch in (*range(1, 41), 64, 100, MAX_BATCH):  # decode batches, short and long contexts
         for ctx in (1, 15, 16, 17, 255, 512, 513, 700, 1024, 1025, SESSION):
             yield _step([(max(1, ctx - i), 1) for i in range(batch)])
     for n in (3, 16, 40):  # prompt logprobs: every row's logits
@@ -161,13 +162,13 @@ def test_serving_compiles_nothing_after_start(
         num_blocks=SESSION // BLOCK + 2,
         session_len=SESSION,
         max_prefill_token_num=MAX_PREFILL,
-        max_batch_size=128,
+        max_batch_size=MAX_BATCH,
         enforce_eager=eager,
     )
     engine = Engine(rtn_artifact, config)
     runner = engine.runner
     engine.ops.warmup_tokens = M_BUCKETS  # what a GPU warms up (the interpreter: nothing)
-    runner.warm_up(max(MAX_PREFILL, config.max_batch_size), SESSION)
+    engine.warm_up()
     if runner.graphs is not None:  # a GPU runs each bucket's forward before capturing it
         for bs in runner.graphs.buckets:
             runner.graphs._forward(bs)

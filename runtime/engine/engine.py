@@ -199,9 +199,14 @@ class Engine:
         self.runner = ModelRunner(
             self.model, self.cache, self.blocks, self.ops, self._graphs(), self.workers
         )
-        # a step holds at most max_batch_size decode rows or the prefill token budget
-        max_rows = max(self.config.max_batch_size, self.config.max_prefill_token_num)
-        self.runner.warm_up(max_rows, self.session_len)
+        self.warm_up()
+
+    def warm_up(self) -> None:
+        """Compile the backend's kernels for every step this engine can take, before the first
+        request: a step holds at most max_batch_size decode rows or the prefill token budget,
+        and contexts up to the session length."""
+        c = self.config
+        self.runner.warm_up(max(c.max_batch_size, c.max_prefill_token_num), self.session_len)
 
     def _graphs(self) -> DecodeGraphs | None:
         """Decode steps from static buffers, captured as CUDA graphs on a GPU, unless the
