@@ -22,7 +22,7 @@ import torch
 from runtime.engine.engine import Engine
 from runtime.engine.sampler import SamplingParams
 from runtime.kernels.ops import StepInputs
-from runtime.kernels.triton.gemm import M_BUCKETS
+from runtime.kernels.triton.gemm import WARMUP_ROWS
 from tests.conftest import GPU
 from tests.test_triton_engine import engine_config
 from tests.triton_compile import stand_in_driver
@@ -167,7 +167,7 @@ def test_serving_compiles_nothing_after_start(
     )
     engine = Engine(rtn_artifact, config)
     runner = engine.runner
-    engine.ops.warmup_tokens = M_BUCKETS  # what a GPU warms up (the interpreter: nothing)
+    engine.ops.warmup_tokens = WARMUP_ROWS  # what a GPU warms up (the interpreter: nothing)
     engine.warm_up()
     if runner.graphs is not None:  # a GPU runs each bucket's forward before capturing it
         for bs in runner.graphs.buckets:

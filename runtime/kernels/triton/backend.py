@@ -26,6 +26,7 @@ from runtime.kernels.gpu import (
 from runtime.kernels.triton.attention import paged_decode_attention, paged_prefill_attention
 from runtime.kernels.triton.gemm import (
     M_BUCKETS,
+    WARMUP_ROWS,
     LinearConfig,
     choose_config,
     config_from_dict,
@@ -71,7 +72,7 @@ class TritonBackend(GpuBackend):
 
     def __init__(self, device: torch.device, kernels: dict[str, dict[str, dict[str, int]]]) -> None:
         super().__init__(device)
-        self.warmup_tokens = M_BUCKETS if device.type == "cuda" else ()  # GEMM per row bucket
+        self.warmup_tokens = WARMUP_ROWS if device.type == "cuda" else ()
         arch = gpu_arch(device)
         self.pinned = kernels.get(arch, {})
         if device.type == "cuda":

@@ -56,6 +56,11 @@ from runtime.artifact.layout import GROUP_SIZES, N_ALIGN, TILE, padded_shape
 from runtime.device import same_device
 
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # 512 means 512+
+# Row counts that compile every GEMM kernel a step can launch. Triton compiles the row count
+# argument once as a multiple of 16 and once not (and 1 as a constant), so a bucket of 16+
+# rows is warmed at its size and one row below it. Left specialized, not `do_not_specialize`:
+# that would cost the M = 1 and multiple-of-16 kernels 8-40 registers a thread at sm_90.
+WARMUP_ROWS = tuple(sorted({*M_BUCKETS, *(b - 1 for b in M_BUCKETS if b >= 16)}))
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
 
 _GROUP_M = 8  # programs sharing a weight column block run back to back (L2 reuse)
@@ -298,7 +303,7 @@ def _codes(words, row_shift, col_shift, BLOCK_K: tl.constexpr, BLOCK_N: tl.const
     return (rep >> (row_shift[:, None] + col_shift[None, :])) & 0xF
 
 
-@triton.jit(do_not_specialize=["M"])  # rows change every step: one kernel for any count
+@triton.jit
 def _w4a16_kernel(
     x_ptr,
     qw_ptr,
