@@ -390,7 +390,10 @@ class Engine:
         ready: list[tuple[int, Sequence]],
         masks: torch.Tensor | None = None,
     ) -> None:
-        rows = logits[[i for i, _ in ready]]
+        index = [i for i, _ in ready]
+        # every row samples in a decode step: a view, not a gather (on a GPU, a gather copies
+        # its index list to the device first)
+        rows = logits[: len(index)] if index[-1] == len(index) - 1 else logits[index]
         seqs = [seq for _, seq in ready]
         seen = [
             torch.tensor(s.token_ids) if s.params.repetition_penalty != 1.0 else None for s in seqs
