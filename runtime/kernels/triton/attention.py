@@ -449,7 +449,8 @@ def _owning_seq(
     return count - 1
 
 
-@triton.jit(do_not_specialize=["max_blocks", "num_seqs", "stride_bt"])  # as decode
+# do_not_specialize: see _decode_partition_kernel
+@triton.jit(do_not_specialize=["max_blocks", "num_seqs", "stride_bt"])
 def _prefill_kernel(
     q_ptr,
     k_cache,
