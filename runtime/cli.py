@@ -83,6 +83,13 @@ def _engine_options(f):
                 "profiling, or to save the graphs' memory; no effect on a CPU).",
             ),
             click.option(
+                "--overlap-schedule/--no-overlap-schedule",
+                default=None,
+                help="Queue each step before reading the previous one's token ids, so the "
+                "host's scheduling and detokenizing overlap the device's work (default: on a "
+                "GPU, not under --tp).",
+            ),
+            click.option(
                 "--tp",
                 type=click.IntRange(min=1),
                 default=1,

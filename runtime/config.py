@@ -30,6 +30,8 @@ class EngineConfig:
     dtype: str = "auto"  # activation dtype; auto = the fastest measured for the backend
     device: str = "auto"  # auto, cpu, cuda or cuda:N; auto = the backend's (the current GPU)
     enforce_eager: bool = False  # no CUDA graphs: every decode step runs eagerly
+    # Queue step N+1 before reading step N's ids (runtime.engine.overlap); None: on a GPU.
+    overlap_schedule: bool | None = None
     verify_checksums: bool = True
     tp: int = 1  # tensor-parallel ranks, one process each (1: this process alone, no collectives)
     tp_timeout: float = 60.0  # seconds a rank waits in a collective before the engine fails
@@ -59,6 +61,11 @@ class EngineConfig:
             raise bad("max_batch_size", self.max_batch_size, "a positive integer")
         if self.tp < 1:
             raise bad("tp", self.tp, "a positive integer")
+        if self.tp > 1 and self.overlap_schedule:
+            raise ValueError(
+                "overlap_schedule is not supported with tp > 1 (the other ranks take each "
+                "step's token ids from the host); leave it unset or turn it off"
+            )
         if self.tp_timeout <= 0:
             raise bad("tp_timeout", self.tp_timeout, "a positive number of seconds")
         if self.max_prefill_token_num is not None and self.max_prefill_token_num < 16:

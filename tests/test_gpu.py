@@ -65,14 +65,15 @@ def count_replays(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_graphs_eager_and_cpu_agree(
     rtn_artifact: Path, kv_quant: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Triton with CUDA graphs (the default), triton eager and the CPU backend: the same
-    greedy tokens, and logprobs within TOL, over chunked prefill and a batch of 3 decoding in
-    the graph of 4."""
+    """Triton with CUDA graphs and overlapped scheduling (the default), without overlap,
+    triton eager and the CPU backend: the same greedy tokens, and logprobs within TOL, over
+    chunked prefill and a batch of 3 decoding in the graph of 4."""
     params = SamplingParams(
         temperature=0, max_new_tokens=8, ignore_eos=True, logprobs=0, prompt_logprobs=0
     )
     configs = {
         "graphs": engine_config("triton", kv_quant=kv_quant),
+        "stepwise": engine_config("triton", kv_quant=kv_quant, overlap_schedule=False),
         "eager": engine_config("triton", kv_quant=kv_quant, enforce_eager=True),
         "cpu": engine_config("cpu", kv_quant=kv_quant),
     }
@@ -80,15 +81,18 @@ def test_graphs_eager_and_cpu_agree(
     got, replayed = {}, {}
     for name, config in configs.items():
         before = len(replays)
-        got[name] = Engine(rtn_artifact, config).generate(mixed_prompts(), params)
+        engine = Engine(rtn_artifact, config)
+        assert engine.overlap == (name in ("graphs", "eager")), name
+        got[name] = engine.generate(mixed_prompts(), params)
         replayed[name] = len(replays) - before
     tokens = {name: [s.output_ids for s in seqs] for name, seqs in got.items()}
-    assert tokens["graphs"] == tokens["eager"] == tokens["cpu"]
+    assert tokens["graphs"] == tokens["stepwise"] == tokens["eager"] == tokens["cpu"]
     ref = logprobs(got["cpu"])
-    for name in ("graphs", "eager"):
+    for name in ("graphs", "stepwise", "eager"):
         for want, have in zip(ref, logprobs(got[name]), strict=True):
             assert want.shape == have.shape and float((want - have).abs().max()) < TOL, name
-    assert replayed["graphs"] > 0 and replayed["eager"] == replayed["cpu"] == 0, replayed
+    assert replayed["graphs"] > 0 and replayed["stepwise"] > 0, replayed
+    assert replayed["eager"] == replayed["cpu"] == 0, replayed
 
 
 def test_seeded_sampling_is_independent_of_the_batch(rtn_artifact: Path) -> None:

@@ -61,7 +61,7 @@ def test_chat_keeps_history_until_eof(art: Path) -> None:
     assert r.output.count("you> ") == 4 and r.output.count("model> ") == 2
 
 
-def test_device_and_enforce_eager_reach_every_engine_command(
+def test_device_eager_and_overlap_flags_reach_every_engine_command(
     art: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     configs: list[EngineConfig] = []
@@ -74,11 +74,16 @@ def test_device_and_enforce_eager_reach_every_engine_command(
     commands = [["generate", str(art), "--prompt", "x"], ["chat", str(art)]]
     commands += [["check", str(art)], ["serve", str(art)]]
     for command in commands:
-        for flags in ([], ["--device", "cuda:1", "--enforce-eager"]):
+        for flags in (
+            [],
+            ["--device", "cuda:1", "--enforce-eager", "--no-overlap-schedule"],
+            ["--overlap-schedule"],
+        ):
             r = CliRunner().invoke(main, [*command, *flags])
             assert r.exit_code == 1 and "loaded no engine" in r.output, r.output
-    chosen = [(c.device, c.enforce_eager) for c in configs]
-    assert chosen == [("auto", False), ("cuda:1", True)] * len(commands)
+    chosen = [(c.device, c.enforce_eager, c.overlap_schedule) for c in configs]
+    want = [("auto", False, None), ("cuda:1", True, False), ("auto", False, True)]
+    assert chosen == want * len(commands)
 
 
 def test_a_bad_device_is_refused_with_the_choices(art: Path) -> None:

@@ -17,6 +17,7 @@ from lite.cli import main
 from runtime.artifact.reader import Artifact
 from runtime.config import EngineConfig
 from runtime.engine.engine import Engine
+from runtime.engine.overlap import FeedRows
 from runtime.engine.sampler import SamplingParams, TokenLogprobs
 from runtime.kernels.ops import BackendError, StepInputs, select_backend
 from tests.conftest import GPU
@@ -135,9 +136,9 @@ def test_decode_from_static_buffers_matches_eager(rtn_artifact: Path) -> None:
     batches: list[int] = []
     run = graphs.run
 
-    def counted(step: StepInputs) -> torch.Tensor:
+    def counted(step: StepInputs, fed: FeedRows | None = None) -> torch.Tensor:
         batches.append(len(step.input_ids))
-        return run(step)
+        return run(step, fed)
 
     graphs.run = counted
     assert staggered_run(buffered) == staggered_run(eager)

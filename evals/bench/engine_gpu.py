@@ -10,7 +10,8 @@ Three subcommands, each one process (the GPU check gives each its own timeout):
 compiled on the request path shows there, not in a warmed benchmark); prefill and decode
 tokens/s per batch size after a warm-up; GPU kernel time per decode step from the profiler
 against the step's wall time (the host's share is what the GPU sits idle for); the same with
-CUDA graphs off (`enforce_eager`, where EngineConfig has it); the weights a decode step reads
+CUDA graphs off (`enforce_eager`) and with overlapped scheduling off (`overlap_schedule`), where
+EngineConfig has them; the weights a decode step reads
 over the measured device copy bandwidth (the floor no decoder can beat); and transformers' bf16
 `generate` on the same random weights and prompts, as decode rates measured the same way.
 
@@ -340,28 +341,11 @@ def cmd_decode(a: argparse.Namespace) -> None:
     del engine
     free(device)
 
-    eager: dict[int, BatchRun] = {}
-    if "enforce_eager" in config_fields():
-        eb = [b for b in (1, 64) if b in batches] or batches[:1]
-        log("the same with enforce_eager=True")
-        engine, start_eager = make_engine(a.artifact, **fields, enforce_eager=True)
-        out("\n### CUDA graphs against eager decode (enforce_eager=True)\n")
-        out(f"Eager engine start {start_eager:.1f} s (graphs engine: {start_s:.1f} s).\n")
-        out("| batch | graphs step ms | eager step ms | eager decode tok/s | graphs speed-up |")
-        out("|---:|---:|---:|---:|---:|")
-        for b in eb:
-            ps = prompts(b, vocab, a.prompt_len)
-            run_batch(engine, ps, 8)
-            eager[b] = e = run_batch(engine, ps, a.new_tokens)
-            g_ms = runs[b].decode_step_ms
-            out(
-                f"| {b} | {g_ms:.2f} | {e.decode_step_ms:.2f} | {e.decode_tok_s:.1f} | "
-                f"{e.decode_step_ms / g_ms:.2f}x |"
-            )
-        del engine
-        free(device)
-    else:
-        out("\nEngineConfig has no enforce_eager field in this checkout: graphs vs eager skipped.")
+    for field, value, what in (
+        ("enforce_eager", True, "CUDA graphs against eager decode"),
+        ("overlap_schedule", False, "overlapped scheduling against step by step"),
+    ):
+        compare_decode(a, fields, runs, start_s, field, value, what)
 
     if a.source:
         hf_baseline(a.source, batches, a.hf_new_tokens, vocab, a.prompt_len, device, runs)
@@ -395,6 +379,45 @@ def cmd_decode(a: argparse.Namespace) -> None:
             "no compile (<= 2x)",
             first_request_ratio <= 2.0,
         )
+
+
+def compare_decode(
+    a: argparse.Namespace,
+    fields: dict,
+    runs: dict[int, BatchRun],
+    start_s: float,
+    field: str,
+    value: object,
+    what: str,
+) -> None:
+    """The default engine's decode steps (``runs``) against an engine with ``field=value``,
+    at batch 1 and 64, where this checkout's EngineConfig has the field."""
+    if field not in config_fields():
+        out(f"\nEngineConfig has no {field} field in this checkout: {what} skipped.")
+        return
+    batches = [b for b in (1, 64) if b in runs] or list(runs)[:1]
+    log(f"the same with {field}={value}")
+    engine, start_other = make_engine(a.artifact, **fields, **{field: value})
+    device = engine_device(engine)
+    vocab = engine.arch.vocab_size
+    out(f"\n### {what} ({field}={value})\n")
+    out(f"Engine start {start_other:.1f} s (default engine: {start_s:.1f} s).\n")
+    out(
+        f"| batch | default step ms | {field}={value} step ms | its decode tok/s "
+        "| default's speed-up |"
+    )
+    out("|---:|---:|---:|---:|---:|")
+    for b in batches:
+        ps = prompts(b, vocab, a.prompt_len)
+        run_batch(engine, ps, 8)
+        other = run_batch(engine, ps, a.new_tokens)
+        ms = runs[b].decode_step_ms
+        out(
+            f"| {b} | {ms:.2f} | {other.decode_step_ms:.2f} | {other.decode_tok_s:.1f} | "
+            f"{other.decode_step_ms / ms:.2f}x |"
+        )
+    del engine
+    free(device)
 
 
 def hf_baseline(

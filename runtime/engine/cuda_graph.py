@@ -20,7 +20,8 @@ import time
 
 import torch
 
-from runtime.kernels.gpu import int32_tensor
+from runtime.engine.overlap import FeedRows
+from runtime.kernels.gpu import HostStaging
 from runtime.kernels.ops import Backend, StepInputs, StepTensors
 from runtime.kv.cache import KVCache
 from runtime.model.context import step_context
@@ -54,7 +55,7 @@ class DecodeGraphs:
         self.max_bs, self.width = self.buckets[-1], max_blocks
         device = ops.device
         size = self.max_bs * (len(_PAD) + max_blocks)
-        self._host = torch.empty(size, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self._staging = HostStaging(size, device)
         self._dev = torch.zeros(size, dtype=torch.int32, device=device)
         fields = self._dev.split([self.max_bs] * len(_PAD) + [self.max_bs * max_blocks])
         self._views = dict(zip(_PAD, fields, strict=False))
@@ -96,8 +97,7 @@ class DecodeGraphs:
             flat += table
             flat += [0] * (self.width - len(table))
         flat += [0] * (pad * self.width)
-        self._host.copy_(int32_tensor(flat))
-        self._dev.copy_(self._host, non_blocking=True)
+        self._staging.copy(flat, self._dev)
 
     def _forward(self, bs: int) -> torch.Tensor:
         with step_context(self._steps[bs], self.cache):
@@ -126,11 +126,14 @@ class DecodeGraphs:
             used / 2**20,
         )
 
-    def run(self, step: StepInputs) -> torch.Tensor:
-        """Float32 logits [B, V] of an all-decode step (``holds(step)``), rows in step order."""
+    def run(self, step: StepInputs, fed: FeedRows | None = None) -> torch.Tensor:
+        """Float32 logits [B, V] of an all-decode step (``holds(step)``), rows in step order;
+        ``fed`` input ids are taken from the previous step's ids on the device."""
         n = len(step.input_ids)
         bs = next(b for b in self.buckets if b >= n)
         self._fill(step)
+        if fed is not None:
+            fed.apply(self._views["input_ids"])
         if bs in self._graphs:
             self._graphs[bs].replay()
             return self._outputs[bs][:n]

@@ -27,9 +27,16 @@ from runtime.engine.cuda_graph import DecodeGraphs
 from runtime.engine.detokenizer import IncrementalDetokenizer
 from runtime.engine.grammar import GrammarCompiler
 from runtime.engine.model_runner import ModelRunner
-from runtime.engine.sampler import Sampler, SamplingParams, check_stop, prompt_logprobs
-from runtime.engine.scheduler import Scheduler
-from runtime.engine.sequence import Sequence
+from runtime.engine.overlap import PLACEHOLDER, PendingStep, TokenFeed, overlappable
+from runtime.engine.sampler import (
+    Sampler,
+    SamplingParams,
+    TokenLogprobs,
+    check_stop,
+    prompt_logprobs,
+)
+from runtime.engine.scheduler import Batch, Scheduler
+from runtime.engine.sequence import Sequence, Status
 from runtime.kernels.ops import Backend, select_backend
 from runtime.kv.cache import KVCache
 from runtime.kv.format import KVSpec
@@ -168,6 +175,8 @@ class Engine:
         self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="liteserve-masks")
         self._ids = itertools.count()
         self.sequences: dict[int, Sequence] = {}
+        self._pending: PendingStep | None = None
+        self.overlap = self._overlaps()
         log.info(
             "backend %s (%s), %s activations, kv %s: %d bytes/token, %d blocks of %d, "
             "%d tokens fit",
@@ -224,6 +233,14 @@ class Engine:
         )
         graphs.capture()
         return graphs
+
+    def _overlaps(self) -> bool:
+        """Overlapped scheduling (runtime.engine.overlap) where the device runs asynchronously
+        to the host, a GPU, unless the config says otherwise. Not under tensor parallelism:
+        the other ranks take each step's ids from the host."""
+        if self.config.overlap_schedule is None:
+            return self.ops.device.type == "cuda" and self.workers is None
+        return self.config.overlap_schedule
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do without them); the engine cannot
@@ -329,36 +346,91 @@ class Engine:
             seq.finish_reason = "abort"
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._pending is not None
 
     def step(self) -> list[Sequence]:
-        """Run one step; returns the sequences that produced a token (or finished)."""
-        batch = self.scheduler.schedule()
-        if not batch.seqs:
-            return []
-        sampling = [
-            seq
-            for seq, n in zip(batch.seqs, batch.num_tokens, strict=True)
+        """Run one step; returns the sequences that produced a token (or finished).
+
+        Overlapped (``runtime.engine.overlap``), a call queues the next step and then returns
+        what the step queued by the previous call produced."""
+        prev, self._pending = self._pending, None
+        done: list[Sequence] = []
+        if prev is not None and not overlappable(prev):
+            done, prev = self._complete(prev), None
+        feed = None
+        if prev is not None:
+            self._advance(prev, placeholders=True)
+            feed = prev.feed()
+        try:
+            batch = self.scheduler.schedule()
+            launched = self._launch(batch, feed) if batch.seqs else None
+        finally:  # also when the launch failed: the previous step's ids are good
+            if prev is not None:
+                done += self._finish(prev)
+        if launched is not None:
+            if self.overlap:
+                self._pending = launched
+            else:
+                done += self._complete(launched)
+        return done
+
+    def _launch(self, batch: Batch, feed: TokenFeed | None) -> PendingStep:
+        """The step's forward and sampling, queued on the device."""
+        rows = [
+            (i, seq)
+            for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens, strict=True))
             if seq.num_computed + n == len(seq.token_ids)
         ]
-        masks = self._masks(sampling)  # computed while the model runs
+        sampled = [seq for _, seq in rows]
+        masks = self._masks(sampled)  # computed while the model runs
         try:
-            last_logits, chunk_logits = self.runner.run(batch)
+            last_logits, chunk_logits = self.runner.run(batch, feed)
         except RankFailure as e:  # only under TP: name the rank that died, if one did
             raise self.workers.failed(e) from e
-        ready = []
-        for i, (seq, n, chunk) in enumerate(
-            zip(batch.seqs, batch.num_tokens, chunk_logits, strict=True)
+        if rows:
+            mask = masks.result() if masks is not None else None
+            tokens, logprobs = self._sample(last_logits, [i for i, _ in rows], sampled, mask)
+        else:  # every sequence is inside its prompt
+            tokens, logprobs = last_logits.new_empty(0, dtype=torch.long), []
+        return PendingStep(batch, chunk_logits, sampled, tokens, logprobs)
+
+    def _advance(self, step: PendingStep, placeholders: bool = False) -> None:
+        """The host's record of a step's KV, before its sampled ids are read: computed
+        tokens (shared by the prefix cache once whole blocks are) and prompt logprobs. With
+        ``placeholders``, a placeholder for each sampled id, so that the scheduler sees each
+        sequence at its new length; a sequence that this id ends by length is left out of
+        the next step instead."""
+        for seq, n, chunk in zip(
+            step.batch.seqs, step.batch.num_tokens, step.chunk_logits, strict=True
         ):
+            if seq.finished:  # finished or aborted while the step ran: its row is dropped
+                continue
             if chunk is not None:
                 self._prompt_logprobs(seq, chunk, n)
             seq.num_computed += n
             self.blocks.mark_computed(seq.seq_id, seq.token_ids, seq.num_computed)
-            if seq.num_computed == len(seq.token_ids):
-                ready.append((i, seq))
-        if ready:
-            self._sample(last_logits, ready, masks.result() if masks is not None else None)
-        return [seq for _, seq in ready]
+        if not placeholders:
+            return
+        for seq in step.sampled:
+            if seq.finished:
+                continue
+            if len(seq.token_ids) + 1 - seq.num_prompt >= seq.params.max_new_tokens:
+                seq.status = Status.LAST_TOKEN
+            else:
+                seq.token_ids.append(PLACEHOLDER)
+
+    def _finish(self, step: PendingStep) -> list[Sequence]:
+        """Read a step's sampled ids (waiting for that step only) and append them."""
+        done = []
+        for seq, token, lp in zip(step.sampled, step.read(), step.logprobs, strict=True):
+            if not seq.finished:
+                self._append(seq, token, lp)
+                done.append(seq)
+        return done
+
+    def _complete(self, step: PendingStep) -> list[Sequence]:
+        self._advance(step)
+        return self._finish(step)
 
     def _masks(self, seqs: list[Sequence]) -> Future[torch.Tensor] | None:
         """The grammar masks of the rows this step samples, started on a worker thread before
@@ -387,14 +459,14 @@ class Engine:
     def _sample(
         self,
         logits: torch.Tensor,
-        ready: list[tuple[int, Sequence]],
+        index: list[int],
+        seqs: list[Sequence],
         masks: torch.Tensor | None = None,
-    ) -> None:
-        index = [i for i, _ in ready]
+    ) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
+        """Ids (on the device) and logprobs of the rows ``index`` of a step's last logits."""
         # every row samples in a decode step: a view, not a gather (on a GPU, a gather copies
         # its index list to the device first)
         rows = logits[: len(index)] if index[-1] == len(index) - 1 else logits[index]
-        seqs = [seq for _, seq in ready]
         seen = [
             torch.tensor(s.token_ids) if s.params.repetition_penalty != 1.0 else None for s in seqs
         ]
@@ -404,14 +476,15 @@ class Engine:
             else None
             for s in seqs
         ]
-        tokens, logprobs = self.sampler(
+        return self.sampler(
             rows, [s.params for s in seqs], [s.generator for s in seqs], seen, outputs, masks
         )
-        for seq, token, lp in zip(seqs, tokens.tolist(), logprobs, strict=True):
-            self._append(seq, token, lp)
 
-    def _append(self, seq: Sequence, token: int, lp) -> None:
-        seq.token_ids.append(token)
+    def _append(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> None:
+        if seq.token_ids[-1] == PLACEHOLDER:  # overlapped: the next step already reads it
+            seq.token_ids[-1] = token
+        else:
+            seq.token_ids.append(token)
         if lp is not None:
             seq.logprobs.append(lp)
         start = len(seq.text)

@@ -16,6 +16,7 @@ import torch
 
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.cuda_graph import DecodeGraphs
+from runtime.engine.overlap import PLACEHOLDER, FeedRows, TokenFeed
 from runtime.engine.scheduler import Batch
 from runtime.kernels.ops import Backend, StepInputs
 from runtime.kv.cache import KVCache
@@ -44,17 +45,23 @@ class ModelRunner:
         self.graphs = graphs
         self.workers = workers
 
-    def inputs(self, batch: Batch) -> tuple[StepInputs, list[tuple[int, int] | None]]:
-        """The step on the host, and for each sequence that asked for prompt logprobs the
+    def inputs(
+        self, batch: Batch, feed: TokenFeed | None = None
+    ) -> tuple[StepInputs, list[tuple[int, int] | None], FeedRows | None]:
+        """The step on the host; for each sequence that asked for prompt logprobs the
         (first, count) of its chunk's rows among the logits (the last rows of every sequence
-        come first, in batch order, so the sampler takes logits[:B] without indexing)."""
+        come first, in batch order, so the sampler takes logits[:B] without indexing); and
+        the input rows whose ids are still on the device, in ``feed`` (overlapped steps)."""
         ids, positions, slots, tables, lens = [], [], [], [], []
-        last, extra, chunks = [], [], []
+        last, extra, chunks, dst, src = [], [], [], [], []
         bs, start = self.block_size, 0
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
             first = seq.num_computed
             table = self.blocks.block_table(seq.seq_id)
             ids.extend(seq.token_ids[first : first + n])
+            if first + n == len(seq.token_ids) and seq.token_ids[-1] == PLACEHOLDER:
+                dst.append(start + n - 1)
+                src.append(feed.rows[seq.seq_id])
             for pos in range(first, first + n):
                 positions.append(pos)
                 slots.append(table[pos // bs] * bs + pos % bs)
@@ -70,7 +77,7 @@ class ModelRunner:
         step = StepInputs(
             ids, positions, slots, tables, lens, list(batch.num_tokens), last + extra, bs
         )
-        return step, chunks
+        return step, chunks, FeedRows(feed, dst, src) if dst else None
 
     def warm_up(self, max_rows: int, max_context: int) -> None:
         """Compile the kernels before the first request, for backends that compile
@@ -95,24 +102,31 @@ class ModelRunner:
         slots = [table[p // bs] * bs + p % bs for p in positions]
         return StepInputs([0] * n, positions, slots, [table], [ctx], [n], [n - 1], bs)
 
-    def forward(self, step: StepInputs) -> torch.Tensor:
-        """The model over one step, eagerly (every rank's slice of it under TP)."""
+    def forward(self, step: StepInputs, fed: FeedRows | None = None) -> torch.Tensor:
+        """The model over one step, eagerly (every rank's slice of it under TP, which takes
+        no ``fed`` rows: the other ranks could not read them)."""
         if self.workers is not None:
             self.workers.send(step)
-        with step_context(self.ops.prepare_step(step), self.cache):
+        tensors = self.ops.prepare_step(step)
+        if fed is not None:
+            fed.apply(tensors.input_ids)
+        with step_context(tensors, self.cache):
             return self.model()
 
-    def step(self, step: StepInputs) -> torch.Tensor:
+    def step(self, step: StepInputs, fed: FeedRows | None = None) -> torch.Tensor:
         """Logits of the step's ``logits_indices`` rows: replayed from a captured graph when
         one holds the step, else eagerly."""
         if self.graphs is not None and self.graphs.holds(step):
-            return self.graphs.run(step)
-        return self.forward(step)
+            return self.graphs.run(step, fed)
+        return self.forward(step, fed)
 
-    def run(self, batch: Batch) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    def run(
+        self, batch: Batch, feed: TokenFeed | None = None
+    ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """Logits of each sequence's last new token ([B, V], float32, on the device), and for
-        sequences that asked for prompt logprobs the logits of every new token of the chunk."""
-        step, chunks = self.inputs(batch)
-        logits = self.step(step)
+        sequences that asked for prompt logprobs the logits of every new token of the chunk.
+        Placeholder ids (runtime.engine.overlap) are taken from ``feed`` on the device."""
+        step, chunks, fed = self.inputs(batch, feed)
+        logits = self.step(step, fed)
         last = logits[: len(batch.seqs)]
         return last, [None if c is None else logits[c[0] : c[0] + c[1]] for c in chunks]

@@ -15,6 +15,7 @@ from runtime.engine.sampler import SamplingParams, TokenLogprobs
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    LAST_TOKEN = "last_token"  # its last id is being read back: no further step (overlap)
     FINISHED = "finished"
 
 

@@ -93,25 +93,46 @@ class KernelTensors:
     all_decode: bool  # every sequence has one new token: the flash-decoding kernel
 
 
-class StepBuffer:
-    """A step's metadata in one int32 device buffer, filled by one host-to-device copy.
+class HostStaging:
+    """Lists of ints into a device tensor through one pinned host buffer, asynchronously.
 
-    Seven small copies and their allocations per step were host time the GPU waited on. The
-    host side is pinned so the copy runs asynchronously; it is reused step after step, which is
-    safe because every step ends with the sampled ids read back (a sync) before the next one
-    fills it."""
+    The host buffer is reused step after step. Under overlapped scheduling (the engine fills
+    step N+1 while the device runs step N) step N's copy may still be waiting in the stream
+    when the host fills the buffer again, so each fill first waits for the previous copy (an
+    event, not the stream: step N's kernels keep running)."""
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        cuda = device.type == "cuda"
+        self._host = torch.empty(size, dtype=torch.int32, pin_memory=cuda)
+        self._copied = torch.cuda.Event() if cuda else None
+        self._pending = False
+
+    def copy(self, values: list[int], dev: torch.Tensor) -> None:
+        """dev[:len(values)] = values, queued on the current stream."""
+        n = len(values)
+        if self._pending:
+            self._copied.synchronize()
+        self._host[:n].copy_(int32_tensor(values))
+        dev[:n].copy_(self._host[:n], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+            self._pending = True
+
+
+class StepBuffer:
+    """A step's metadata in one int32 device buffer, filled by one host-to-device copy (seven
+    small copies and their allocations per step were host time the GPU waited on)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._host = torch.empty(0, dtype=torch.int32)
+        self._staging = HostStaging(0, device)
         self._dev = torch.empty(0, dtype=torch.int32, device=device)
 
     def _reserve(self, n: int) -> None:
-        if self._host.numel() >= n:
+        if self._dev.numel() >= n:
             return
-        size = max(n, 2 * self._host.numel(), 4096)
-        pin = self.device.type == "cuda"
-        self._host = torch.empty(size, dtype=torch.int32, pin_memory=pin)
+        size = max(n, 2 * self._dev.numel(), 4096)
+        self._staging = HostStaging(size, self.device)
         self._dev = torch.empty(size, dtype=torch.int32, device=self.device)
 
     def fill(self, parts: list[list[int]]) -> list[torch.Tensor]:
@@ -126,9 +147,8 @@ class StepBuffer:
         for x, room in zip(parts, padded, strict=True):
             flat += x
             flat += [0] * (room - len(x))
-        self._host[:total].copy_(int32_tensor(flat))
         dev = self._dev[:total]
-        dev.copy_(self._host[:total], non_blocking=True)
+        self._staging.copy(flat, dev)
         return [v[:n] for v, n in zip(dev.split(padded), sizes, strict=True)]
 
 
