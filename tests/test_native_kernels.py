@@ -128,6 +128,7 @@ def test_kv_write_is_bit_identical_to_quantize_kv(kv_quant: str, x_dtype: torch.
     assert bool(c_side.layer(1).k_scale.flatten()[: BLOCK * 4].ne(0).any())  # it wrote
 
 
+@pytest.mark.build
 def test_library_is_built_once_and_cached(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("LITESERVE_CACHE", str(tmp_path))
     first = native.build()
@@ -138,6 +139,7 @@ def test_library_is_built_once_and_cached(tmp_path, monkeypatch) -> None:
     assert left == [first.name]  # no temporary left (the lock file stays, empty)
 
 
+@pytest.mark.build
 def test_missing_compiler_is_named(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("LITESERVE_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-cc")
@@ -145,6 +147,7 @@ def test_missing_compiler_is_named(tmp_path, monkeypatch) -> None:
         native.build()
 
 
+@pytest.mark.build
 def test_broken_build_names_the_compiler_error(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("LITESERVE_CACHE", str(tmp_path))
     monkeypatch.setattr(native, "FLAGS", [*native.FLAGS, "-fno-such-flag"])
@@ -166,6 +169,7 @@ def test_backend_says_which_decode_kernels_it_runs(monkeypatch) -> None:
         native.library.cache_clear()
 
 
+@pytest.mark.build
 def test_compiler_without_openmp_still_builds(tmp_path, monkeypatch) -> None:
     """Apple's clang has no -fopenmp: the kernels are built single-threaded instead."""
     fake = tmp_path / "cc-no-openmp"
@@ -227,6 +231,7 @@ def test_logits_match_fp32_reference(path: str, dtype: torch.dtype, rows: int) -
     assert err < bound, err
 
 
+@pytest.mark.build
 def test_unwritable_cache_is_named(tmp_path, monkeypatch) -> None:
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")

@@ -16,7 +16,9 @@ from lite.perplexity import hf_logits, perplexity, windows
 from runtime.artifact.reader import Artifact
 
 pytestmark = pytest.mark.slow
-WINDOWS = 16  # 16 x 512 held-out tokens: enough to separate AWQ from RTN by a wide margin
+# 8 x 512 held-out tokens separate AWQ from RTN by a wide margin: AWQ keeps 0.26 of RTN's loss
+# over the source (bound 2/3), 0.27 on 16 windows (2026-12-03, the 2-core EPYC)
+WINDOWS = 8
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +114,7 @@ def test_runtime_matches_transformers_and_int8_kv_costs_under_1pct(
     ids = AutoTokenizer.from_pretrained(smollm2)(
         heldout_text(), add_special_tokens=False, verbose=False
     ).input_ids
-    batches = windows(torch.tensor(ids), 512, 6)
+    batches = windows(torch.tensor(ids), 512, 3)  # 6 windows: the same verdicts, 30 s more
     art = artifacts["awq"]
     hf = perplexity("hf", hf_logits(load_dequantized(Artifact(art))), batches).ppl
     monkeypatch.setenv("LITESERVE_CPU_INT8", "0")
@@ -122,7 +124,7 @@ def test_runtime_matches_transformers_and_int8_kv_costs_under_1pct(
     int8 = _engine_ppl(art, "int8", batches)
     int4 = _engine_ppl(art, "int4", batches)
     print(
-        f"\nSmolLM2 AWQ held-out ppl (6 x 512): transformers {hf:.4f}, runtime float "
+        f"\nSmolLM2 AWQ held-out ppl (3 x 512): transformers {hf:.4f}, runtime float "
         f"activations {exact:.4f}, default activations {none:.4f} "
         f"({100 * (none / exact - 1):+.2f}%), kv int8 {int8:.4f} "
         f"({100 * (int8 / none - 1):+.2f}%), int4 {int4:.4f} ({100 * (int4 / none - 1):+.2f}%)"
