@@ -9,6 +9,7 @@ there); these tests check its bookkeeping, which is the same on a GPU.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -216,3 +217,51 @@ def test_triton_decode_takes_ids_from_the_device(rtn_artifact: Path, eager: bool
     engine = Engine(rtn_artifact, replace(config, overlap_schedule=True))
     assert [s.output_ids for s in _run(engine, requests, 1)] == want
     _assert_idle(engine)
+
+
+def test_server_streams_with_overlap(rtn_artifact: Path) -> None:
+    """A real server with overlap on: concurrent streams through the official client, each
+    the text of step-by-step generation, one of them cut by a stop string, one aborted."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openai import OpenAI
+
+    from runtime import GenerationConfig, pipeline
+    from tests.test_server import serve
+
+    prompts = ["def f(x):", "The quick brown fox", "1, 2, 3,", "Hello"]
+    gen = GenerationConfig(max_new_tokens=12, temperature=0, ignore_eos=True)
+    want = [r.text for r in pipeline(rtn_artifact, _config())(prompts, gen)]
+    stop = want[2][len(want[2]) // 2 :][:2]  # a stop string inside the third text
+    served = serve(rtn_artifact, config=_config(overlap_schedule=True))
+    try:
+        assert served.engine.overlap
+        client = OpenAI(base_url=served.url + "/v1", api_key="none")
+
+        def stream(i: int) -> str:
+            chunks = client.completions.create(
+                model="tiny",
+                prompt=prompts[i],
+                max_tokens=12,
+                temperature=0,
+                stream=True,
+                stop=[stop] if i == 2 else None,
+                extra_body={"ignore_eos": True},
+            )
+            return "".join(c.choices[0].text for c in chunks if c.choices)
+
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(stream, range(4)))
+        assert got[:2] + got[3:] == want[:2] + want[3:]
+        assert got[2] == want[2][: want[2].index(stop)]
+        dropped = client.completions.create(
+            model="tiny", prompt=prompts[0], max_tokens=40, stream=True
+        )
+        next(iter(dropped))
+        dropped.close()  # the client goes away mid-stream: the request is aborted
+        deadline = time.monotonic() + 30
+        while served.engine.has_work() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _assert_idle(served.engine)
+    finally:
+        served.stop()
