@@ -380,7 +380,8 @@ def plan(a: argparse.Namespace, work: Path, logs: Path) -> Plan:
     )
     decode = Stage(
         "engine",
-        "engine speed: start-up, first request, decode per batch, graphs vs eager, transformers",
+        "engine speed: start-up, first request, decode per batch, graphs vs eager, overlap vs "
+        "step by step, transformers",
         [*engine, "decode", str(art), "--source", str(src)]
         + (
             ["--batches", "1,4", "--new-tokens", "16", "--hf-new-tokens", "8", "--backend", "cpu"]
