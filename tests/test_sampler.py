@@ -198,6 +198,26 @@ def test_candidate_search_draws_what_a_full_sort_draws(params: SamplingParams) -
             assert int(tokens[0]) == _sorted_reference(row, params, u), (seed, params)
 
 
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.5, top_p=0.99, top_k=300)])
+def test_a_gpu_sorts_the_whole_row_and_draws_the_same(
+    params: SamplingParams, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU (widens() False) a top-k/top-p row is drawn from one sort of the whole row,
+    with no read-back to the host: the same draws as the candidate search, one call each."""
+    from runtime.engine import sampler
+
+    gen = torch.Generator().manual_seed(12)
+    rows = torch.stack([torch.randn(5000, generator=gen) * s for s in (8.0, 3.0, 0.5)])
+    searched = [_run(rows, [params] * 3, generators=[_gen(s)] * 3)[0] for s in range(10)]
+    calls = []
+    real = sampler._from_candidates
+    monkeypatch.setattr(sampler, "widens", lambda device: False)
+    monkeypatch.setattr(sampler, "_from_candidates", lambda *a: calls.append(a[1]) or real(*a))
+    whole = [_run(rows, [params] * 3, generators=[_gen(s)] * 3)[0] for s in range(10)]
+    assert [t.tolist() for t in whole] == [t.tolist() for t in searched]
+    assert calls == [5000] * 10
+
+
 def test_grammar_masked_rows_stay_on_the_candidates():
     """A constrained row (all but 5 tokens at -inf) with top-p: the -inf tokens tie at the
     candidates' edge but are never kept, so the first 256 candidates suffice (no widening to

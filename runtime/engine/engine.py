@@ -29,6 +29,7 @@ from runtime.engine.grammar import GrammarCompiler
 from runtime.engine.model_runner import ModelRunner
 from runtime.engine.overlap import PLACEHOLDER, PendingStep, TokenFeed, overlappable
 from runtime.engine.sampler import (
+    BatchLogprobs,
     Sampler,
     SamplingParams,
     TokenLogprobs,
@@ -391,7 +392,7 @@ class Engine:
             mask = masks.result() if masks is not None else None
             tokens, logprobs = self._sample(last_logits, [i for i, _ in rows], sampled, mask)
         else:  # every sequence is inside its prompt
-            tokens, logprobs = last_logits.new_empty(0, dtype=torch.long), []
+            tokens, logprobs = last_logits.new_empty(0, dtype=torch.long), BatchLogprobs(0, [], [])
         return PendingStep(batch, chunk_logits, sampled, tokens, logprobs)
 
     def _advance(self, step: PendingStep, placeholders: bool = False) -> None:
@@ -422,7 +423,7 @@ class Engine:
     def _finish(self, step: PendingStep) -> list[Sequence]:
         """Read a step's sampled ids (waiting for that step only) and append them."""
         done = []
-        for seq, token, lp in zip(step.sampled, step.read(), step.logprobs, strict=True):
+        for seq, token, lp in zip(step.sampled, *step.read(), strict=True):
             if not seq.finished:
                 self._append(seq, token, lp)
                 done.append(seq)
@@ -462,8 +463,8 @@ class Engine:
         index: list[int],
         seqs: list[Sequence],
         masks: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
-        """Ids (on the device) and logprobs of the rows ``index`` of a step's last logits."""
+    ) -> tuple[torch.Tensor, BatchLogprobs]:
+        """Ids and logprobs (on the device) of the rows ``index`` of a step's last logits."""
         # every row samples in a decode step: a view, not a gather (on a GPU, a gather copies
         # its index list to the device first)
         rows = logits[: len(index)] if index[-1] == len(index) - 1 else logits[index]
@@ -476,7 +477,7 @@ class Engine:
             else None
             for s in seqs
         ]
-        return self.sampler(
+        return self.sampler.sample(
             rows, [s.params for s in seqs], [s.generator for s in seqs], seen, outputs, masks
         )
 

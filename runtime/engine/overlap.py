@@ -11,6 +11,9 @@ row computed in step N+1, which is dropped.
 
 Rows whose next step needs step N's token on the host are not overlapped: a grammar's mask
 needs the matcher to have consumed it, and repetition/presence/frequency penalties count it.
+Nothing else reads the device back before that: the logprobs come back with the ids, and on a
+GPU the sampler sorts top-k/top-p rows whole instead of widening a candidate set (whose check
+would read back; runtime.engine.sampler.widens).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.engine.sampler import TokenLogprobs
+from runtime.engine.sampler import BatchLogprobs, TokenLogprobs
 from runtime.engine.scheduler import Batch
 from runtime.engine.sequence import Sequence
 
@@ -63,29 +66,36 @@ class PendingStep:
     chunk_logits: list[torch.Tensor | None]  # per sequence: its prompt-logprob rows
     sampled: list[Sequence]  # the sequences whose last token was computed: one row each
     tokens: torch.Tensor  # their sampled ids, on the device
-    logprobs: list[TokenLogprobs | None]
+    logprobs: BatchLogprobs  # the ones they asked for, on the device
     _host: torch.Tensor | None = None
     _copied: torch.cuda.Event | None = None
 
     def __post_init__(self) -> None:
-        """Start copying the ids to the host now, behind this step's work, so that reading
-        them waits for this step only and not for a step queued after it."""
+        """Start copying the ids and logprobs to the host now, behind this step's work, so
+        that reading them waits for this step only and not for a step queued after it."""
         if self.tokens.device.type != "cuda":
             return
-        self._host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
-        self._host.copy_(self.tokens, non_blocking=True)
+        self._host = _pinned(self.tokens)
+        self.logprobs = self.logprobs.map(_pinned)
         self._copied = torch.cuda.Event()
         self._copied.record()
 
     def feed(self) -> TokenFeed:
         return TokenFeed(self.tokens, {s.seq_id: j for j, s in enumerate(self.sampled)})
 
-    def read(self) -> list[int]:
-        """The sampled ids, once this step has run."""
+    def read(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """The sampled ids and their logprobs, once this step has run."""
         if self._copied is None:
-            return self.tokens.tolist()
+            return self.tokens.tolist(), self.logprobs.lists()
         self._copied.synchronize()
-        return self._host.tolist()
+        return self._host.tolist(), self.logprobs.lists()
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    """A copy of a device tensor in pinned host memory, queued on the current stream."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 def overlappable(step: PendingStep) -> bool:

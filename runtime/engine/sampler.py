@@ -17,7 +17,7 @@ masks, bias, penalties and temperature), as vLLM and the OpenAI API report them.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -112,6 +112,38 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # top-k (token id, logprob), highest first
+
+
+@dataclass
+class BatchLogprobs:
+    """The logprobs a batch's rows asked for, as tensors until lists() reads them: on a GPU
+    reading them right after sampling would wait for everything queued since (overlapped
+    scheduling copies them to the host behind the step and reads them later)."""
+
+    size: int  # rows in the batch
+    rows: list[int]  # the rows that asked, ascending
+    ks: list[int]  # their top-k counts
+    ids: torch.Tensor | None = None  # [R] sampled ids
+    chosen: torch.Tensor | None = None  # [R] their logprobs
+    top_vals: torch.Tensor | None = None  # [R, max k]
+    top_ids: torch.Tensor | None = None
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> BatchLogprobs:
+        """The same with ``fn`` applied to every tensor (a copy to the host)."""
+        names = ("ids", "chosen", "top_vals", "top_ids")
+        moved = {n: None if getattr(self, n) is None else fn(getattr(self, n)) for n in names}
+        return BatchLogprobs(self.size, self.rows, self.ks, **moved)
+
+    def lists(self) -> list[TokenLogprobs | None]:
+        out: list[TokenLogprobs | None] = [None] * self.size
+        if not self.rows:
+            return out
+        ids, chosen = self.ids.tolist(), self.chosen.tolist()
+        vals, idx = self.top_vals.tolist(), self.top_ids.tolist()
+        for j, (i, k) in enumerate(zip(self.rows, self.ks, strict=True)):
+            top = list(zip(idx[j][:k], vals[j][:k], strict=True))
+            out[i] = TokenLogprobs(token_id=ids[j], logprob=chosen[j], top=top)
+        return out
 
 
 def _top_lists(logprobs: torch.Tensor, ks: Sequence[int]) -> list[list[tuple[int, float]]]:
@@ -278,20 +310,30 @@ def _from_candidates(
     return tokens, (held & above).tolist()
 
 
+def widens(device: torch.device) -> bool:
+    """Whether top-k/top-p rows start from a few candidates and widen (on the CPU, where a sort
+    of the vocabulary is slow) or sort the whole row at once (on a GPU: the widening's check
+    reads back to the host, a sync that overlapped scheduling cannot afford, and a device sort
+    is cheap)."""
+    return device.type == "cpu"
+
+
 def _nucleus(
     x: torch.Tensor, ks: list[int], ps: list[float], mins: list[float], u: torch.Tensor
 ) -> torch.Tensor:
     """Tokens of rows with top-k and/or top-p (and maybe min-p), drawn from their best
     candidates instead of a sort of the whole vocabulary (2.4 ms a row at 49k tokens on the
-    CPU; a topk of 256 is a twentieth of it). A row starts with its top-k or _CANDIDATES,
-    whichever is more, and retries with 8x as many while they do not hold its filtered set, up
-    to the whole row; its count depends on nothing else in the batch. The candidates come in
-    the order of a full stable sort, so the draw is the one a sort of the whole row gives."""
+    CPU; a topk of 256 is a twentieth of it; on a GPU the whole row, see widens()). A row
+    starts with its top-k or _CANDIDATES, whichever is more, and retries with 8x as many while
+    they do not hold its filtered set, up to the whole row; its count depends on nothing else
+    in the batch. The candidates come in the order of a full stable sort, so the draw is the
+    one a sort of the whole row gives."""
     S, V = x.shape
     out = torch.empty(S, dtype=torch.long, device=x.device)
     # the top-p normaliser of rows without top-k (a pass over the vocabulary: only if needed)
     lse = x.logsumexp(dim=1) if any(k >= V for k in ks) else x.new_zeros(S)
-    todo = {i: min(V, max(_CANDIDATES, ks[i] if ks[i] < V else 0)) for i in range(S)}
+    start = [min(V, max(_CANDIDATES, k if k < V else 0)) if widens(x.device) else V for k in ks]
+    todo = dict(enumerate(start))
     while todo:
         count = min(todo.values())
         rows = [i for i, c in todo.items() if c == count]
@@ -346,7 +388,12 @@ def _sample(
 class Sampler:
     """Stateless; per-request state (generators, seen tokens) is owned by the caller."""
 
-    def __call__(
+    def __call__(self, *args, **kwargs) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
+        """sample(), its logprobs read at once."""
+        tokens, logprobs = self.sample(*args, **kwargs)
+        return tokens, logprobs.lists()
+
+    def sample(
         self,
         logits: torch.Tensor,
         params: list[SamplingParams],
@@ -354,7 +401,7 @@ class Sampler:
         seen: list[torch.Tensor | None],
         outputs: list[torch.Tensor | None] | None = None,
         masks: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
+    ) -> tuple[torch.Tensor, BatchLogprobs]:
         """outputs: each row's generated tokens (presence/frequency penalties); masks: the
         bit-packed grammar masks [B, ceil(V / 32)] (runtime.engine.grammar), None if no row
         is constrained."""
@@ -390,14 +437,12 @@ class Sampler:
             else:
                 tokens[si] = drawn
 
-        out: list[TokenLogprobs | None] = [None] * B
+        out = BatchLogprobs(B, want_lp, [params[i].logprobs for i in want_lp])
         if raw_lp is not None:
-            wi = torch.tensor(want_lp, device=x.device)
-            chosen = raw_lp.gather(1, tokens[wi].unsqueeze(1)).squeeze(1).tolist()
-            tops = _top_lists(raw_lp, [params[i].logprobs for i in want_lp])
-            ids = tokens[wi].tolist()
-            for j, i in enumerate(want_lp):
-                out[i] = TokenLogprobs(token_id=ids[j], logprob=chosen[j], top=tops[j])
+            ids = tokens[torch.tensor(want_lp, device=x.device)]
+            out.ids = ids
+            out.chosen = raw_lp.gather(1, ids.unsqueeze(1)).squeeze(1)
+            out.top_vals, out.top_ids = raw_lp.topk(min(max(out.ks), raw_lp.shape[1]), dim=-1)
         return tokens, out
 
 
