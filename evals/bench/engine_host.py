@@ -44,7 +44,7 @@ def host_ms(artifact: Path, batch: int, overlap: bool) -> tuple[float, float]:
     for _ in range(4):  # the prefill, and the first decodes
         engine.step()
     spent = [0.0]
-    run, sample = engine.runner.step, engine.sampler
+    run, sample = engine.runner.step, engine.sampler.sample
 
     def timed(fn):
         def call(*args, **kwargs):
@@ -56,7 +56,7 @@ def host_ms(artifact: Path, batch: int, overlap: bool) -> tuple[float, float]:
 
         return call
 
-    engine.runner.step, engine.sampler = timed(run), timed(sample)
+    engine.runner.step, engine.sampler.sample = timed(run), timed(sample)
     start = time.perf_counter()
     for _ in range(STEPS):
         engine.step()
