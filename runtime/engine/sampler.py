@@ -128,6 +128,16 @@ class BatchLogprobs:
     top_vals: torch.Tensor | None = None  # [R, max k]
     top_ids: torch.Tensor | None = None
 
+    @classmethod
+    def of(
+        cls, logprobs: torch.Tensor, ids: torch.Tensor, size: int, rows: list[int], ks: list[int]
+    ) -> BatchLogprobs:
+        """From ``logprobs`` [R, V] of the asking rows and their chosen ``ids`` [R]: one topk
+        for all of them, nothing read yet."""
+        top_vals, top_ids = logprobs.topk(min(max(ks), logprobs.shape[1]), dim=-1)
+        chosen = logprobs.gather(1, ids.unsqueeze(1)).squeeze(1)
+        return cls(size, rows, ks, ids, chosen, top_vals, top_ids)
+
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> BatchLogprobs:
         """The same with ``fn`` applied to every tensor (a copy to the host)."""
         names = ("ids", "chosen", "top_vals", "top_ids")
@@ -144,16 +154,6 @@ class BatchLogprobs:
             top = list(zip(idx[j][:k], vals[j][:k], strict=True))
             out[i] = TokenLogprobs(token_id=ids[j], logprob=chosen[j], top=top)
         return out
-
-
-def _top_lists(logprobs: torch.Tensor, ks: Sequence[int]) -> list[list[tuple[int, float]]]:
-    """Per row, the top-ks[i] (id, logprob) pairs, highest first; one topk for the whole batch."""
-    kmax = min(max(ks, default=0), logprobs.shape[-1])
-    if kmax == 0:
-        return [[] for _ in ks]
-    vals, idx = logprobs.topk(kmax, dim=-1)
-    vals_l, idx_l = vals.tolist(), idx.tolist()
-    return [list(zip(idx_l[i][:k], vals_l[i][:k], strict=True)) for i, k in enumerate(ks)]
 
 
 def _apply_repetition_penalty(
@@ -437,13 +437,11 @@ class Sampler:
             else:
                 tokens[si] = drawn
 
-        out = BatchLogprobs(B, want_lp, [params[i].logprobs for i in want_lp])
-        if raw_lp is not None:
-            ids = tokens[torch.tensor(want_lp, device=x.device)]
-            out.ids = ids
-            out.chosen = raw_lp.gather(1, ids.unsqueeze(1)).squeeze(1)
-            out.top_vals, out.top_ids = raw_lp.topk(min(max(out.ks), raw_lp.shape[1]), dim=-1)
-        return tokens, out
+        if raw_lp is None:
+            return tokens, BatchLogprobs(B, [], [])
+        ids = tokens[torch.tensor(want_lp, device=x.device)]
+        ks = [params[i].logprobs for i in want_lp]
+        return tokens, BatchLogprobs.of(raw_lp, ids, B, want_lp, ks)
 
 
 def prompt_logprobs(logits: torch.Tensor, prompt_ids: torch.Tensor, k: int) -> list[TokenLogprobs]:
@@ -462,13 +460,8 @@ def prompt_logprobs(logits: torch.Tensor, prompt_ids: torch.Tensor, k: int) -> l
     if ids.shape[0] < 2:
         return []
     lp = logits[:-1].float().log_softmax(dim=-1)
-    targets = ids[1:]
-    chosen = lp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
-    tops = _top_lists(lp, [k] * lp.shape[0])
-    return [
-        TokenLogprobs(token_id=t, logprob=c, top=top)
-        for t, c, top in zip(targets.tolist(), chosen, tops, strict=True)
-    ]
+    n = lp.shape[0]
+    return BatchLogprobs.of(lp, ids[1:], n, list(range(n)), [k] * n).lists()
 
 
 def check_stop(

@@ -104,19 +104,18 @@ class HostStaging:
     def __init__(self, size: int, device: torch.device) -> None:
         cuda = device.type == "cuda"
         self._host = torch.empty(size, dtype=torch.int32, pin_memory=cuda)
+        # an event never recorded synchronizes at once (torch creates it on first record)
         self._copied = torch.cuda.Event() if cuda else None
-        self._pending = False
 
     def copy(self, values: list[int], dev: torch.Tensor) -> None:
         """dev[:len(values)] = values, queued on the current stream."""
         n = len(values)
-        if self._pending:
+        if self._copied is not None:
             self._copied.synchronize()
         self._host[:n].copy_(int32_tensor(values))
         dev[:n].copy_(self._host[:n], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-            self._pending = True
 
 
 class StepBuffer:
