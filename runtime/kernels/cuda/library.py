@@ -22,7 +22,8 @@ from pathlib import Path
 from runtime.cache import cache_root
 from runtime.kernels.build_cache import BuildUnavailable, cached_build, load_typed
 
-CSRC = Path(__file__).resolve().parents[3] / "csrc"
+# A link to the checkout's csrc/, so that wheels carry the sources (pyproject package-data)
+CSRC = (Path(__file__).parent / "csrc").resolve()
 ARCHS = ("80", "86", "89", "90")
 FLAGS = [
     "-O3",
@@ -121,7 +122,8 @@ def sources() -> list[Path]:
     found = sorted(CSRC.glob("*.cu"))
     if not found:
         raise BuildUnavailable(
-            f"no CUDA sources in {CSRC}: the cuda backend is built from a source checkout"
+            f"no CUDA sources in {CSRC}: this install of liteserve lacks csrc/; reinstall it "
+            "from a checkout or a wheel built from one (pip install .)"
         )
     return found
 
