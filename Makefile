@@ -31,7 +31,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check lite runtime tests evals
 
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=30  # the slowest, to keep CI within its time
 
 clean:
 	rm -rf $(VENV) out

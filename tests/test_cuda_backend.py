@@ -17,7 +17,7 @@ window, against the reference attention (csrc/README.md's tolerances).
 
 The engine: against backend triton (interpreted; itself checked against the CPU backend in
 test_triton_engine.py): the same greedy tokens, and prompt and sampled-token log-probabilities
-within 0.005 nats, for every KV policy, over chunked prefill and batched decode. Both run fp16
+within 0.005 nats, for fp16 and int4 KV, over chunked prefill and batched decode. Both run fp16
 activations and the same prefill attention, so they differ only by summation order inside the
 GEMM and the decode attention: measured at most 0.001 (an fp16 step of a logit near ln(512) is
 0.004). head_dim 64, so decode attention is the csrc kernel's. On a GPU host the backend runs
@@ -72,7 +72,9 @@ def csrc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Counting]:
         yield lib
 
 
-@pytest.mark.parametrize("kv_quant", ["none", "int8", "int4"])
+# int8 KV takes the int4 pool's argument path (scales and zeros) with wider codes: its kernels
+# are checked one by one below; the engine runs the fp16 pool and the int4 one (CI's time)
+@pytest.mark.parametrize("kv_quant", ["none", "int4"])
 def test_emulated_cuda_backend_matches_triton(
     csrc: Counting, rtn_artifact_d64: Path, kv_quant: str
 ) -> None:
