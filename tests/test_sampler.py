@@ -49,11 +49,12 @@ def test_top_k_1_is_greedy(temperature):
         assert torch.equal(tokens, logits.argmax(-1))
 
 
-def test_tiny_top_p_is_greedy():
+@pytest.mark.parametrize("top_p", [1e-6, 1e-50, 5e-324])  # the last two are 0 in float32
+def test_tiny_top_p_is_greedy(top_p: float):
     torch.manual_seed(2)
     logits = torch.randn(16, V)
     for _ in range(5):
-        tokens, _ = _run(logits, [SamplingParams(temperature=2.0, top_p=1e-6)] * 16)
+        tokens, _ = _run(logits, [SamplingParams(temperature=2.0, top_p=top_p)] * 16)
         assert torch.equal(tokens, logits.argmax(-1))
 
 

@@ -297,7 +297,8 @@ def _from_candidates(
     probs = (vals - norm.unsqueeze(1)).exp().masked_fill(remove, 0.0)
     p_t = torch.tensor(ps, device=device, dtype=probs.dtype).unsqueeze(1)
     before = probs.cumsum(dim=1) - probs
-    remove |= (before >= p_t) & (p_t < 1.0)
+    # the best token always stays: a top_p below float32's least number rounds to 0 here
+    remove |= (before >= p_t) & (p_t < 1.0) & (pos > 0)
     remove |= vals < vals[:, :1] + _log_min_p(mins, device)  # min-p
     chosen = _inverse_cdf(vals.masked_fill(remove, -math.inf), u)
     tokens = idx.gather(1, chosen.unsqueeze(1)).squeeze(1)
