@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,7 @@ from runtime import EngineConfig, GenerationConfig, __version__, pipeline
 from runtime.cli import main as runtime_main
 from runtime.engine.engine import Engine
 from runtime.engine.sampler import SamplingParams
+from runtime.server.async_engine import AsyncEngine, Update
 from runtime.server.serve import build_app
 from tests.conftest import make_tiny_model, wait_healthy
 
@@ -676,6 +678,49 @@ def test_fifty_concurrent_streams_with_disconnects(srv: Served, client: openai.O
     assert grew(m, before, ABORTS) == len(range(1, 50, 3))
     by_leavers = grew(m, before, GENERATED) - sum(n for _, n, *_ in done)
     assert by_leavers < 17 * 100  # each was aborted long before its 600 tokens
+
+
+def test_a_reader_behind_the_engine_gets_its_backlog_as_one_update(
+    srv: Served, http: httpx2.Client
+) -> None:
+    """While a request's event loop is busy, the engine's per-step updates queue up; the next
+    read takes them as one update (fewer, longer SSE chunks), with every token and the text a
+    whole completion gives."""
+    ids = _tokens(http, prompt=OTHER)
+    params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+
+    async def read():
+        gen = srv.state.engine.generate(ids, params)
+        first = await gen.__anext__()
+        wait_idle(srv)  # blocks this loop while the engine finishes the request
+        return first, [u async for u in gen]
+
+    first, rest = asyncio.run(read())
+    assert len(rest) == 1 and rest[0].finish_reason == "length", rest
+    whole = http.post(
+        "/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": ids,
+            "max_tokens": 40,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    ).json()["choices"][0]
+    assert first.text + rest[0].text == whole["text"]
+    assert len(first.token_ids + rest[0].token_ids) == 40
+
+
+def test_backlog_merging_keeps_errors_and_ends_apart() -> None:
+    def u(text: str, finish: str | None = None, error: str | None = None) -> Update:
+        return Update(text, [len(text)], [], finish, 3, 0, error=error)
+
+    pending = deque([u("a"), u("bc"), u("", error="boom"), u("d")])
+    merged = AsyncEngine._next(pending)
+    assert (merged.text, merged.token_ids, merged.error) == ("abc", [1, 2], None)
+    assert AsyncEngine._next(pending).error == "boom"
+    pending = deque([u("a"), u("b", "stop"), u("c")])
+    assert (AsyncEngine._next(pending).text, len(pending)) == ("ab", 1)
 
 
 def test_non_streaming_client_that_times_out_is_aborted(srv: Served) -> None:

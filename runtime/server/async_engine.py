@@ -15,10 +15,11 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -62,6 +63,26 @@ class Update:
     cached_tokens: int
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     error: str | None = None
+
+
+def merge(updates: list[Update]) -> Update:
+    """Consecutive updates of one request as one (the last one's finish reason)."""
+    last = updates[-1] if updates else Update("", [], [], None, 0, 0)
+    first = updates[0] if updates else last
+    return replace(
+        last,
+        text="".join(u.text for u in updates),
+        token_ids=[t for u in updates for t in u.token_ids],
+        logprobs=[x for u in updates for x in u.logprobs],
+        prompt_tokens=max(u.prompt_tokens for u in updates) if updates else 0,
+        prompt_logprobs=first.prompt_logprobs,
+        cached_tokens=max(u.cached_tokens for u in updates) if updates else 0,
+    )
+
+
+def _deliver(items: list[tuple[asyncio.Queue, Update]]) -> None:
+    for out, update in items:
+        out.put_nowait(update)
 
 
 @dataclass(frozen=True)
@@ -120,15 +141,33 @@ class AsyncEngine:
         added: Future = Future()
         self._inbox.put(("add", prompt_ids, params, loop, out, added))
         seq_id = (await asyncio.wrap_future(added)).seq_id
+        pending: deque[Update] = deque()
         try:
             while True:
-                update: Update = await out.get()
+                if not pending:
+                    pending.append(await out.get())
+                while not out.empty():
+                    pending.append(out.get_nowait())
+                update = self._next(pending)
                 yield update
                 if update.finish_reason is not None or update.error is not None:
                     return
         finally:
             if seq_id in self._streams:
                 self._inbox.put(("abort", seq_id))
+
+    @staticmethod
+    def _next(pending: deque[Update]) -> Update:
+        """The updates that arrived while the request's reader was busy, as one: a server
+        that falls behind the engine sends fewer, longer chunks instead of a growing backlog
+        (each chunk costs the event loop about the same whatever its length). An error is
+        never merged into text: the text before it goes first."""
+        run: list[Update] = []
+        while pending and pending[0].error is None:
+            run.append(pending.popleft())
+            if run[-1].finish_reason is not None:
+                break
+        return merge(run) if len(run) > 1 else run[0] if run else pending.popleft()
 
     def probe(self) -> None:
         """While the steps are failing, ask for a one-token request at most every
@@ -154,8 +193,12 @@ class AsyncEngine:
                 continue
             self.failure = None
             now = time.perf_counter()
+            outbox: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Update]]] = {}
             for seq in ready:
-                self._publish(seq, now)
+                self._publish(seq, now, outbox)
+            # one wake-up of each request loop per step, not one per sequence
+            for loop, items in outbox.items():
+                loop.call_soon_threadsafe(_deliver, items)
             self.metrics.sync_engine(self.engine)
         self._fail_all("the server is shutting down")
 
@@ -205,7 +248,12 @@ class AsyncEngine:
         except Exception:
             log.exception("admitting the health probe failed")
 
-    def _publish(self, seq: Sequence, now: float) -> None:
+    def _publish(
+        self,
+        seq: Sequence,
+        now: float,
+        outbox: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Update]]],
+    ) -> None:
         st = self._streams.get(seq.seq_id)
         if st is None:
             return
@@ -236,7 +284,7 @@ class AsyncEngine:
             del self._streams[seq.seq_id]
             self.metrics.requests.labels(seq.finish_reason).inc()
             self.metrics.e2e.observe(now - st.arrival)
-        st.loop.call_soon_threadsafe(st.out.put_nowait, update)
+        outbox.setdefault(st.loop, []).append((st.out, update))
 
     def _record_failure(self, message: str) -> None:
         """Fail the requests the step was running, and keep the failure for /health."""
