@@ -10,13 +10,23 @@ decode cancels whatever the decoder does at the window's start.
 
 Text is held back while the decode ends in U+FFFD: a byte-level BPE or byte-fallback token can
 end in the middle of a multi-byte UTF-8 character, and the rest arrives with the next tokens.
+
+Byte-level BPE tokenizers (GPT-2's scheme: Llama 3, Qwen, SmolLM2) need none of that: their
+decoder maps each token to bytes on its own, and the text of a run of ids is those bytes joined
+and decoded as UTF-8, invalid bytes replaced. ByteLevelDetokenizer keeps each id's bytes and
+feeds them to Python's incremental UTF-8 decoder: no tokenizer call per token (0.8 us a token
+against 2.2 for the window's two decodes with SmolLM2's tokenizer, paid for every token of every
+sequence on the engine's thread).
 """
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
+from typing import Protocol
 
 import tokenizers
+from tokenizers import decoders
 
 # Prompt tokens kept as left context for the first generated tokens (vLLM uses 5).
 _PROMPT_CONTEXT = 5
@@ -115,3 +125,117 @@ class IncrementalDetokenizer:
     def num_tokens(self) -> int:
         """Tokens passed to step() so far (special ones included)."""
         return self._n_tokens
+
+
+class Detokenizer(Protocol):
+    def step(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+def _gpt2_bytes() -> dict[str, int]:
+    """The character the ByteLevel pre-tokenizer writes for each byte, as a map back to the
+    byte: printable Latin-1 stands for itself, every other byte for a character from U+0100
+    on, in byte order (GPT-2's table, which tokenizers' ByteLevel decoder inverts)."""
+    own = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {b: b for b in own}
+    for n, b in enumerate(b for b in range(256) if b not in chars):
+        chars[b] = 0x100 + n
+    return {chr(c): b for b, c in chars.items()}
+
+
+_BYTE_OF = _gpt2_bytes()
+
+
+class TokenBytes:
+    """Each id's bytes under a ByteLevel decoder, read from the tokenizer once per id and
+    shared by every sequence of an engine. As the decoder does: a token whose characters are
+    all in the byte table is those bytes, any other (an added token with a space or a
+    character past Latin-1 in it) its own UTF-8; an id the tokenizer lacks (a model's padded
+    vocabulary) is nothing."""
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._bytes: dict[int, bytes] = {}
+        added = tokenizer.get_added_tokens_decoder().items()
+        self.special: frozenset[int] = frozenset(i for i, t in added if t.special)
+
+    @staticmethod
+    def of(tokenizer: tokenizers.Tokenizer) -> TokenBytes | None:
+        """The table, where the tokenizer decodes bytes-wise (None: use the window)."""
+        return TokenBytes(tokenizer) if isinstance(tokenizer.decoder, decoders.ByteLevel) else None
+
+    def __getitem__(self, token_id: int) -> bytes:
+        found = self._bytes.get(token_id)
+        if found is None:
+            token = self._tokenizer.id_to_token(token_id)
+            if token is None:
+                found = b""
+            else:
+                try:
+                    found = bytes(_BYTE_OF[c] for c in token)
+                except KeyError:
+                    found = token.encode()
+            self._bytes[token_id] = found
+        return found
+
+
+class ByteLevelDetokenizer:
+    """IncrementalDetokenizer's contract for byte-level tokenizers, by bytes: an incomplete
+    character waits in the UTF-8 decoder (at most 3 bytes), invalid bytes come out at once as
+    U+FFFD, as tokenizers' lossy decode gives them."""
+
+    def __init__(
+        self, table: TokenBytes, prompt_ids: Sequence[int], skip_special_tokens: bool = True
+    ) -> None:
+        self._table = table
+        self._special = table.special if skip_special_tokens else frozenset()
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        # a character the prompt's last tokens began is completed by the first output tokens
+        for t in list(prompt_ids)[-3:]:
+            if int(t) not in self._special:
+                self._utf8.decode(table[int(t)])
+        self._parts: list[str] = []
+        self._text: str | None = ""
+        self._n_tokens = 0
+
+    def step(self, token_id: int) -> str:
+        """Add one generated token; return the new text it completes (may be "")."""
+        self._n_tokens += 1
+        token_id = int(token_id)
+        if token_id in self._special:
+            return ""
+        return self._emit(self._utf8.decode(self._table[token_id]))
+
+    def flush(self) -> str:
+        """At the end of a sequence: an incomplete character becomes U+FFFD."""
+        return self._emit(self._utf8.decode(b"", final=True))
+
+    def _emit(self, delta: str) -> str:
+        if delta:
+            self._parts.append(delta)
+            self._text = None
+        return delta
+
+    @property
+    def text(self) -> str:
+        if self._text is None:
+            self._text = "".join(self._parts)
+            self._parts = [self._text]
+        return self._text
+
+    @property
+    def num_tokens(self) -> int:
+        return self._n_tokens
+
+
+def detokenizer(
+    tokenizer: tokenizers.Tokenizer,
+    table: TokenBytes | None,
+    prompt_ids: Sequence[int],
+    skip_special_tokens: bool = True,
+) -> Detokenizer:
+    """One sequence's detokenizer: by bytes where the engine has a table (TokenBytes.of)."""
+    if table is not None:
+        return ByteLevelDetokenizer(table, prompt_ids, skip_special_tokens)
+    return IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)

@@ -24,7 +24,7 @@ from runtime.distributed.group import RankFailure, TPGroup
 from runtime.distributed.shard import Shard
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.cuda_graph import DecodeGraphs
-from runtime.engine.detokenizer import IncrementalDetokenizer
+from runtime.engine.detokenizer import TokenBytes, detokenizer
 from runtime.engine.grammar import GrammarCompiler
 from runtime.engine.model_runner import ModelRunner
 from runtime.engine.overlap import PLACEHOLDER, PendingStep, TokenFeed, overlappable
@@ -199,6 +199,7 @@ class Engine:
         self.kv_spec, self.cache = rank.kv_spec, rank.cache
         self.backend = self.ops.name
         self.tokenizer = Tokenizer.from_file(str(self.artifact.path / "tokenizer.json"))
+        self._token_bytes = TokenBytes.of(self.tokenizer)  # detokenizing by bytes, if it can
         self.eos_ids = tuple(manifest.generation.stop_token_ids or self.arch.eos_token_ids)
         self.blocks = BlockManager(
             self.cache.num_blocks, self.kv_spec.block_size, self.config.enable_prefix_caching
@@ -324,8 +325,8 @@ class Engine:
             seq_id=seq_id,
             prompt_ids=list(prompt_ids),
             params=params,
-            detokenizer=IncrementalDetokenizer(
-                self.tokenizer, prompt_ids, params.skip_special_tokens
+            detokenizer=detokenizer(
+                self.tokenizer, self._token_bytes, prompt_ids, params.skip_special_tokens
             ),
             generator=None if params.seed is None else self._generator(params.seed),
             matcher=matcher,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import llguidance
 import torch
 
-from runtime.engine.detokenizer import IncrementalDetokenizer
+from runtime.engine.detokenizer import Detokenizer
 from runtime.engine.sampler import SamplingParams, TokenLogprobs
 
 
@@ -24,7 +24,7 @@ class Sequence:
     seq_id: int
     prompt_ids: list[int]
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer
+    detokenizer: Detokenizer
     generator: torch.Generator | None = None
     matcher: llguidance.LLMatcher | None = None  # the grammar's state (structured output)
     token_ids: list[int] = field(default_factory=list)  # prompt + output
