@@ -44,3 +44,21 @@ def check_devices(expected: torch.device, **tensors: torch.Tensor) -> None:
     for name, t in tensors.items():
         if not same_device(t.device, expected):
             raise ValueError(f"{name} is on {t.device}, the KV cache on {expected}")
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without waiting for the device: on a GPU through pinned
+    memory and a non-blocking copy. A plain ``.to(cuda)``, ``torch.tensor(values,
+    device=cuda)`` and indexing a GPU tensor with a Python list all copy from pageable memory
+    and then synchronize the stream, stalling the host until every step queued on it has run:
+    in a decode step that is overlapped scheduling's whole gain, lost."""
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def on_device(
+    values: list[int] | list[float], device: torch.device, dtype: torch.dtype = torch.long
+) -> torch.Tensor:
+    """Host values as a tensor on ``device`` (to_device: no stream sync on a GPU)."""
+    return to_device(torch.tensor(values, dtype=dtype), device)

@@ -120,6 +120,47 @@ def test_seeded_sampling_is_independent_of_the_batch(rtn_artifact: Path) -> None
     assert reseeded.output_ids != alone.output_ids  # the seed decides the text
 
 
+def test_sampling_and_fed_ids_never_synchronize_the_stream() -> None:
+    """Overlapped scheduling queues step N+1 and samples it while step N still runs: a stream
+    sync anywhere in sampling (a torch.tensor(list, device=cuda), a list index of a GPU tensor)
+    would wait for both. torch's sync debug mode raises on one; every kind of row is here, and
+    the fed-ids copy of runtime.engine.overlap in a new batch order."""
+    from runtime.engine.overlap import FeedRows, TokenFeed
+    from runtime.engine.sampler import Sampler
+
+    gen = torch.Generator(device=CUDA0).manual_seed(3)
+    logits = torch.randn(8, 4096, device=CUDA0, generator=gen) * 3
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8),
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=0.7, top_k=40, logprobs=3),
+        SamplingParams(temperature=1.0, min_p=0.1, seed=5),
+        SamplingParams(temperature=0.0, logprobs=0),
+        SamplingParams(temperature=1.0, top_p=0.5, top_k=100, logit_bias=[(7, 5.0)]),
+        SamplingParams(temperature=0.9, repetition_penalty=1.2, presence_penalty=0.5),
+    ]
+    generators = [
+        None if p.seed is None else torch.Generator(device=CUDA0).manual_seed(p.seed)
+        for p in params
+    ]
+    seen = [torch.arange(20) if p.repetition_penalty != 1.0 else None for p in params]
+    outputs = [torch.arange(5) if p.presence_penalty else None for p in params]
+    fed = torch.zeros(8, dtype=torch.int32, device=CUDA0)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tokens, lps = Sampler().sample(logits, params, generators, seen, outputs)
+        feed = TokenFeed(tokens, {})
+        FeedRows(feed, [0, 2, 5], [7, 1, 3]).apply(fed)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert tokens.device == CUDA0 and tokens.shape == (8,)
+    assert tokens[0] == logits[0].argmax()
+    assert fed[[0, 2, 5]].tolist() == tokens[[7, 1, 3]].tolist()
+    assert [lp is not None for lp in lps.lists()] == [p.logprobs is not None for p in params]
+
+
 def model_tensors(obj: object, seen: set[int] | None = None) -> list[torch.Tensor]:
     """Every tensor the model holds: walks its attributes, layers and weights (runtime
     objects), leaving out the backend it calls."""

@@ -222,6 +222,40 @@ def profile_decode(engine: Engine, ps: list[list[int]], steps: int = 10) -> GpuT
     return GpuTime(busy_us / 1000 / steps, len(events) / steps)
 
 
+def sync_sites(
+    engine: Engine, ps: list[list[int]], params: SamplingParams, steps: int = 16
+) -> tuple[float, list[tuple[str, int]]]:
+    """Stream synchronizations per decode step, by torch's sync debug mode, and the lines that
+    made the most. Overlapped scheduling gains nothing from a step that syncs the stream: the
+    host then waits for the step it just queued."""
+    import warnings
+    from collections import Counter
+
+    seqs = [engine.add_request(p, params) for p in ps]
+    while any(len(s.token_ids) == s.num_prompt and not s.finished for s in seqs):
+        engine.step()
+    engine.step()
+    sync(engine_device(engine))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for s in seqs:
+        engine.abort(s.seq_id)
+    while engine.has_work():
+        engine.step()
+    sites = Counter(
+        f"{Path(w.filename).name}:{w.lineno}"
+        for w in caught
+        if "synchroniz" in str(w.message).lower()
+    )
+    return sum(sites.values()) / steps, sites.most_common(4)
+
+
 def device_copy_bandwidth(device: torch.device) -> float:
     """Bytes/s of a large device-to-device copy (read + write): the practical ceiling for
     streaming the weights once per step."""
@@ -327,6 +361,25 @@ def cmd_decode(a: argparse.Namespace) -> None:
             f"| {b} | {run.prefill_tok_s:.0f} | {run.decode_tok_s:.1f} | "
             f"{run.decode_step_ms:.2f} | {max(cold.step_ms):.1f} | {kernel} | {idle} | {ops} |"
         )
+
+    if on_gpu:
+        out("\n### Stream synchronizations inside decode steps (sync debug mode, batch 16)\n")
+        out("| rows | syncs per decode step | where, most first (file:line x count) |")
+        out("|---|---:|---|")
+        ps = prompts(16, vocab, a.prompt_len)
+        for name, params in (
+            ("greedy", SamplingParams(temperature=0.0, max_new_tokens=64, ignore_eos=True)),
+            (
+                "top-p 0.9, temperature 0.7",
+                SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=64, ignore_eos=True),
+            ),
+        ):
+            try:
+                per_step, top = sync_sites(engine, ps, params)
+                where = ", ".join(f"{site} x{n}" for site, n in top) or "none"
+                out(f"| {name} | {per_step:.1f} | {where} |")
+            except Exception as e:  # a diagnostic: the figures above still count
+                out(f"| {name} | failed: {type(e).__name__}: {str(e)[:80]} | |")
 
     bandwidth = device_copy_bandwidth(device)
     wbytes, what = weights_read_per_step(engine, a.artifact)

@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 
 from runtime.artifact.reader import Artifact
 from runtime.config import EngineConfig
+from runtime.device import on_device
 from runtime.distributed.group import RankFailure, TPGroup
 from runtime.distributed.shard import Shard
 from runtime.engine.block_manager import BlockManager
@@ -468,7 +469,11 @@ class Engine:
         """Ids and logprobs (on the device) of the rows ``index`` of a step's last logits."""
         # every row samples in a decode step: a view, not a gather (on a GPU, a gather copies
         # its index list to the device first)
-        rows = logits[: len(index)] if index[-1] == len(index) - 1 else logits[index]
+        rows = (
+            logits[: len(index)]
+            if index[-1] == len(index) - 1
+            else logits[on_device(index, logits.device)]
+        )
         seen = [
             torch.tensor(s.token_ids) if s.params.repetition_penalty != 1.0 else None for s in seqs
         ]

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.device import on_device
 from runtime.engine.sampler import BatchLogprobs, TokenLogprobs
 from runtime.engine.scheduler import Batch
 from runtime.engine.sequence import Sequence
@@ -54,8 +55,8 @@ class FeedRows:
             ids[:k].copy_(tokens[:k])
             return
         dev = ids.device
-        taken = tokens[torch.tensor(self.src, device=dev)]
-        ids[torch.tensor(self.dst, device=dev)] = taken.to(ids.dtype)
+        taken = tokens[on_device(self.src, dev)]
+        ids[on_device(self.dst, dev)] = taken.to(ids.dtype)
 
 
 @dataclass

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.device import on_device, to_device
 from runtime.engine.grammar import apply_mask
 
 # Temperatures below this are treated as greedy (vLLM uses the same threshold): dividing by a
@@ -173,9 +174,10 @@ def _apply_repetition_penalty(
     ids = torch.cat(ids)
     keep = (ids >= 0) & (ids < V)
     mask = torch.zeros(len(rows), V, dtype=torch.bool, device=device)
-    mask[which[keep].to(device), ids[keep].to(device)] = True  # one scatter for the batch
-    pen = torch.tensor([params[i].repetition_penalty for i in rows], device=device).unsqueeze(1)
-    idx = torch.tensor(rows, device=device)
+    mask[to_device(which[keep], device), to_device(ids[keep], device)] = True  # one scatter
+    pen = on_device([params[i].repetition_penalty for i in rows], device, torch.float32)
+    pen = pen.unsqueeze(1)
+    idx = on_device(rows, device)
     sub = logits[idx]
     penalised = torch.where(sub > 0, sub / pen, sub * pen)
     logits = logits.clone()
@@ -200,16 +202,17 @@ def _apply_bias_and_penalties(
     delta = torch.zeros(B, V, device=device, dtype=logits.dtype)
     for i in rows:
         p = params[i]
+        # ids past the logits are dropped on the host: a mask on the device would sync
         if p.logit_bias:
-            ids = torch.tensor([t for t, _ in p.logit_bias], device=device)
-            vals = torch.tensor([b for _, b in p.logit_bias], device=device, dtype=logits.dtype)
-            keep = ids < V
-            delta[i].index_add_(0, ids[keep], vals[keep])
+            bias = [(t, b) for t, b in p.logit_bias if t < V]
+            ids = on_device([t for t, _ in bias], device)
+            delta[i].index_add_(0, ids, on_device([b for _, b in bias], device, logits.dtype))
         out = outputs[i]
         if out is not None and out.numel() and (p.presence_penalty or p.frequency_penalty):
-            ids = out.to(device=device, dtype=torch.long).reshape(-1)
+            ids = out.to(dtype=torch.long).reshape(-1)
+            ids = to_device(ids[ids < V], device)
             counts = torch.zeros(V, device=device, dtype=logits.dtype)
-            counts.index_add_(0, ids[ids < V], torch.ones_like(ids[ids < V], dtype=logits.dtype))
+            counts.index_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))
             delta[i] -= counts * p.frequency_penalty + (counts > 0) * p.presence_penalty
     return logits + delta
 
@@ -218,10 +221,13 @@ def _uniforms(generators: Sequence[torch.Generator | None], device: torch.device
     """One uniform in [0, 1) per row, float64: unseeded rows share one draw from the global
     RNG; each seeded row draws from its own generator alone (on the generator's device), so its
     token depends on nothing else in the batch."""
-    u = torch.empty(len(generators), dtype=torch.float64, device=device)
     unseeded = [i for i, g in enumerate(generators) if g is None]
+    if len(unseeded) == len(generators):
+        return torch.rand(len(generators), dtype=torch.float64, device=device)
+    u = torch.empty(len(generators), dtype=torch.float64, device=device)
     if unseeded:
-        u[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, device=device)
+        drawn = torch.rand(len(unseeded), dtype=torch.float64, device=device)
+        u[on_device(unseeded, device)] = drawn
     for i, g in enumerate(generators):
         if g is not None:
             u[i] = torch.rand(1, generator=g, dtype=torch.float64, device=g.device)[0]
@@ -262,8 +268,8 @@ def _first_above(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def _log_min_p(mins: Sequence[float], device: torch.device) -> torch.Tensor:
     """[S, 1] log(min_p) per row, -inf where min-p is off: prob < min_p * max prob is
     logit < max logit + log(min_p)."""
-    return torch.tensor(
-        [math.log(m) if m > 0 else -math.inf for m in mins], device=device
+    return on_device(
+        [math.log(m) if m > 0 else -math.inf for m in mins], device, torch.float32
     ).unsqueeze(1)
 
 
@@ -290,12 +296,12 @@ def _from_candidates(
     vals, order = vals.sort(dim=-1, descending=True, stable=True)
     idx = idx.gather(1, order)
     pos = torch.arange(count, device=device).unsqueeze(0)
-    on = torch.tensor([k < V for k in ks], device=device)
-    remove = pos >= torch.tensor(ks, device=device).unsqueeze(1)  # top-k
+    on = on_device([k < V for k in ks], device, torch.bool)
+    remove = pos >= on_device(ks, device).unsqueeze(1)  # top-k
     # top-p over the top-k tokens where top-k is on, else over the whole row
     norm = torch.where(on, vals.masked_fill(remove, -math.inf).logsumexp(dim=1), lse)
     probs = (vals - norm.unsqueeze(1)).exp().masked_fill(remove, 0.0)
-    p_t = torch.tensor(ps, device=device, dtype=probs.dtype).unsqueeze(1)
+    p_t = on_device(ps, device, probs.dtype).unsqueeze(1)
     before = probs.cumsum(dim=1) - probs
     # the best token always stays: a top_p below float32's least number rounds to 0 here
     remove |= (before >= p_t) & (p_t < 1.0) & (pos > 0)
@@ -338,14 +344,17 @@ def _nucleus(
     while todo:
         count = min(todo.values())
         rows = [i for i, c in todo.items() if c == count]
-        sub = x if len(rows) == S else x[rows]
+        at = _Rows(rows, S, x.device)
         tokens, fits = _from_candidates(
-            sub, count, [ks[i] for i in rows], [ps[i] for i in rows],
-            [mins[i] for i in rows], u[rows], lse[rows],
+            at.take(x), count, [ks[i] for i in rows], [ps[i] for i in rows],
+            [mins[i] for i in rows], at.take(u), at.take(lse),
         )  # fmt: skip
         done = [i for i, ok in zip(rows, fits, strict=True) if ok]
+        if len(done) == S:  # every row at once: always so on a GPU, which sorts whole rows
+            return tokens
         if done:
-            out[done] = tokens[[j for j, ok in enumerate(fits) if ok]]
+            kept = [j for j, ok in enumerate(fits) if ok]
+            out[on_device(done, x.device)] = tokens[on_device(kept, x.device)]
         for i in done:
             del todo[i]
         for i in rows:
@@ -365,7 +374,7 @@ def _sample(
     S, V = x.shape
     temps = [p.temperature for p in params]
     if any(t != 1.0 for t in temps):
-        x = x / torch.tensor(temps, device=device, dtype=x.dtype).unsqueeze(1)
+        x = x / on_device(temps, device, x.dtype).unsqueeze(1)
     ks = [p.top_k if 0 < p.top_k < V else V for p in params]
     ps = [float(p.top_p) for p in params]
     mins = [float(p.min_p) for p in params]
@@ -374,16 +383,36 @@ def _sample(
     nucleus = [i for i in range(S) if ks[i] < V or ps[i] < 1.0]
     whole = [i for i in range(S) if ks[i] == V and ps[i] >= 1.0]
     if whole:
-        rows = x if len(whole) == S else x[whole]
+        at = _Rows(whole, S, device)
+        rows = at.take(x)
         if any(mins[i] > 0 for i in whole):
             top = rows.max(dim=1, keepdim=True).values
             logmin = _log_min_p([mins[i] for i in whole], device)
             rows = rows.masked_fill(rows < top + logmin, -math.inf)
-        tokens[whole] = _inverse_cdf(rows, u[whole])
+        tokens = at.put(tokens, _inverse_cdf(rows, at.take(u)))
     if nucleus:
+        at = _Rows(nucleus, S, device)
         sub = [ks[i] for i in nucleus], [ps[i] for i in nucleus], [mins[i] for i in nucleus]
-        tokens[nucleus] = _nucleus(x[nucleus], *sub, u[nucleus])
+        tokens = at.put(tokens, _nucleus(at.take(x), *sub, at.take(u)))
     return tokens
+
+
+class _Rows:
+    """Some rows of a batch, indexed on the device (on_device: no stream sync), or no index at
+    all where they are every row in order."""
+
+    def __init__(self, rows: list[int], size: int, device: torch.device) -> None:
+        self.index = None if rows == list(range(size)) else on_device(rows, device)
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.index is None else t[self.index]
+
+    def put(self, out: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """``out`` with these rows set to ``values`` (``values`` itself for every row)."""
+        if self.index is None:
+            return values
+        out[self.index] = values
+        return out
 
 
 class Sampler:
@@ -415,32 +444,28 @@ class Sampler:
                 f"{len(params)}/{len(generators)}/{len(seen)}"
             )
         logits = logits.float()
+        device = logits.device
         want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
-        raw_lp = logits[want_lp].log_softmax(dim=-1) if want_lp else None
+        lp_rows = _Rows(want_lp, B, device)
+        raw_lp = lp_rows.take(logits).log_softmax(dim=-1) if want_lp else None
 
         x = logits if masks is None else apply_mask(logits, masks)
         x = _apply_bias_and_penalties(x, params, outputs or [None] * B)
         x = _apply_repetition_penalty(x, params, seen)
-        tokens = torch.empty(B, dtype=torch.long, device=logits.device)
+        tokens = torch.empty(B, dtype=torch.long, device=device)
         greedy = [i for i, p in enumerate(params) if p.greedy]
         sample = [i for i, p in enumerate(params) if not p.greedy]
-        if len(greedy) == B:
-            tokens = x.argmax(dim=-1)
-        elif greedy:
-            gi = torch.tensor(greedy, device=x.device)
-            tokens[gi] = x[gi].argmax(dim=-1)
+        if greedy:
+            at = _Rows(greedy, B, device)
+            tokens = at.put(tokens, at.take(x).argmax(dim=-1))
         if sample:
-            si = torch.tensor(sample, device=x.device)
-            sub = x if len(sample) == B else x[si]
-            drawn = _sample(sub, [params[i] for i in sample], [generators[i] for i in sample])
-            if len(sample) == B:
-                tokens = drawn
-            else:
-                tokens[si] = drawn
+            at = _Rows(sample, B, device)
+            gens = [generators[i] for i in sample]
+            tokens = at.put(tokens, _sample(at.take(x), [params[i] for i in sample], gens))
 
         if raw_lp is None:
             return tokens, BatchLogprobs(B, [], [])
-        ids = tokens[torch.tensor(want_lp, device=x.device)]
+        ids = lp_rows.take(tokens)
         ks = [params[i].logprobs for i in want_lp]
         return tokens, BatchLogprobs.of(raw_lp, ids, B, want_lp, ks)
 
