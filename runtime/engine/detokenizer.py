@@ -38,7 +38,35 @@ _MAX_HELD = 8
 _REPLACEMENT = "\ufffd"
 
 
-class IncrementalDetokenizer:
+class _Emitted:
+    """The text a detokenizer has emitted, joined only when read."""
+
+    def __init__(self) -> None:
+        self._parts: list[str] = []
+        self._text: str | None = ""
+        self._n_tokens = 0
+
+    def _emit(self, delta: str) -> str:
+        if delta:
+            self._parts.append(delta)
+            self._text = None
+        return delta
+
+    @property
+    def text(self) -> str:
+        """All generated text emitted so far."""
+        if self._text is None:
+            self._text = "".join(self._parts)
+            self._parts = [self._text]
+        return self._text
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens passed to step() so far (special ones included)."""
+        return self._n_tokens
+
+
+class IncrementalDetokenizer(_Emitted):
     """Turns one sequence's generated ids into text, one token at a time.
 
     step() returns the text the new token completes (possibly ""); `text` is everything
@@ -52,6 +80,7 @@ class IncrementalDetokenizer:
         prompt_ids: Sequence[int],
         skip_special_tokens: bool = True,
     ) -> None:
+        super().__init__()
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self._special: frozenset[int] = (
@@ -64,9 +93,6 @@ class IncrementalDetokenizer:
         self._window: list[int] = window  # ids from the prefix offset on
         self._read = len(window)  # window[:_read] is already text (or prompt)
         self._prefix_text = self._decode(window)  # decode(window[:_read])
-        self._parts: list[str] = []
-        self._text: str | None = ""
-        self._n_tokens = 0
 
     def _decode(self, ids: list[int]) -> str:
         if not ids:
@@ -92,9 +118,7 @@ class IncrementalDetokenizer:
             return ""
         delta = new_text[len(self._prefix_text) :]
         self._advance()
-        self._parts.append(delta)
-        self._text = None
-        return delta
+        return self._emit(delta)
 
     def _advance(self) -> None:
         """The old read offset becomes the prefix offset; everything in the window is read."""
@@ -108,23 +132,7 @@ class IncrementalDetokenizer:
             return ""
         delta = self._decode(self._window)[len(self._prefix_text) :]
         self._advance()
-        if delta:
-            self._parts.append(delta)
-            self._text = None
-        return delta
-
-    @property
-    def text(self) -> str:
-        """All generated text emitted so far."""
-        if self._text is None:
-            self._text = "".join(self._parts)
-            self._parts = [self._text]
-        return self._text
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens passed to step() so far (special ones included)."""
-        return self._n_tokens
+        return self._emit(delta)
 
 
 class Detokenizer(Protocol):
@@ -180,7 +188,7 @@ class TokenBytes:
         return found
 
 
-class ByteLevelDetokenizer:
+class ByteLevelDetokenizer(_Emitted):
     """IncrementalDetokenizer's contract for byte-level tokenizers, by bytes: an incomplete
     character waits in the UTF-8 decoder (at most 3 bytes), invalid bytes come out at once as
     U+FFFD, as tokenizers' lossy decode gives them."""
@@ -188,6 +196,7 @@ class ByteLevelDetokenizer:
     def __init__(
         self, table: TokenBytes, prompt_ids: Sequence[int], skip_special_tokens: bool = True
     ) -> None:
+        super().__init__()
         self._table = table
         self._special = table.special if skip_special_tokens else frozenset()
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
@@ -195,9 +204,6 @@ class ByteLevelDetokenizer:
         for t in list(prompt_ids)[-3:]:
             if int(t) not in self._special:
                 self._utf8.decode(table[int(t)])
-        self._parts: list[str] = []
-        self._text: str | None = ""
-        self._n_tokens = 0
 
     def step(self, token_id: int) -> str:
         """Add one generated token; return the new text it completes (may be "")."""
@@ -210,23 +216,6 @@ class ByteLevelDetokenizer:
     def flush(self) -> str:
         """At the end of a sequence: an incomplete character becomes U+FFFD."""
         return self._emit(self._utf8.decode(b"", final=True))
-
-    def _emit(self, delta: str) -> str:
-        if delta:
-            self._parts.append(delta)
-            self._text = None
-        return delta
-
-    @property
-    def text(self) -> str:
-        if self._text is None:
-            self._text = "".join(self._parts)
-            self._parts = [self._text]
-        return self._text
-
-    @property
-    def num_tokens(self) -> int:
-        return self._n_tokens
 
 
 def detokenizer(
