@@ -711,6 +711,23 @@ def test_a_reader_behind_the_engine_gets_its_backlog_as_one_update(
     assert len(first.token_ids + rest[0].token_ids) == 40
 
 
+def test_a_request_whose_event_loop_closed_does_not_stop_the_engine(
+    srv: Served, http: httpx2.Client
+) -> None:
+    """A caller's loop closed under a running request (its generator never closed, so no
+    abort): the engine thread drops that loop's updates and goes on serving."""
+    ids = _tokens(http, prompt=PROMPT)
+    params = SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)
+    loop = asyncio.new_event_loop()
+    gen = srv.state.engine.generate(ids, params)
+    loop.run_until_complete(gen.__anext__())
+    loop.close()  # the engine still runs the request, and publishes to the closed loop
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 40, "ignore_eos": True}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    wait_idle(srv)
+
+
 def test_backlog_merging_keeps_errors_and_ends_apart() -> None:
     def u(text: str, finish: str | None = None, error: str | None = None) -> Update:
         return Update(text, [len(text)], [], finish, 3, 0, error=error)

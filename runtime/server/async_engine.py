@@ -198,7 +198,10 @@ class AsyncEngine:
                 self._publish(seq, now, outbox)
             # one wake-up of each request loop per step, not one per sequence
             for loop, items in outbox.items():
-                loop.call_soon_threadsafe(_deliver, items)
+                try:
+                    loop.call_soon_threadsafe(_deliver, items)
+                except RuntimeError:  # that loop has closed: its readers are gone
+                    log.debug("updates for a closed event loop dropped")
             self.metrics.sync_engine(self.engine)
         self._fail_all("the server is shutting down")
 
