@@ -467,8 +467,8 @@ class Engine:
         masks: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, BatchLogprobs]:
         """Ids and logprobs (on the device) of the rows ``index`` of a step's last logits."""
-        # every row samples in a decode step: a view, not a gather (on a GPU, a gather copies
-        # its index list to the device first)
+        # every row samples in a decode step: a view, not a gather (whose index list must be
+        # copied to the device first, through pinned memory: on_device)
         rows = (
             logits[: len(index)]
             if index[-1] == len(index) - 1
