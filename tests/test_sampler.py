@@ -421,3 +421,26 @@ def test_mixed_batch_shapes_and_bf16():
     assert lps[2] is not None and lps[2].token_id == int(tokens[2])
     with pytest.raises(ValueError):
         _run(logits, params[:4])
+
+
+@pytest.mark.parametrize("penalty", [5e-324, 1e-40, 1e-30, 1e39, 1e300])
+def test_extreme_repetition_penalty_draws_a_valid_token(penalty):
+    # float32 rounds these to 0, a subnormal or infinity: the penalised row must stay a
+    # distribution (the fuzzer's 5e-324 once made a NaN row and an index past the vocabulary)
+    torch.manual_seed(1)
+    logits = torch.randn(4, V) * 5
+    logits[:, 7] = 0.0  # 0 * inf is NaN
+    logits[3, 9] = -math.inf  # a grammar-masked token stays masked
+    seen = [torch.arange(V)] * 3 + [torch.tensor([3, 7, 9])]
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=penalty),
+        SamplingParams(temperature=1e-4, top_p=0.9, repetition_penalty=penalty, seed=0),
+        SamplingParams(temperature=0.7, top_k=5, min_p=0.1, repetition_penalty=penalty),
+        SamplingParams(temperature=1.0, logprobs=3, repetition_penalty=penalty),
+    ]
+    for _ in range(5):
+        tokens, lps = _run(logits, params, generators=[_gen(i) for i in range(4)], seen=seen)
+        assert ((tokens >= 0) & (tokens < V)).all() and tokens[3] != 9
+        if penalty < 1:  # every token seen: the best positive logit wins, as in the limit
+            assert tokens[:2].tolist() == logits[:2].argmax(-1).tolist()
+        assert math.isfinite(lps[3].logprob)

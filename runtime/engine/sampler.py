@@ -31,6 +31,9 @@ _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 _CANDIDATES = 256  # tokens a top-k/top-p row is first drawn from (more when its nucleus is wider)
 _CDF_BLOCK = 256  # columns per first-level sum of a long row's draw
+# |logit| a repetition penalty may push a logit to: beyond it exp() tells nothing more, and
+# a temperature down to _GREEDY_EPS still divides it without reaching float32's infinity
+_LOGIT_LIMIT = 1e30
 
 
 @dataclass(frozen=True)
@@ -176,12 +179,17 @@ def _apply_repetition_penalty(
     mask = torch.zeros(len(rows), V, dtype=torch.bool, device=device)
     mask[to_device(which[keep], device), to_device(ids[keep], device)] = True  # one scatter
     pen = on_device([params[i].repetition_penalty for i in rows], device, torch.float32)
-    pen = pen.unsqueeze(1)
     idx = on_device(rows, device)
     sub = logits[idx]
+    # Any penalty > 0 is valid, but 5e-324 rounds to 0 in float32 and 1e39 to infinity, and
+    # 1e-38 pushes a logit past float32's range: several +inf (or 0 * inf) make a NaN row. The
+    # factor is bounded so that no logit of the row leaves ±_LOGIT_LIMIT: the order of the
+    # penalised logits is kept (a uniform scale), which is all the limit of a larger one adds.
+    big = sub.masked_fill(~sub.isfinite(), 0).abs().amax(dim=1, keepdim=True).clamp(min=1.0)
+    pen = torch.minimum(torch.maximum(pen.unsqueeze(1), big / _LOGIT_LIMIT), _LOGIT_LIMIT / big)
     penalised = torch.where(sub > 0, sub / pen, sub * pen)
     logits = logits.clone()
-    logits[idx] = torch.where(mask, penalised, sub)
+    logits[idx] = torch.where(mask & sub.isfinite(), penalised, sub)  # masked stay -inf
     return logits
 
 
