@@ -27,6 +27,15 @@ def resolve_device(requested: str | torch.device) -> torch.device:
     return torch.device("cuda", index)
 
 
+def make_current(device: torch.device) -> None:
+    """Make ``device`` this thread's current GPU (nothing for the CPU). torch keeps the current
+    device per thread, and the Triton and csrc kernels launch on the current device's stream:
+    a thread that steps an engine on cuda:N without this launches on cuda:0, against tensors
+    on cuda:N."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def _index(device: torch.device) -> int:
     if device.index is not None:
         return device.index

@@ -8,11 +8,17 @@ many there are), which is all the helper asks of it.
 
 from __future__ import annotations
 
+import threading
+from pathlib import Path
+
 import pytest
 import torch
 
 from runtime.config import EngineConfig
-from runtime.device import check_devices, resolve_device, same_device
+from runtime.device import check_devices, make_current, resolve_device, same_device
+from runtime.engine import engine as engine_module
+from runtime.engine.engine import Engine
+from runtime.engine.sampler import SamplingParams
 from runtime.kernels.ops import BackendError, select_backend
 
 
@@ -63,3 +69,30 @@ def test_engine_config_refuses_an_unknown_device() -> None:
 def test_cpu_backend_refuses_a_gpu_device() -> None:
     with pytest.raises(BackendError, match="runs on the CPU"):
         select_backend("cpu", {}, "cuda:0")
+
+
+def test_make_current_sets_the_gpu_and_leaves_the_cpu_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    make_current(torch.device("cpu"))
+    make_current(torch.device("cuda", 1))
+    assert calls == [torch.device("cuda", 1)]
+
+
+def test_engine_makes_its_device_current_on_the_thread_that_steps_it(
+    rtn_artifact: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's current GPU is per thread and the server steps on its own thread: on
+    --device cuda:1 every step launched its kernels on cuda:0 unless the stepping thread makes
+    cuda:1 current (simulated: the call is recorded with its thread)."""
+    engine = Engine(rtn_artifact, EngineConfig(backend="cpu", num_blocks=16, session_len=128))
+    calls = []
+    record = lambda d: calls.append((d, threading.current_thread().name))  # noqa: E731
+    monkeypatch.setattr(engine_module, "make_current", record)
+    engine.add_request([1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=2))
+    stepper = threading.Thread(target=engine.step, name="stepper")
+    stepper.start()
+    stepper.join()
+    assert calls and calls[0] == (engine.ops.device, "stepper")

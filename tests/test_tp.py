@@ -254,6 +254,18 @@ def test_more_ranks_than_gpus_is_refused_before_any_rank_starts(
     assert psutil.Process().children() == children
 
 
+def test_tp_on_a_gpu_without_one_is_refused_not_run_on_the_cpu(
+    artifacts: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--tp 2 --device cuda on a host with no GPU once fell back to the CPU in silence; only
+    --device auto may."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    children = psutil.Process().children()
+    with pytest.raises(ValueError, match=r"--tp 2 runs one rank per GPU.*needs a CUDA GPU"):
+        Engine(artifacts["llama"], _config(2, device="cuda"))
+    assert psutil.Process().children() == children
+
+
 def test_plan_per_rank(artifacts: dict[str, Path]) -> None:
     """Per-rank weights and KV heads; the pool fits more tokens than on one rank of the same
     memory, as each rank holds half the KV heads."""

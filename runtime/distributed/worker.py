@@ -34,9 +34,12 @@ STOP_SECONDS = 10.0  # a worker asked to stop that has not exited by then is kil
 
 
 def rank_device(config: EngineConfig, backend: str, rank: int) -> str:
-    """Rank r's device: the CPU for the cpu backend or where there is no GPU, else the r-th GPU
-    from the one asked for (cuda:N, or the first)."""
-    if backend == "cpu" or config.device == "cpu" or not torch.cuda.is_available():
+    """Rank r's device: the CPU for the cpu backend, --device cpu, or --device auto where there
+    is no GPU; else the r-th GPU from the one asked for (cuda:N, or the first), which
+    Workers.start checks exists (a --device cuda without a GPU is refused, not run on the
+    CPU)."""
+    no_gpu = config.device == "auto" and not torch.cuda.is_available()
+    if backend == "cpu" or config.device == "cpu" or no_gpu:
         return "cpu"
     base = int(config.device.partition(":")[2] or 0)
     return f"cuda:{base + rank}"

@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 
 from runtime.artifact.reader import Artifact
 from runtime.config import EngineConfig
-from runtime.device import on_device
+from runtime.device import make_current, on_device
 from runtime.distributed.group import RankFailure, TPGroup
 from runtime.distributed.shard import Shard
 from runtime.engine.block_manager import BlockManager
@@ -356,6 +356,7 @@ class Engine:
 
         Overlapped (``runtime.engine.overlap``), a call queues the next step and then returns
         what the step queued by the previous call produced."""
+        make_current(self.ops.device)  # the server steps on its own thread, not the builder's
         prev, self._pending = self._pending, None
         done: list[Sequence] = []
         if prev is not None and not overlappable(prev):

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from runtime.device import resolve_device
+from runtime.device import make_current, resolve_device
 from runtime.kv.layer import LayerKV
 
 BACKENDS = ("auto", "cpu", "triton", "cuda")
@@ -260,6 +260,5 @@ def _gpu_device(requested: str, backend: str) -> torch.device:
         device = resolve_device(requested)
     except ValueError as e:
         raise BackendError(str(e)) from e
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # kernels launch on the current device's stream
+    make_current(device)
     return device
