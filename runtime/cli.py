@@ -342,11 +342,17 @@ def serve_cmd(
     import uvicorn
 
     from runtime.server.async_engine import openmp_left_to_the_engine_thread
-    from runtime.server.cluster import pop_replica_options, serve_replicas, wants_replicas
+    from runtime.server.cluster import (
+        pop_replica_options,
+        refuse_stray_replica_options,
+        serve_replicas,
+        wants_replicas,
+    )
     from runtime.server.serve import build_app
 
     keys = tuple(k.strip() for k in (api_keys or "").split(",") if k.strip())
     replica_kw = pop_replica_options(kw)
+    refuse_stray_replica_options(click.get_current_context(), replica_kw)
     if wants_replicas(replica_kw):
         serve_replicas(
             _served(artifact),

@@ -24,9 +24,11 @@ from pathlib import Path
 import httpx2
 import openai
 import pytest
+from click.testing import CliRunner
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
+from runtime.cli import main as runtime_main
 from runtime.server import cluster
 
 needs_ray = pytest.mark.skipif(
@@ -153,6 +155,38 @@ def test_deployment_options_fixed_and_autoscaled() -> None:
     for bad in ({"replicas": 0}, {"min_replicas": 3, "max_replicas": 2}, {"routing": "random"}):
         with pytest.raises(ValueError):
             cluster.engine_deployment(cpu, **bad)
+
+
+def test_replica_flags_without_replicas_are_refused(rtn_artifact: Path) -> None:
+    """A one-process serve would ignore them: a usage error naming them and the fix."""
+    r = CliRunner().invoke(
+        runtime_main,
+        ["serve", str(rtn_artifact), "--routing", "round-robin", "--replica-cpus", "2"],
+    )
+    assert r.exit_code == 2, r.output
+    assert "--routing, --replica-cpus only apply to replicas on Ray Serve" in r.output
+    assert "add --replicas N" in r.output
+
+
+@needs_ray
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--min-replicas", "3", "--max-replicas", "2"], "replica bounds 3..2"),
+        (["--replicas", "2", "--routing-imbalance", "1"], "no such artifact directory"),
+    ],
+)
+def test_bad_replica_input_is_refused_before_ray_starts(
+    rtn_artifact: Path, tmp_path: Path, args: list[str], message: str
+) -> None:
+    """Once a traceback, or a Ray cluster started and a minute of replica failures."""
+    import ray
+
+    artifact = rtn_artifact if "bounds" in message else tmp_path / "missing"
+    r = CliRunner().invoke(runtime_main, ["serve", str(artifact), *args])
+    assert r.exit_code == 1 and message in r.output, r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit)
+    assert not ray.is_initialized()
 
 
 # ---- on a local Ray cluster ----

@@ -43,6 +43,7 @@ from typing import Any
 
 import click
 
+from runtime.artifact.reader import Artifact, ArtifactError
 from runtime.server.routing import (
     MAX_IMBALANCE,
     TABLE_SIZE,
@@ -668,7 +669,11 @@ def serve_replicas(
     if template is not None:
         app_kw.setdefault("chat_template", template)
     name = model_name or Path(artifact).resolve().name
-    application = build_application(artifact, engine_kw, name, **app_kw)
+    try:  # bad input fails here, before Ray starts, not in every replica a minute later
+        Artifact(artifact, checksums=False)
+        application = build_application(artifact, engine_kw, name, **app_kw)
+    except (ArtifactError, ValueError) as e:
+        raise click.ClickException(str(e)) from e
     start(application, server_name, server_port, ray_address)
     log.warning(
         "serving %s as %r on http://%s:%d: %s engine replicas on Ray Serve, %s routing",
@@ -685,11 +690,13 @@ def serve_replicas(
     while not stop.wait(1):
         pass
     log.warning("stopping: the replicas drain (up to --grace seconds) and Serve shuts down")
-    serve.shutdown()
     if ray_address is None:  # the local cluster this command started
         import ray
 
+        serve.shutdown()
         ray.shutdown()
+    else:  # a shared cluster: only this application goes; Serve and other apps stay
+        serve.delete(APP)
 
 
 def _replica_count(app_kw: dict) -> str:
@@ -792,6 +799,23 @@ def pop_replica_options(kw: dict) -> dict:
 def wants_replicas(options: dict) -> bool:
     """Whether the popped options ask for Ray Serve (--replicas or autoscaling bounds)."""
     return any(options.get(k) is not None for k in ("replicas", "min_replicas", "max_replicas"))
+
+
+def refuse_stray_replica_options(ctx: click.Context, options: dict) -> None:
+    """A replica option given on a one-process `serve` would be ignored: refuse it, naming
+    the flag that turns replicas on."""
+    if wants_replicas(options):
+        return
+    given = [
+        "--" + k.replace("_", "-")
+        for k in REPLICA_KEYS
+        if ctx.get_parameter_source(k) not in (None, click.core.ParameterSource.DEFAULT)
+    ]
+    if given:
+        raise click.UsageError(
+            f"{', '.join(given)} only apply to replicas on Ray Serve: add --replicas N "
+            "(or --min-replicas/--max-replicas), or leave them out"
+        )
 
 
 # ---- python -m runtime.server.cluster ----
