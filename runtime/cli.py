@@ -61,8 +61,8 @@ def _engine_options(f):
             click.option(
                 "--backend",
                 type=click.Choice(["auto", "cpu", "triton", "cuda"]),
-                help="Kernels (default: the artifact's launch config, auto = triton on a "
-                "CUDA GPU, cpu otherwise).",
+                help="Kernels (default: the artifact's launch config; auto = on a CUDA GPU the "
+                "csrc kernels where their library loads, else triton; cpu without a GPU).",
             ),
             click.option(
                 "--dtype",
@@ -74,7 +74,8 @@ def _engine_options(f):
                 default="auto",
                 show_default=True,
                 metavar="auto|cpu|cuda|cuda:N",
-                help="Where the engine runs; auto = the backend's (the current GPU for triton).",
+                help="Where the engine runs; auto = the backend's (the current GPU for cuda and "
+                "triton).",
             ),
             click.option(
                 "--enforce-eager",
@@ -379,7 +380,8 @@ def serve_cmd(
     )
     engine, pool = pipe.engine, pipe.engine.pool_stats()
     logging.getLogger("liteserve").warning(
-        "serving %s as %r on http://%s:%d: backend %s on %s%s, kv %s, %d blocks, %d tokens fit",
+        "serving %s as %r on http://%s:%d: backend %s on %s%s (%s), kv %s, %d blocks, "
+        "%d tokens fit",
         artifact,
         app.state.liteserve.settings.model_name,
         server_name,
@@ -387,6 +389,7 @@ def serve_cmd(
         engine.backend,
         engine.ops.device,
         f" (rank 0 of {engine.config.tp})" if engine.workers is not None else "",
+        engine.ops.detail,  # the ISA path, or what --backend auto passed over and why
         engine.config.kv_quant,
         pool.num_blocks,
         pool.capacity_tokens,

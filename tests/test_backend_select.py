@@ -8,6 +8,7 @@ import torch
 from click.testing import CliRunner
 
 from runtime.cli import main
+from runtime.kernels import ops
 from runtime.kernels.cuda import library
 from runtime.kernels.ops import BackendError, select_backend
 
@@ -54,3 +55,50 @@ def test_build_kernels_without_nvcc_says_how_to_get_it(monkeypatch, tmp_path) ->
     assert "nvcc is not installed" in result.output and "NVCC" in result.output
     with pytest.raises(library.BuildUnavailable, match="nvcc is not installed"):
         library.build()
+
+
+class _Made:
+    def __init__(self, name: str) -> None:
+        self.name, self.detail = name, f"{name} detail"
+
+
+def test_auto_on_a_gpu_tries_cuda_then_triton(monkeypatch) -> None:
+    """The order --backend auto promises (docs/runtime.md), checked on the CPU: the GPU and the
+    backends' constructors are simulated, each failing with its reason or not."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    tried, failing = [], set()
+
+    def make(name: str, pinned: dict, device: str) -> _Made:
+        tried.append((name, device))
+        if name in failing:
+            raise BackendError(f"{name} cannot here")
+        return _Made(name)
+
+    monkeypatch.setattr(ops, "_make", make)
+    assert select_backend("auto", {}, "cuda:1").name == "cuda"
+    assert tried == [("cuda", "cuda:1")]
+    failing.add("cuda")
+    backend = select_backend("auto", {})
+    assert backend.name == "triton"
+    assert backend.detail == "triton detail (auto passed over cuda: cuda cannot here)"
+    failing.add("triton")
+    with pytest.raises(BackendError, match=r"\(cuda: cuda cannot here; triton: triton cannot"):
+        select_backend("auto", {})
+    tried.clear()
+    assert select_backend("auto", {}, "cpu").name == "cpu" and tried == [("cpu", "auto")]
+
+
+def test_first_build_of_the_cuda_library_says_so(monkeypatch, tmp_path, caplog) -> None:
+    """Compiling csrc/ takes minutes: start-up must not look hung. The build is simulated by a
+    compiler that writes its output; the second call finds it cached and says nothing."""
+    monkeypatch.setenv("LITESERVE_CACHE", str(tmp_path / "cache"))
+    fake = tmp_path / "nvcc"
+    fake.write_text('#!/bin/sh\nwhile [ "$1" != "-o" ]; do shift; done\necho built > "$2"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("NVCC", str(fake))
+    with caplog.at_level("WARNING", logger="liteserve"):
+        path = library.build()
+        assert path.read_text() == "built\n"
+        assert "building the CUDA kernels with nvcc for 80, 86, 89, 90" in caplog.text
+        caplog.clear()
+        assert library.build() == path and caplog.text == ""

@@ -1025,6 +1025,9 @@ def test_sigterm_drains_in_flight_and_exits_0(artifact: Path) -> None:
     assert json.loads(events[-3].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
     assert rc == 0, log
     assert "Traceback" not in log, log
+    # the start-up line says what the backend runs on (the CPU's ISA path), at the default level
+    (line,) = [x for x in log.splitlines() if "serving " in x]
+    assert "backend cpu on cpu (torch " in line and "on the CPU (" in line and "kernels" in line
     with pytest.raises(httpx2.ConnectError):
         httpx2.get(url + "/health", timeout=1)
 

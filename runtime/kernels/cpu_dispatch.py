@@ -6,7 +6,7 @@ the backend times each candidate path at a few row counts on a mid-size shape th
 it runs on a host, and keeps the table in the liteserve cache (runtime/cache.py: atomic, one
 writer), keyed by the kernel library (its sources, ISA and compiler), torch's version, the
 activation dtype and the thread count. Later starts read the table, so a host always makes the
-same choices; deleting the file measures again. The start-up log prints the table.
+same choices; deleting the file measures again. `runtime -v` prints the table at start-up.
 
 Timing is the best of several runs after a warm-up: the least disturbed one. A path stays
 chosen at the next row count unless another beats it by KEEP_FACTOR, so timing noise between

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -21,6 +22,8 @@ from pathlib import Path
 
 from runtime.cache import cache_root
 from runtime.kernels.build_cache import BuildUnavailable, cached_build, load_typed
+
+log = logging.getLogger("liteserve")
 
 # A link to the checkout's csrc/, so that wheels carry the sources (pyproject package-data)
 CSRC = (Path(__file__).parent / "csrc").resolve()
@@ -144,6 +147,13 @@ def build() -> Path:
     target = cache_dir() / f"liteserve_cuda-{digest.hexdigest()[:16]}.so"
 
     def compile_into(tmp: str) -> None:
+        # minutes for every architecture, during which start-up would look hung
+        log.warning(
+            "building the CUDA kernels with nvcc for %s into %s (once per machine and source; "
+            "`runtime build-kernels` does it ahead of time)",
+            ", ".join(ARCHS),
+            target.parent,
+        )
         done = subprocess.run(compile_command(nvcc(), tmp), capture_output=True, text=True)
         if done.returncode != 0:
             raise BuildUnavailable(f"nvcc failed to build csrc/:\n{done.stderr[-3000:]}")
