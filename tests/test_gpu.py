@@ -32,6 +32,7 @@ import torch
 from runtime.engine.engine import Engine
 from runtime.engine.sampler import SamplingParams
 from runtime.engine.sequence import Sequence
+from tests import cuda_lib
 from tests.test_triton_engine import engine_config, mixed_prompts
 
 pytestmark = pytest.mark.gpu
@@ -260,12 +261,7 @@ def test_cuda_backend_matches_triton(
     """Issue 12's engine check: backend cuda (the csrc GEMM and KV write; its decode attention
     at head_dim 64, Triton's at 16) gives backend triton's greedy tokens, with CUDA graphs, and
     logprobs within TOL (both fp16, different summation orders)."""
-    from runtime.kernels.cuda import library
-
-    try:
-        library.library()
-    except library.BuildUnavailable as e:
-        pytest.skip(f"the csrc library is unavailable: {e}")
+    cuda_lib.gpu_library()
     artifact = rtn_artifact if head_dim == 16 else rtn_artifact_d64
     assert_backends_agree(artifact, kv_quant, ("cuda", "triton"), 8, TOL)
 

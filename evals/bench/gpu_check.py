@@ -176,6 +176,7 @@ def render_pytest(r: Result) -> Result:
         None,
     )
     failed = [ln for ln in lines if ln.startswith(("FAILED ", "ERROR "))]
+    skipped = [ln for ln in lines if ln.startswith("SKIPPED ")]  # on a GPU host: say why
     unimportable = [ln for ln in failed if re.match(r"ERROR \S+\.py( - |$)", ln)]
     relevant = [ln for ln in unimportable if _mentions_gpu(ln.split()[1])]
     others = [ln for ln in failed if ln not in unimportable]
@@ -205,6 +206,8 @@ def render_pytest(r: Result) -> Result:
             *unimportable[:20],
             "```",
         ]
+    if skipped:
+        text += ["\nSkipped (a gpu test should run on this host):\n", "```", *skipped[:20], "```"]
     if durations:
         text += ["\nSlowest:\n", "```", *durations, "```"]
     r.stdout = "\n".join(text) + "\n"
@@ -355,7 +358,7 @@ def plan(a: argparse.Namespace, work: Path, logs: Path) -> Plan:
     tests = Stage(
         "gpu-tests",
         "the tests marked gpu",
-        [PY, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rfE"]
+        [PY, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rfEs"]
         + ["--durations=10", "--continue-on-collection-errors"],
         cap=240,
         render=render_pytest,
