@@ -48,11 +48,15 @@ def same_device(a: torch.device | str, b: torch.device | str) -> bool:
     return a.type == b.type and _index(a) == _index(b)
 
 
-def check_devices(expected: torch.device, **tensors: torch.Tensor) -> None:
-    """Raise ValueError naming the first tensor that is not on ``expected``."""
+def check_devices(
+    expected: torch.device, *, owner: str = "the KV cache", **tensors: torch.Tensor
+) -> None:
+    """Raise ValueError naming the first tensor that is not on ``expected`` (``owner``'s
+    device). A kernel handed a raw pointer to another device's memory faults, and a CUDA fault
+    ends the process's use of the GPU: every later request fails too."""
     for name, t in tensors.items():
         if not same_device(t.device, expected):
-            raise ValueError(f"{name} is on {t.device}, the KV cache on {expected}")
+            raise ValueError(f"{name} is on {t.device}, {owner} on {expected}")
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

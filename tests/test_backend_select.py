@@ -102,3 +102,18 @@ def test_first_build_of_the_cuda_library_says_so(monkeypatch, tmp_path, caplog) 
         assert "building the CUDA kernels with nvcc for 80, 86, 89, 90" in caplog.text
         caplog.clear()
         assert library.build() == path and caplog.text == ""
+
+
+def test_a_gpu_without_pinned_configs_is_told_how_to_pin_them(caplog) -> None:
+    from runtime.kernels.gpu import log_pinned
+
+    kernels = {"sm_90": {"w4a16/N64xK64/m1": {}}, "cuda/sm_90": {"w4a16/N64xK64/m1": {}}}
+    with caplog.at_level("INFO", logger="runtime.kernels"):
+        log_pinned("cuda/sm_80", {}, kernels, "the planner's configs")
+        assert (
+            "no tuned kernel configs for cuda/sm_80 (tuned for: cuda/sm_90, sm_90)" in caplog.text
+        )
+        assert "using the planner's configs. `lite tune ARTIFACT`" in caplog.text
+        caplog.clear()
+        log_pinned("cuda/sm_90", kernels["cuda/sm_90"], kernels, "the planner's configs")
+        assert [r.levelname for r in caplog.records] == ["INFO"]

@@ -199,3 +199,28 @@ def test_decode_attention(backend, kv_quant: str, window: int | None, dtype) -> 
     attn = backend.decode_attn(tables, torch.tensor(lens, dtype=torch.int32))
     out = backend.attention(q, cache.layer(0), attn, 0.125, window)
     cuda_lib.assert_close(out, cuda_lib.reference_decode(q, cache, tables, lens, 0.125, window))
+
+
+def test_tensors_on_another_device_are_refused_before_any_launch(backend, csrc) -> None:
+    """The csrc entry points take raw pointers: one into another device's memory faults the GPU
+    for good. Each op names the stray tensor first ("meta" stands in for another device)."""
+    from runtime.kv.cache import KVCache
+
+    k, gs = 128, 32
+    fused = backend.prepare_int4([(*cuda_lib.gemm_weight(64, k, gs, seed=3), 64)], k, gs,
+                                 torch.float16)  # fmt: skip
+    csrc.calls.clear()
+    stray = torch.empty(2, k, dtype=torch.float16, device="meta")
+    with pytest.raises(ValueError, match="x is on meta, the weights on cpu"):
+        backend.int4_linear(stray, fused)
+    spec, kk, v, slots, num_blocks = cuda_lib.write_inputs(cuda_lib.WRITE_CASES[1], seed=1)
+    layer = KVCache(spec, num_blocks).layer(0)
+    with pytest.raises(ValueError, match="slot_mapping is on meta, the KV cache on cpu"):
+        backend.kv_write(layer, kk, v, slots.to("meta"))
+    lens = [3, 20]
+    cache, tables, gen = cuda_lib.build_pool("int8", torch.float16, 16, lens, 2, 64, seed=5)
+    attn = backend.decode_attn(tables.to("meta"), torch.tensor(lens, dtype=torch.int32))
+    q = torch.randn(len(lens), 8, 64, generator=gen).to(torch.float16)
+    with pytest.raises(ValueError, match="block_tables is on meta, the KV cache on cpu"):
+        backend.attention(q, cache.layer(0), attn, 0.125, None)
+    assert not csrc.calls, csrc.calls  # nothing launched

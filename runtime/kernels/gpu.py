@@ -10,6 +10,7 @@ multiple of 64 the fused output carries its padding columns, which one index_sel
 from __future__ import annotations
 
 import itertools
+import logging
 from array import array
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,8 @@ from typing import Any
 import torch
 
 from runtime.kernels.ops import Backend, StepInputs, StepTensors
+
+log = logging.getLogger("runtime.kernels")
 
 N_TILE = 64
 _ALIGN = 4  # int32 elements in 16 bytes
@@ -192,3 +195,19 @@ class GpuBackend(Backend):
     def linear_out(self, y: torch.Tensor, w: FusedInt4) -> torch.Tensor:
         """The GEMM's output without the padding columns of fused parts."""
         return y if w.columns is None else y.index_select(1, w.columns)
+
+
+def log_pinned(key: str, pinned: dict, kernels: dict, fallback: str) -> None:
+    """Say at start whether the artifact pins GEMM configs for this GPU (launch.kernels[key]),
+    and what runs instead when it does not."""
+    if pinned:
+        log.info("pinned GEMM configs for %s: %d", key, len(pinned))
+        return
+    tuned = ", ".join(sorted(kernels)) or "none"
+    log.warning(
+        "the artifact has no tuned kernel configs for %s (tuned for: %s); using %s. "
+        "`lite tune ARTIFACT` on this GPU pins them.",
+        key,
+        tuned,
+        fallback,
+    )

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from runtime.device import check_devices
 from runtime.kernels.cuda import gemm_plan, w4a16
 from runtime.kernels.cuda.library import check
 from runtime.kernels.gpu import (
@@ -34,6 +35,7 @@ from runtime.kernels.gpu import (
     fuse_int4,
     gemm_key,
     gpu_arch,
+    log_pinned,
 )
 from runtime.kernels.triton.attention import paged_decode_attention, paged_prefill_attention
 from runtime.kv.format import STORAGE_KINDS
@@ -64,6 +66,8 @@ class CudaBackend(GpuBackend):
         self.emulated = device.type == "cpu"
         self.arch = gpu_arch(device)
         self.pinned = kernels.get(f"cuda/{self.arch}", {})
+        if not self.emulated:
+            log_pinned(f"cuda/{self.arch}", self.pinned, kernels, "the planner's configs")
         self.plan_arch = EMULATED_ARCH if self.emulated else self.arch
         self.sm_count = (
             EMULATED_SMS
@@ -115,6 +119,7 @@ class CudaBackend(GpuBackend):
 
     def kv_write(self, kv: LayerKV, k, v, slot_mapping) -> None:
         s = kv.spec
+        check_devices(kv.device, k=k, v=v, slot_mapping=slot_mapping)
         k = k if k.stride(-1) == 1 else k.contiguous()
         v = v if v.stride(-1) == 1 else v.contiguous()
         inputs = (k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1))
@@ -150,6 +155,9 @@ class CudaBackend(GpuBackend):
             return paged_decode_attention(
                 q, kv, attn.block_tables, attn.context_lens, scale, sliding_window
             )
+        check_devices(
+            kv.device, q=q, block_tables=attn.block_tables, context_lens=attn.context_lens
+        )
         q = q if q.stride(-1) == 1 else q.contiguous()
         out = torch.empty_like(q)
         batch, max_blocks = attn.block_tables.shape

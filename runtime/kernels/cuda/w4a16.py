@@ -13,6 +13,7 @@ import ctypes
 
 import torch
 
+from runtime.device import check_devices
 from runtime.kernels.cuda.gemm_plan import DequantPlan, Plan
 from runtime.kernels.cuda.library import check
 from runtime.kv.format import STORAGE_KINDS
@@ -33,6 +34,7 @@ def dequantize(
     emulated: bool,
 ) -> torch.Tensor:
     """W_hat [n, k] in ``dtype``: the weights the fused GEMM multiplies, bit for bit."""
+    check_devices(qweight.device, owner="the weights", qparams=qparams)
     w = torch.empty(n, k, dtype=dtype, device=qweight.device)
     args = (qweight.data_ptr(), qparams.data_ptr(), w.data_ptr(), w.stride(0), n, k, group_size)
     args += (STORAGE_KINDS[dtype],)
@@ -56,6 +58,7 @@ def linear(
     emulated: bool,
 ) -> torch.Tensor:
     """y [m, n] = x [m, k] @ W_hat^T in x's dtype (fp16 or bf16; x's rows may be strided)."""
+    check_devices(qweight.device, owner="the weights", x=x, qparams=qparams)
     if isinstance(plan, DequantPlan):
         w = dequantize(lib, qweight, qparams, n, k, group_size, x.dtype, emulated)
         return torch.nn.functional.linear(x, w)

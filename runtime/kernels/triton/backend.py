@@ -10,7 +10,6 @@ and prefill-sized steps (256+ rows) dequantize the weights for torch's dense GEM
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +21,7 @@ from runtime.kernels.gpu import (
     fuse_int4,
     gemm_key,
     gpu_arch,
+    log_pinned,
 )
 from runtime.kernels.triton.attention import paged_decode_attention, paged_prefill_attention
 from runtime.kernels.triton.gemm import (
@@ -35,8 +35,6 @@ from runtime.kernels.triton.gemm import (
 )
 from runtime.kernels.triton.kv_write import kv_write
 from runtime.kv.layer import LayerKV
-
-log = logging.getLogger("runtime.kernels")
 
 
 @dataclass
@@ -76,7 +74,7 @@ class TritonBackend(GpuBackend):
         arch = gpu_arch(device)
         self.pinned = kernels.get(arch, {})
         if device.type == "cuda":
-            log_pinned(arch, self.pinned, kernels)
+            log_pinned(arch, self.pinned, kernels, "heuristic configs")
         self.detail = (
             f"{arch}: {len(self.pinned)} pinned GEMM configs"
             if self.pinned
@@ -104,17 +102,3 @@ class TritonBackend(GpuBackend):
         return paged_prefill_attention(
             q, kv, attn.block_tables, attn.cu_query_lens, attn.context_lens, scale, sliding_window
         )
-
-
-def log_pinned(arch: str, pinned: dict, kernels: dict) -> None:
-    """Say at start whether the artifact pins kernel configs for this GPU."""
-    if pinned:
-        log.info("pinned GEMM configs for %s: %d", arch, len(pinned))
-        return
-    tuned = ", ".join(sorted(kernels)) or "none"
-    log.warning(
-        "the artifact has no tuned kernel configs for %s (tuned for: %s); using heuristics. "
-        "`lite tune ARTIFACT` on this GPU pins them.",
-        arch,
-        tuned,
-    )
