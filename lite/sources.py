@@ -8,13 +8,15 @@ it is converted into a cached HF directory keyed by the file's hash and reused f
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from runtime.artifact.manifest import FAMILIES
@@ -212,6 +214,19 @@ def shard_files(path: Path) -> list[Path]:
     return [path / n for n in names]
 
 
+@contextlib.contextmanager
+def _opened(shard: Path) -> Iterator:
+    """safe_open, with a damaged shard (a cut download, a stray file) named as the problem
+    instead of a SafetensorError traceback from whichever layer first reads it."""
+    try:
+        with safe_open(str(shard), framework="pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise SourceError(
+            f"{shard} is damaged or not a safetensors file ({e}); download it again"
+        ) from e
+
+
 class Checkpoint:
     """Lazy access to safetensors shards: a tensor is read only when asked for."""
 
@@ -219,7 +234,7 @@ class Checkpoint:
         self.path = path
         self.where: dict[str, Path] = {}
         for shard in shard_files(path):
-            with safe_open(str(shard), framework="pt") as f:
+            with _opened(shard) as f:
                 self.where.update(dict.fromkeys(f.keys(), shard))
 
     def __contains__(self, name: str) -> bool:
@@ -230,16 +245,16 @@ class Checkpoint:
         so a bf16 checkpoint crosses to a GPU at half the bytes."""
         if name not in self.where:
             raise SourceError(f"{self.path}: weight {name} is missing from the checkpoint")
-        with safe_open(str(self.where[name]), framework="pt") as f:
+        with _opened(self.where[name]) as f:
             return f.get_tensor(name).to(device).float()
 
     def stored_dtype(self, name: str) -> str:
         """The dtype as the shard stores it, in safetensors' spelling (F32, F16, BF16)."""
-        with safe_open(str(self.where[name]), framework="pt") as f:
+        with _opened(self.where[name]) as f:
             return f.get_slice(name).get_dtype()
 
     def shape(self, name: str) -> tuple[int, ...]:
-        with safe_open(str(self.where[name]), framework="pt") as f:
+        with _opened(self.where[name]) as f:
             return tuple(f.get_slice(name).get_shape())
 
     def with_prefix(

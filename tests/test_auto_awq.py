@@ -480,6 +480,12 @@ def test_sharded_source_with_index(
     for shard in rtn_artifact.glob("*.safetensors"):
         assert (art / shard.name).read_bytes() == shard.read_bytes(), shard.name
 
+    data = shards[-1].read_bytes()
+    shards[-1].write_bytes(data[: len(data) // 2])  # a cut download
+    code, out = lite("auto_awq", str(src), "--work-dir", str(tmp_path / "c"), "--quiet")
+    assert code != 0 and "Traceback" not in out, out
+    assert f"{shards[-1]} is damaged or not a safetensors file" in out, out
+    assert "download it again" in out
     shards[0].unlink()
     code, out = lite("auto_awq", str(src), "--work-dir", str(tmp_path / "b"), "--quiet")
     assert code != 0 and "named by model.safetensors.index.json are missing" in out, out
