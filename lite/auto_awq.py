@@ -53,7 +53,7 @@ from lite.gptq import DAMP as GPTQ_DAMP
 from lite.gptq import gptq_quantize
 from lite.hf import architecture_from_config, load_config
 from lite.model_card import write_model_card
-from lite.plan import Plan, default_rows, device_rows, make_plan, skeleton
+from lite.plan import Plan, default_rows, device_rows, layer_memory, make_plan, skeleton
 from lite.quantizer import QuantizedWeight, QuantSpec, num_groups, quantize
 from lite.sources import Checkpoint, ModelSource, resolve, resolve_plan
 from runtime import __version__
@@ -659,10 +659,11 @@ def quantize_layer(
     config,
     device: torch.device,
     rows: int,
+    room: tuple[int, int | None] = (0, None),
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, list[str]]:
     """Layer i loaded onto the device, calibrated on x (unless RTN) and packed: its host
     tensors, its outputs (the next layer's inputs) and its fallbacks. Out of device memory
-    becomes an error that says which flag fixes it."""
+    becomes an error that says what fixes it (`room`: see compute.out_of_memory)."""
     prefix = f"model.layers.{i}."
     try:
         load_layer(layer, ckpt, prefix, device)
@@ -673,7 +674,7 @@ def quantize_layer(
         tensors = pack_layer(layer, cfg, prefix, result.clip, result.grams)
         return tensors, result.outputs, result.fallbacks
     except torch.OutOfMemoryError as e:
-        raise out_of_memory(device, i, rows if x is not None else 0) from e
+        raise out_of_memory(device, i, rows if x is not None else 0, room) from e
 
 
 def quantize_layers(
@@ -695,12 +696,13 @@ def quantize_layers(
     n_layers = config.num_hidden_layers
     x = pos = None
     rows = 0
+    free = free_bytes(device)
     if calib is not None and state.done + 1 < n_layers:
         x = state.load_inputs() if state.done >= 0 else embed(ckpt, calib)
         pos = positions(rotary, x, device)
-        rows = device_rows(
-            calib_batch_size, layers[0], config, calib.seqlen, calib.n_samples, free_bytes(device)
-        )
+        rows = device_rows(calib_batch_size, layers[0], config, calib.seqlen, calib.n_samples, free)
+    fixed = layer_memory(layers[0], config, calib.seqlen if rows else 0, min(rows, 1))
+    room = (fixed.total - fixed.chunk, free)
     state.add_device(device_label(device))
     with (
         tqdm(
@@ -714,7 +716,7 @@ def quantize_layers(
     ):
         for i in range(state.done + 1, n_layers):
             tensors, x, fallbacks = quantize_layer(
-                layers[i], i, ckpt, x, pos, cfg, config, device, rows
+                layers[i], i, ckpt, x, pos, cfg, config, device, rows, room
             )
             last = i + 1 == n_layers  # its outputs feed nothing: not saved
             state.finish_layer(i, tensors, None if last else x, fallbacks)

@@ -85,13 +85,25 @@ def peak_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_reserved(device) / 2**30
 
 
-def out_of_memory(device: torch.device, layer: int, rows: int) -> DeviceMemoryError:
+def out_of_memory(
+    device: torch.device, layer: int, rows: int, room: tuple[int, int | None] = (0, None)
+) -> DeviceMemoryError:
     """The error a user sees instead of a CUDA traceback: what ran out, and how to go on.
-    `rows` is the samples per activation chunk (0 for round-to-nearest)."""
+    `rows` is the samples per activation chunk (0 for round-to-nearest); `room` the bytes the
+    layer needs besides its activations (lite.plan) and those the device had free at the start
+    (None: unknown). Where the layer alone does not fit, smaller chunks cannot help: saying
+    "halve the chunk" would send the user round that loop down to 1."""
     where = f"out of memory on {device_label(device)} in decoder layer {layer}"
     if rows:
         where += f" with calibration chunks of {rows} sample(s) ({CHUNK_FLAG} {rows})"
-    if rows > 1:
+    need, free = room
+    if free is not None and need > free:
+        fix = (
+            f"the layer alone needs about {need / 2**30:.2f} GiB (weights, statistics, search "
+            f"workspace; `lite auto_awq --dry-run` itemizes it) and {free / 2**30:.2f} GiB was "
+            "free: rerun the same command with --device cpu, or on a GPU with more free memory"
+        )
+    elif rows > 1:
         fix = f"rerun the same command with {CHUNK_FLAG} {rows // 2}"
     else:
         fix = "rerun the same command with --device cpu"

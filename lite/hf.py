@@ -18,8 +18,19 @@ from runtime.artifact.layout import dequantize
 from runtime.artifact.manifest import Architecture, Manifest
 from runtime.artifact.reader import Artifact
 
+# a config without one of these gets transformers' defaults (a 7B shape for llama): a plan or a
+# run of a model nobody asked for
+SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
 
 def load_config(path: Path) -> PretrainedConfig:
+    raw, _ = PretrainedConfig.get_config_dict(path)
+    missing = [k for k in (*SHAPE_KEYS, "vocab_size") if k not in raw]
+    if missing:
+        raise ValueError(
+            f"{path}/config.json lacks {', '.join(missing)}: transformers would fill in its "
+            "defaults, the shape of another model; use the model's own config.json"
+        )
     config = AutoConfig.from_pretrained(path)
     config._attn_implementation = "sdpa"
     return config

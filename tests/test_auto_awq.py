@@ -378,6 +378,21 @@ def test_out_of_memory_names_the_flag_and_resumes(
             assert torch.equal(got.tensor(name), want.tensor(name)), name
 
 
+def test_out_of_memory_where_the_layer_alone_does_not_fit_points_elsewhere() -> None:
+    """Halving the chunk cannot help when the layer's fixed part (weights, Gram matrices,
+    search workspace) is more than the device had free: the advice is another device, not a
+    loop of halvings down to 1."""
+    from lite.compute import out_of_memory
+
+    gib = 2**30
+    msg = str(out_of_memory(torch.device("cpu"), 3, 8, (10 * gib, 4 * gib)))
+    assert "the layer alone needs about 10.00 GiB" in msg and "4.00 GiB was free" in msg
+    assert "--device cpu" in msg and "--calib-batch-size 4" not in msg
+    assert "resumes at layer 3" in msg
+    msg = str(out_of_memory(torch.device("cpu"), 3, 8, (2 * gib, 4 * gib)))
+    assert "rerun the same command with --calib-batch-size 4" in msg
+
+
 def test_device_flag_refusals(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     cases = [("tpu", "use auto, cpu, cuda or cuda:N"), ("cuda:x", "use auto, cpu, cuda or cuda:N")]
     if not torch.cuda.is_available():
@@ -433,6 +448,10 @@ def test_dry_run_plans_an_8b_config_without_weights(tmp_path: Path) -> None:
     assert f"artifact: about {artifact / 2**30:.2f} GiB" in out
     assert "time: cannot be estimated without the weights" in out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["llama-3-8b"]
+    # a config that names only its family would be planned with transformers' defaults
+    (src / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    code, out = lite("auto_awq", str(src), "--dry-run", "--device", "cpu")
+    assert code != 0 and "config.json lacks hidden_size, intermediate_size" in out, out
 
 
 def test_dry_run_with_weights_times_one_layer(tiny_models: dict[str, Path], tmp_path: Path) -> None:
