@@ -39,7 +39,7 @@ from runtime.engine.engine import Engine
 from runtime.engine.sampler import SamplingParams
 from runtime.kernels import cpu, native
 
-PROMPT_LEN = 128
+PROMPT_LEN = 128  # tokens per prompt unless --prompt-len says otherwise
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "asimd",
              "asimddp", "sve")  # fmt: skip
 # llama.cpp through its Python binding: time to the first token (prompt evaluation), then
@@ -49,7 +49,8 @@ import json, sys, time
 from llama_cpp import Llama
 path, threads, new = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 prompt = json.loads(sys.argv[4])
-llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=1024,
+llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads,
+            n_ctx=max(1024, len(prompt) + new),
             n_batch=512, verbose=False)
 def run(tokens, count):
     gen = llm.generate(tokens, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True)
@@ -80,15 +81,17 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / best
 
 
-def prompts(batch: int, vocab: int) -> list[list[int]]:
+def prompts(batch: int, vocab: int, length: int = PROMPT_LEN) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
-    return [torch.randint(100, vocab, (PROMPT_LEN,), generator=g).tolist() for _ in range(batch)]
+    return [torch.randint(100, vocab, (length,), generator=g).tolist() for _ in range(batch)]
 
 
-def bench_runtime(engine: Engine, batch: int, new: int) -> tuple[float, float]:
-    """(prefill tokens/s, decode tokens/s) for one batch."""
+def bench_runtime(
+    engine: Engine, batch: int, new: int, length: int = PROMPT_LEN
+) -> tuple[float, float]:
+    """(prefill tokens/s, decode tokens/s) for one batch of `length`-token prompts."""
     params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
-    seqs = [engine.add_request(p, params) for p in prompts(batch, engine.arch.vocab_size)]
+    seqs = [engine.add_request(p, params) for p in prompts(batch, engine.arch.vocab_size, length)]
     t = time.perf_counter()
     while any(s.num_computed < s.num_prompt for s in seqs):
         engine.step()
@@ -97,11 +100,11 @@ def bench_runtime(engine: Engine, batch: int, new: int) -> tuple[float, float]:
     while any(not s.finished for s in seqs):
         engine.step()
     decode = time.perf_counter() - t
-    return batch * PROMPT_LEN / prefill, batch * (new - 1) / decode
+    return batch * length / prefill, batch * (new - 1) / decode
 
 
-def bench_hf(model, batch: int, new: int, vocab: int) -> float:
-    ids = torch.tensor(prompts(batch, vocab))
+def bench_hf(model, batch: int, new: int, vocab: int, length: int = PROMPT_LEN) -> float:
+    ids = torch.tensor(prompts(batch, vocab, length))
     t = time.perf_counter()
     with torch.inference_mode():
         model.generate(
@@ -112,6 +115,16 @@ def bench_hf(model, batch: int, new: int, vocab: int) -> float:
             do_sample=False,
         )
     return batch * new / (time.perf_counter() - t)
+
+
+def bench_hf_prefill(model, batch: int, vocab: int, length: int = PROMPT_LEN) -> float:
+    """transformers' prefill tokens/s: one forward over the prompts (the baseline of the
+    runtime's prefill column; generate's rate mixes both phases)."""
+    ids = torch.tensor(prompts(batch, vocab, length))
+    with torch.inference_mode():
+        t = time.perf_counter()
+        model(ids, attention_mask=torch.ones_like(ids), use_cache=True)
+        return batch * length / (time.perf_counter() - t)
 
 
 def profile_decode(engine: Engine, batch: int) -> dict[str, float]:
@@ -216,9 +229,11 @@ def default_gguf(model: str) -> Path | None:
     return next(Path(spec.origin).parent.glob("*.gguf"), None)
 
 
-def bench_llama(python: str, gguf: Path, new: int, vocab: int) -> dict | str:
+def bench_llama(
+    python: str, gguf: Path, new: int, vocab: int, length: int = PROMPT_LEN
+) -> dict | str:
     """llama.cpp's batch-1 prefill and decode tokens/s on the same prompt, or why not."""
-    prompt = json.dumps(prompts(1, vocab)[0])
+    prompt = json.dumps(prompts(1, vocab, length)[0])
     threads = str(torch.get_num_threads())
     done = subprocess.run(
         [python, "-c", LLAMA_CHILD, str(gguf), threads, str(new), prompt],
@@ -249,7 +264,14 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--kv-quant", default="int8")
-    p.add_argument("--dtype", default="auto", help="runtime activations (auto: bf16 on a CPU)")
+    p.add_argument(
+        "--prompt-len", type=int, default=PROMPT_LEN, help="tokens per prompt (prefill's size)"
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="runtime activations (auto: the engine's choice, runtime.engine.engine.auto_dtype)",
+    )
     p.add_argument("--gguf", type=Path, help="llama.cpp's model (default: the bundled SmolLM2)")
     p.add_argument(
         "--llama-python", default=sys.executable, help="a Python with llama-cpp-python installed"
@@ -270,7 +292,10 @@ def main() -> None:
     engine = Engine(
         a.artifact,
         EngineConfig(
-            kv_quant=a.kv_quant, session_len=1024, max_batch_size=max(batches), dtype=a.dtype
+            kv_quant=a.kv_quant,
+            session_len=max(1024, a.prompt_len + a.new_tokens),
+            max_batch_size=max(batches),
+            dtype=a.dtype,
         ),
     )
     print(f"runtime: {engine.ops.detail}")
@@ -279,10 +304,11 @@ def main() -> None:
         print(f"C kernels' path: {native.isa_path(engine.ops.lib)}; dispatch: int4 linears "
               f"{table['int4'].describe()}; logits {table['logits'].describe()}")  # fmt: skip
     bench_runtime(engine, 2, 4)  # warm-up: first calls build kernels' primitives
-    rt = {b: bench_runtime(engine, b, a.new_tokens) for b in batches}
+    n = a.prompt_len
+    rt = {b: bench_runtime(engine, b, a.new_tokens, n) for b in batches}
     gguf = a.gguf or default_gguf(a.model)
     llama = (
-        bench_llama(a.llama_python, gguf, a.new_tokens, engine.arch.vocab_size)
+        bench_llama(a.llama_python, gguf, a.new_tokens, engine.arch.vocab_size, n)
         if gguf
         else "no GGUF for llama.cpp (--gguf)"
     )
@@ -290,8 +316,8 @@ def main() -> None:
     for _ in range(a.rounds - 1 if pairs else 0):
         pairs.append(
             (
-                bench_runtime(engine, 1, a.new_tokens),
-                bench_llama(a.llama_python, gguf, a.new_tokens, engine.arch.vocab_size),
+                bench_runtime(engine, 1, a.new_tokens, n),
+                bench_llama(a.llama_python, gguf, a.new_tokens, engine.arch.vocab_size, n),
             )
         )
 
@@ -302,12 +328,13 @@ def main() -> None:
     hf32 = load_source_model(source)
     vocab = engine.arch.vocab_size
     bench_hf(hf32, 1, 4, vocab)  # warm-up, as for the runtime
-    hf = {("fp32", b): bench_hf(hf32, b, a.new_tokens, vocab) for b in batches}
-    hf16 = hf32.to(torch.bfloat16)
-    hf.update({("bf16", b): bench_hf(hf16, b, a.new_tokens, vocab) for b in batches})
+    hf = {("fp32", b): bench_hf(hf32, b, a.new_tokens, vocab, n) for b in batches}
+    hf_prefill = {b: bench_hf_prefill(hf32, b, vocab, n) for b in batches}
+    hf16 = hf32.to(torch.bfloat16)  # in place: fp32 figures first
+    hf.update({("bf16", b): bench_hf(hf16, b, a.new_tokens, vocab, n) for b in batches})
 
     print(
-        f"\n{a.new_tokens} new tokens after {PROMPT_LEN}-token prompts, greedy, kv {a.kv_quant}, "
+        f"\n{a.new_tokens} new tokens after {n}-token prompts, greedy, kv {a.kv_quant}, "
         f"runtime activations {engine.dtype}\n"
     )
     print(
@@ -321,6 +348,10 @@ def main() -> None:
             f"| {b} | {pre:.0f} | {dec:.1f} | {hf['fp32', b]:.1f} | {hf['bf16', b]:.1f} | "
             f"{dec / hf['fp32', b]:.2f}x | {dec / hf['bf16', b]:.2f}x |"
         )
+    print("\n| batch | runtime prefill tok/s | hf fp32 forward tok/s | runtime / hf prefill |")
+    print("|---|---|---|---|")
+    for b in batches:
+        print(f"| {b} | {rt[b][0]:.0f} | {hf_prefill[b]:.0f} | {rt[b][0] / hf_prefill[b]:.2f}x |")
     if isinstance(llama, str):
         print(f"\nllama.cpp: {llama}")
     else:

@@ -105,9 +105,13 @@ def choose(timings: Timings) -> Choice:
     return Choice(tuple(chosen))
 
 
-def cached_choices(key: str, measure_all: Callable[[], dict[str, Choice]]) -> dict[str, Choice]:
+def cached_choices(
+    key: str, measure_all: Callable[[], dict[str, Choice]], remeasure: bool = True
+) -> dict[str, Choice]:
     """The host's table for `key` from the cache, measuring and writing it the first time.
-    An unwritable cache still gives a measured table (kept for this process only)."""
+    An unwritable cache still gives a measured table (kept for this process only); an
+    unreadable one (tables are written atomically, so a damaged disk or a hand edit) is
+    measured again and replaced."""
     target = cache_root() / "dispatch" / f"{key}-v{TABLE_VERSION}.json"
     measured: dict[str, Choice] = {}
 
@@ -127,6 +131,8 @@ def cached_choices(key: str, measure_all: Callable[[], dict[str, Choice]]) -> di
         table = json.loads(path.read_text())
         return {op: Choice(tuple((int(r), str(p)) for r, p in pts)) for op, pts in table.items()}
     except (ValueError, TypeError) as e:
-        raise RuntimeError(
-            f"the CPU dispatch table {path} is unreadable ({e}); delete it to measure again"
-        ) from e
+        if not remeasure:
+            raise RuntimeError(f"the CPU dispatch table {path} is unreadable ({e})") from e
+        log.warning("the CPU dispatch table %s is unreadable (%s): measuring again", path, e)
+        path.unlink(missing_ok=True)  # readers see it whole or not at all, then rebuild it
+        return cached_choices(key, measure_all, remeasure=False)
