@@ -22,6 +22,7 @@ import torch
 
 from runtime.artifact.reader import Artifact
 from runtime.artifact.writer import write_manifest
+from runtime.device import resolve_device
 from runtime.kernels.ops import interpreting
 from runtime.model.llama import FUSED_LINEARS
 
@@ -57,7 +58,7 @@ def gemm_shapes(artifact: Artifact) -> list[Shape]:
 
 def check_device() -> torch.device:
     if torch.cuda.is_available():
-        return torch.device("cuda")
+        return resolve_device("cuda")  # cuda:N: kernel checks compare explicit indices
     if interpreting():
         return torch.device("cpu")
     raise TuneError(

@@ -10,7 +10,7 @@
  * compiles this file once per machine with the system C compiler and loads it with ctypes (no
  * torch headers, so the build takes a second and does not depend on torch's ABI).
  *
- * Layouts are those of runtime/engine/kv_cache.py: codes [blocks, block_size, kv_heads, Dc],
+ * Layouts are those of runtime/kv/format.py: codes [blocks, block_size, kv_heads, Dc],
  * fp16 scale and zero [blocks, block_size, kv_heads], x = code * scale + zero.
  * The quantizer reproduces quantize_kv bit for bit (the tests compare them).
  */

@@ -5,7 +5,7 @@ Why a kernel: ``KVCache.write`` costs a dozen small torch ops per layer (stack, 
 fp16 rounding fix-ups, divide, round, pack, six scatters); on the decode path that is pure
 launch overhead. Here one program owns one (token, KV head) and does K and V end to end.
 
-Bit-exactness with :func:`runtime.engine.kv_cache.quantize_kv` is the contract (the reference
+Bit-exactness with :func:`runtime.kv.format.quantize_kv` is the contract (the reference
 attention and the CPU backend read the same pool), so every step is an exactly rounded
 operation whose result does not depend on the backend:
 
