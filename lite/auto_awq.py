@@ -725,8 +725,9 @@ def quantize_layers(
 
 
 def dry_run_plan(model: str, cfg: AwqConfig, compute: Compute = Compute()) -> Plan:
-    """The plan of a run, from the config alone; with the weights here, layer 0 is also
-    calibrated once (nothing written) to time it."""
+    """The plan of a run, from the config alone, and one layer calibrated once (nothing
+    written) to time it: layer 0 with the weights here, else a layer of random weights of the
+    config's shape (a 70B plan on a machine without its 140 GB)."""
     device = pick_device(compute.device)
     path, source = resolve_plan(model)
     config = load_config(path)
@@ -740,7 +741,8 @@ def dry_run_plan(model: str, cfg: AwqConfig, compute: Compute = Compute()) -> Pl
         free_bytes(device),
     )
     if source is None:
-        return plan
+        seconds = time_random_layer(config, cfg, device, plan)
+        return dataclasses.replace(plan, layer_seconds=seconds, timed="a layer of random weights")
     return dataclasses.replace(plan, layer_seconds=time_layer(source, config, cfg, device, plan))
 
 
@@ -762,6 +764,44 @@ def time_layer(
     with full_fp32():
         quantize_layer(layers[0], 0, ckpt, x, pos, cfg, config, device, plan.rows)
     return time.perf_counter() - started  # pack_layer's copies to the host synchronize
+
+
+class RandomWeights:
+    """Stands in for the checkpoint of a model whose weights are not here: layer 0's tensors,
+    random, in the config's shapes. A layer's calibration time depends on its shapes, not its
+    values, so timing it on these is timing the run's layers."""
+
+    path = "random weights"
+
+    def __init__(self, layer: torch.nn.Module, prefix: str) -> None:
+        self.shapes = {prefix + n: t.shape for n, t in layer.state_dict().items()}
+
+    def with_prefix(self, prefix: str, device: torch.device | str) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(0)
+        out = {}
+        for name, shape in self.shapes.items():
+            t = 0.02 * torch.randn(shape, generator=g)
+            out[name.removeprefix(prefix)] = (t + 1 if len(shape) == 1 else t).to(device)
+        return out  # norms about 1, linears of a trained model's scale
+
+
+def time_random_layer(config, cfg: AwqConfig, device: torch.device, plan: Plan) -> float:
+    """Seconds to load, calibrate and pack a layer of random weights on the device, on
+    random activations of the calibration's size, as a run would spend them per layer."""
+    layers, rotary = build_layers(config)
+    weights = RandomWeights(layers[0], "model.layers.0.")
+    dtype = "bfloat16" if getattr(config, "dtype", None) == torch.bfloat16 else "float16"
+    cfg = dataclasses.replace(cfg, dtype=dtype if cfg.dtype == "auto" else cfg.dtype)
+    x = pos = None
+    if cfg.calib_samples:
+        g = torch.Generator().manual_seed(0)
+        shape = (cfg.calib_samples, cfg.calib_seqlen, config.hidden_size)
+        x = torch.randn(shape, generator=g)
+        pos = positions(rotary, x, device)
+    started = time.perf_counter()
+    with full_fp32():
+        quantize_layer(layers[0], 0, weights, x, pos, cfg, config, device, plan.rows)
+    return time.perf_counter() - started
 
 
 def _globals(ckpt: Checkpoint, tied: bool, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -172,7 +172,8 @@ class Plan:
     memory: LayerMemory
     host_activations: int
     artifact_bytes: int
-    layer_seconds: float | None = None  # measured on one layer, when the weights are here
+    layer_seconds: float | None = None  # measured on one layer
+    timed: str = "layer 0"  # which: the model's own, or one of random weights (no weights here)
 
 
 def make_plan(
@@ -231,15 +232,10 @@ def render(plan: Plan) -> str:
         f"outputs, fp32) plus one layer as read from the shards",
         f"artifact: about {_size(plan.artifact_bytes)} (fp16 model: {_size(plan.params * STORED)})",
     ]
-    if plan.layer_seconds is None:
-        lines.append(
-            "time: cannot be estimated without the weights (only the config is here); run "
-            "--dry-run where the weights are to time one layer"
-        )
-    else:
+    if plan.layer_seconds is not None:
         total = plan.layer_seconds * plan.layers
         lines.append(
-            f"time: about {total / 60:.1f} min for {plan.layers} layers (layer 0 took "
+            f"time: about {total / 60:.1f} min for {plan.layers} layers ({plan.timed} took "
             f"{plan.layer_seconds:.1f} s on {plan.device}, warm-up included), plus reading "
             f"and writing the shards"
         )

@@ -427,9 +427,19 @@ LLAMA3_8B = {
 }
 
 
-def test_dry_run_plans_an_8b_config_without_weights(tmp_path: Path) -> None:
-    """Only config.json: per-layer memory, artifact size, no time, nothing written. The
-    expected numbers are worked out here by hand from the published shapes."""
+def test_dry_run_plans_an_8b_config_without_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only config.json: per-layer memory, artifact size, nothing written. The expected numbers
+    are worked out here by hand from the published shapes. The time of a layer of random
+    weights is measured (minutes for this shape on a CI CPU: the measurement itself is tested
+    on a tiny config below, its figure stands in here)."""
+    from lite import auto_awq
+
+    timed = []
+    monkeypatch.setattr(
+        auto_awq, "time_random_layer", lambda *a: (timed.append(a[3].rows), 90.0)[1]
+    )
     src = tmp_path / "llama-3-8b"
     src.mkdir()
     (src / "config.json").write_text(json.dumps(LLAMA3_8B))
@@ -446,12 +456,28 @@ def test_dry_run_plans_an_8b_config_without_weights(tmp_path: Path) -> None:
     q4 = sum(n * k // 2 + k // 128 * n * 4 for n, k in linears)  # codes, (s, -z*s) fp16
     artifact = layers * (q4 + 2 * h * 2) + (2 * vocab * h + h) * 2  # + embed, lm_head, norm
     assert f"artifact: about {artifact / 2**30:.2f} GiB" in out
-    assert "time: cannot be estimated without the weights" in out
+    assert "time: about 48.0 min for 32 layers (a layer of random weights took 90.0 s" in out
+    assert timed == [8]  # timed with the run's chunking
     assert sorted(p.name for p in tmp_path.iterdir()) == ["llama-3-8b"]
     # a config that names only its family would be planned with transformers' defaults
     (src / "config.json").write_text(json.dumps({"model_type": "llama"}))
     code, out = lite("auto_awq", str(src), "--dry-run", "--device", "cpu")
     assert code != 0 and "config.json lacks hidden_size, intermediate_size" in out, out
+
+
+def test_dry_run_without_weights_times_a_random_layer(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """A config.json alone (a 70B plan on a machine without its weights): one layer of random
+    weights of its shape is loaded, calibrated and packed on the device, as a run would."""
+    src = tmp_path / "config-only"
+    src.mkdir()
+    (src / "config.json").write_bytes((tiny_models["qwen2"] / "config.json").read_bytes())
+    code, out = lite("auto_awq", str(src), "--dry-run", "--device", "cpu", *FAST)
+    assert code == 0, out
+    assert "(a layer of random weights took" in out and "s on cpu" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config-only"]
+    assert sorted(p.name for p in src.iterdir()) == ["config.json"]
 
 
 def test_dry_run_with_weights_times_one_layer(tiny_models: dict[str, Path], tmp_path: Path) -> None:

@@ -235,12 +235,12 @@ def _fake_times(monkeypatch, times: dict[tuple[str, int], float]) -> list[tuple[
     """measure() with given timings: no clock involved, so the choice logic is what is tested."""
     calls: list[tuple[str, int]] = []
 
-    def best_time(run) -> float:
-        key = run()
-        calls.append(key)
-        return times[key]
+    def best_times(runs) -> dict[str, float]:
+        keys = {path: run() for path, run in runs.items()}
+        calls.extend(keys.values())
+        return {path: times[key] for path, key in keys.items()}
 
-    monkeypatch.setattr(cpu_dispatch, "_best_time", best_time)
+    monkeypatch.setattr(cpu_dispatch, "_best_times", best_times)
     return calls
 
 
@@ -392,3 +392,13 @@ def test_arm_paths_match_their_reference_under_qemu(tmp_path, march: str, path: 
     assert build.returncode == 0, build.stderr[-2000:]
     run = subprocess.run([ARM_TOOLS[1], "-cpu", "max", str(binary)], capture_output=True, text=True)
     assert run.returncode == 0 and run.stdout.split() == [path, "ok"], run.stdout + run.stderr
+
+
+def test_candidates_are_timed_in_interleaved_rounds() -> None:
+    """One call of each per round, so a disturbance lasting a while slows every candidate
+    alike instead of deciding the table (best-of-N of one, then the other, once did)."""
+    order: list[str] = []
+    best = cpu_dispatch._best_times({p: (lambda p=p: order.append(p)) for p in ("a", "b", "c")})
+    assert set(best) == {"a", "b", "c"} and all(t >= 0 for t in best.values())
+    rounds = len(order) // 3
+    assert rounds > cpu_dispatch.MIN_RUNS and order == ["a", "b", "c"] * rounds

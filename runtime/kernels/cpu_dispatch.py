@@ -8,7 +8,8 @@ writer), keyed by the kernel library (its sources, ISA and compiler), torch's ve
 activation dtype and the thread count. Later starts read the table, so a host always makes the
 same choices; deleting the file measures again. `runtime -v` prints the table at start-up.
 
-Timing is the best of several runs after a warm-up: the least disturbed one. A path stays
+Timing is the best of several interleaved runs after a warm-up: the least disturbed one, with
+every candidate timed in each round so a disturbance hits them alike. A path stays
 chosen at the next row count unless another beats it by KEEP_FACTOR, so timing noise between
 near-equal paths does not make the table flip back and forth. A path that loses by more than
 LOSER_FACTOR at some row count is not timed at larger ones (torch's fp32 int4 kernel would
@@ -32,7 +33,7 @@ ROW_POINTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MIN_RUNS, MIN_SECONDS, MAX_RUNS = 5, 0.02, 200  # short calls repeat until 20 ms are spent
 LOSER_FACTOR = 4.0
 KEEP_FACTOR = 1.1  # the previous row count's path stays unless another beats it by 10%
-TABLE_VERSION = 1  # bump when the candidates or the measurement change
+TABLE_VERSION = 2  # bump when the candidates or the measurement change (2: interleaved)
 
 # path -> (rows -> a zero-argument call that runs the path once at that row count)
 Candidates = dict[str, Callable[[int], Callable[[], object]]]
@@ -66,14 +67,24 @@ class Choice:
         return ", ".join(parts)
 
 
-def _best_time(run: Callable[[], object]) -> float:
-    run()
-    best, spent, runs = float("inf"), 0.0, 0
-    while runs < MIN_RUNS or (spent < MIN_SECONDS and runs < MAX_RUNS):
-        start = time.perf_counter()
-        run()
-        took = time.perf_counter() - start
-        best, spent, runs = min(best, took), spent + took, runs + 1
+def _best_times(runs: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """Each candidate's best time over interleaved rounds, one call of each per round: a
+    disturbance (another process taking a core for a second) then slows every candidate alike
+    instead of the one whose turn it was. Timed one after the other, a table of this 2-core
+    host once kept the lm_head on torch's fp32 path for good, 4-6x slower at one row than the
+    int8 path it lost to by chance."""
+    for run in runs.values():
+        run()  # warm-up
+    best = dict.fromkeys(runs, float("inf"))
+    spent = dict.fromkeys(runs, 0.0)
+    rounds = 0
+    while rounds < MIN_RUNS or (min(spent.values()) < MIN_SECONDS and rounds < MAX_RUNS):
+        for path, run in runs.items():
+            start = time.perf_counter()
+            run()
+            took = time.perf_counter() - start
+            best[path], spent[path] = min(best[path], took), spent[path] + took
+        rounds += 1
     return best
 
 
@@ -85,7 +96,7 @@ def measure(candidates: Candidates, points: tuple[int, ...] = ROW_POINTS) -> Tim
     alive = dict(candidates)
     timings: Timings = {}
     for rows in points:
-        times = {path: _best_time(make(rows)) for path, make in alive.items()}
+        times = _best_times({path: make(rows) for path, make in alive.items()})
         timings[rows] = times
         fastest = min(times.values())
         alive = {p: m for p, m in alive.items() if times[p] <= LOSER_FACTOR * fastest}
