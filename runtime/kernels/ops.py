@@ -199,6 +199,11 @@ def select_backend(
         backend = _make("cpu", pinned, "auto")
         backend.detail += " (auto: no CUDA GPU)" if device == "auto" else ""
         return backend
+    if not torch.cuda.is_available() and not interpreting():  # one reason, not one per backend
+        raise BackendError(
+            f"device {device!r} needs a CUDA GPU and none is visible here; use --device cpu "
+            "(or auto)"
+        )
     passed = []
     for name in ("cuda", "triton"):
         try:
