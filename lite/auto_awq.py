@@ -760,9 +760,13 @@ def time_layer(
     if calib is not None:
         x = embed(ckpt, calib)
         pos = positions(rotary, x, device)
+    return _time_layer_0(layers[0], ckpt, x, pos, cfg, config, device, plan.rows)
+
+
+def _time_layer_0(layer, weights, x, pos, cfg: AwqConfig, config, device, rows: int) -> float:
     started = time.perf_counter()
     with full_fp32():
-        quantize_layer(layers[0], 0, ckpt, x, pos, cfg, config, device, plan.rows)
+        quantize_layer(layer, 0, weights, x, pos, cfg, config, device, rows)
     return time.perf_counter() - started  # pack_layer's copies to the host synchronize
 
 
@@ -798,10 +802,7 @@ def time_random_layer(config, cfg: AwqConfig, device: torch.device, plan: Plan) 
         shape = (cfg.calib_samples, cfg.calib_seqlen, config.hidden_size)
         x = torch.randn(shape, generator=g)
         pos = positions(rotary, x, device)
-    started = time.perf_counter()
-    with full_fp32():
-        quantize_layer(layers[0], 0, weights, x, pos, cfg, config, device, plan.rows)
-    return time.perf_counter() - started
+    return _time_layer_0(layers[0], weights, x, pos, cfg, config, device, plan.rows)
 
 
 def _globals(ckpt: Checkpoint, tied: bool, dtype: torch.dtype) -> dict[str, torch.Tensor]:
