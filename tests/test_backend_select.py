@@ -117,3 +117,21 @@ def test_a_gpu_without_pinned_configs_is_told_how_to_pin_them(caplog) -> None:
         caplog.clear()
         log_pinned("cuda/sm_90", kernels["cuda/sm_90"], kernels, "the planner's configs")
         assert [r.levelname for r in caplog.records] == ["INFO"]
+
+
+def test_each_backend_names_its_own_default_dtype(monkeypatch) -> None:
+    """`--dtype auto` asks the backend, not its name: fp32 where the CPU fuses its layers in C,
+    bf16 or fp32 by the host's bf16 support where it does not, fp16 under the interpreter."""
+    cpu = select_backend("cpu", {})
+    if cpu.fuses_layers:
+        assert cpu.default_dtype() == torch.float32
+    monkeypatch.setenv("LITESERVE_CPU_INT8", "0")  # no int8 path: no fused layer either
+    floats = select_backend("cpu", {})
+    assert not floats.fuses_layers
+    native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert floats.default_dtype() == (torch.bfloat16 if native_bf16 else torch.float32)
+    if torch.cuda.is_available():
+        assert select_backend("triton", {}, "cuda").default_dtype() == torch.bfloat16
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert select_backend("triton", {}, "cpu").default_dtype() == torch.float16

@@ -270,7 +270,7 @@ def main() -> None:
     p.add_argument(
         "--dtype",
         default="auto",
-        help="runtime activations (auto: the engine's choice, runtime.engine.engine.auto_dtype)",
+        help="runtime activations (auto: the engine's choice, the backend's default_dtype)",
     )
     p.add_argument("--gguf", type=Path, help="llama.cpp's model (default: the bundled SmolLM2)")
     p.add_argument(

@@ -73,20 +73,6 @@ class PoolStats:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def auto_dtype(backend: Backend) -> torch.dtype:
-    """On a CPU, fp32 where the C kernels run the int8 linear path (its fused layer,
-    runtime/kernels/cpu_layer.py, decodes faster than bf16 even where bf16 is native: 97-104
-    against 81 tok/s on SmolLM2 at batch 1 on AVX-512 with bf16, evals/bench/RESULTS.md);
-    else bf16 where it is native (torch's int4 kernel is fast only in bf16), fp32 elsewhere.
-    On a GPU bf16 (fp16's range overflows on some models' activations); under the Triton
-    interpreter fp16, which numpy computes exactly where its bf16 support is incomplete."""
-    if backend.name == "cpu":
-        if backend.fuses_layers:
-            return torch.float32
-        return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
-    return torch.bfloat16 if backend.device.type == "cuda" else torch.float16
-
-
 @dataclass
 class Rank:
     """What each rank builds for itself: its kernels, activation dtype, model (or slice of it
@@ -111,7 +97,7 @@ def load_rank(
     manifest = artifact.manifest
     requested = manifest.launch.backend if config.backend == "auto" else config.backend
     ops = select_backend(requested, manifest.launch.kernels, device)
-    dtype = auto_dtype(ops) if config.dtype == "auto" else _DTYPES[config.dtype]
+    dtype = ops.default_dtype() if config.dtype == "auto" else _DTYPES[config.dtype]
     if dtype not in ops.dtypes:
         names = ", ".join(str(d).removeprefix("torch.") for d in ops.dtypes)
         raise ValueError(

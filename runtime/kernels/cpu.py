@@ -680,6 +680,15 @@ class CpuBackend(Backend):
         """Whether fp32 steps run a whole decoder layer per C call (cpu_layer.py)."""
         return self.lib is not None and self.int8 and cpu_layer.enabled()
 
+    def default_dtype(self) -> torch.dtype:
+        """fp32 where the C kernels run the int8 linear path (its fused layer, cpu_layer.py,
+        decodes faster than bf16 even where bf16 is native: 97-104 against 81 tok/s on SmolLM2
+        at batch 1 on AVX-512 with bf16, evals/bench/RESULTS.md); else bf16 where it is native
+        (torch's int4 kernel is fast only in bf16), fp32 elsewhere."""
+        if self.fuses_layers:
+            return torch.float32
+        return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+
     def dispatch(self, dtype: torch.dtype) -> dict[str, Choice]:
         """The measured table for activations of `dtype` (from the cache after the first run
         on this host), logged once per process."""

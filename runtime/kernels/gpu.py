@@ -163,6 +163,11 @@ class GpuBackend(Backend):
         self.device = device
         self._buffer = StepBuffer(device)
 
+    def default_dtype(self) -> torch.dtype:
+        """bf16 on a GPU (fp16's range overflows on some models' activations); under the Triton
+        interpreter fp16, which numpy computes exactly where its bf16 support is incomplete."""
+        return torch.bfloat16 if self.device.type == "cuda" else torch.float16
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)  # fused on GPUs
 

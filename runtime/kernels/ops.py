@@ -97,6 +97,11 @@ class Backend(ABC):
     warmup_tokens: tuple[int, ...] = ()
 
     @abstractmethod
+    def default_dtype(self) -> torch.dtype:
+        """The activation dtype `--dtype auto` picks: the one this backend runs fastest without
+        losing range."""
+
+    @abstractmethod
     def prepare_int4(
         self,
         parts: list[tuple[torch.Tensor, torch.Tensor, int]],
