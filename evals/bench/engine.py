@@ -10,7 +10,10 @@ machine's measured copy bandwidth, and where a decode step's time goes. `--round
 measures batch-1 runtime and llama.cpp in turn N times and prints each pair's ratio and the
 median, for machines whose speed drifts between one run and the next.
 
+The runtime runs on its CPU backend, also on a host with a GPU (cpu_isa.py runs this there).
+
     python evals/bench/engine.py --artifact out/smollm2-awq [--model smollm2-135m-instruct]
+        [--no-hf-bf16]  # skip transformers in bf16 (slow where the CPU has no native bf16)
     LITESERVE_CPU_ISA=avx2 python evals/bench/engine.py ...  # this machine as an AVX2-only one
 """
 
@@ -257,6 +260,15 @@ def print_pairs(pairs: list[tuple[tuple[float, float], dict | str]]) -> None:
         print(f"  {what}: {rounds}; median {statistics.median(values):.2f}x")
 
 
+def decode_row(batch: int, prefill: float, decode: float, hf32: float, hf16: float | None) -> str:
+    """A row of the decode table (cpu_isa.py reads it back)."""
+    tok16, ratio16 = (f"{hf16:.1f}", f"{decode / hf16:.2f}x") if hf16 else ("-", "-")
+    return (
+        f"| {batch} | {prefill:.0f} | {decode:.1f} | {hf32:.1f} | {tok16} | "
+        f"{decode / hf32:.2f}x | {ratio16} |"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--artifact", type=Path, required=True)
@@ -271,6 +283,12 @@ def main() -> None:
         "--dtype",
         default="auto",
         help="runtime activations (auto: the engine's choice, the backend's default_dtype)",
+    )
+    p.add_argument(
+        "--hf-bf16",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time transformers in bf16 (minutes on a CPU without native bf16)",
     )
     p.add_argument("--gguf", type=Path, help="llama.cpp's model (default: the bundled SmolLM2)")
     p.add_argument(
@@ -296,6 +314,8 @@ def main() -> None:
             session_len=max(1024, a.prompt_len + a.new_tokens),
             max_batch_size=max(batches),
             dtype=a.dtype,
+            backend="cpu",  # this CPU's figures, also on a host with a GPU
+            device="cpu",
         ),
     )
     print(f"runtime: {engine.ops.detail}")
@@ -330,8 +350,9 @@ def main() -> None:
     bench_hf(hf32, 1, 4, vocab)  # warm-up, as for the runtime
     hf = {("fp32", b): bench_hf(hf32, b, a.new_tokens, vocab, n) for b in batches}
     hf_prefill = {b: bench_hf_prefill(hf32, b, vocab, n) for b in batches}
-    hf16 = hf32.to(torch.bfloat16)  # in place: fp32 figures first
-    hf.update({("bf16", b): bench_hf(hf16, b, a.new_tokens, vocab, n) for b in batches})
+    if a.hf_bf16:
+        hf16 = hf32.to(torch.bfloat16)  # in place: fp32 figures first
+        hf.update({("bf16", b): bench_hf(hf16, b, a.new_tokens, vocab, n) for b in batches})
 
     print(
         f"\n{a.new_tokens} new tokens after {n}-token prompts, greedy, kv {a.kv_quant}, "
@@ -343,11 +364,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|")
     for b in batches:
-        pre, dec = rt[b]
-        print(
-            f"| {b} | {pre:.0f} | {dec:.1f} | {hf['fp32', b]:.1f} | {hf['bf16', b]:.1f} | "
-            f"{dec / hf['fp32', b]:.2f}x | {dec / hf['bf16', b]:.2f}x |"
-        )
+        print(decode_row(b, *rt[b], hf["fp32", b], hf.get(("bf16", b))))
     print("\n| batch | runtime prefill tok/s | hf fp32 forward tok/s | runtime / hf prefill |")
     print("|---|---|---|---|")
     for b in batches:

@@ -19,10 +19,13 @@ call of `bash evals/bench/gpu_check.sh` (which sets up the carried wheels, then 
   memory-8b    engine_gpu.py memory on the 8B-shaped artifact, projected to 32 layers
   awq-8b       lite auto_awq --device cuda at 128 x 512 calibration tokens on the 8B shape's
                layers: time projected to 32 layers, peak host RSS and GPU memory
+  cpu-isa      cpu_isa.py: the CPU engine on this host's own CPU (issue 19: an AVX-512 server
+               CPU, where the developers' machine is AVX2-only), 2 threads on 2 cores kept
+               for it from the start, every other stage kept off them
 
-The model stages run in the background while the GPU tests run;
-nothing runs beside the measuring stages. Each stage is a subprocess with its own timeout,
-taken from one budget (--budget, 8 minutes in all with the set-up) so that a slow stage
+The model stages run in the background while the GPU tests run; nothing runs beside the
+measuring stages but cpu-isa, on its own cores. Each stage is a subprocess with its own
+timeout, taken from one budget (--budget, 8 minutes in all with the set-up) so that a slow stage
 leaves time for the ones after it. A stage that fails or times out is recorded with its
 error and the check goes on; the exit status is non-zero if any stage did not pass. The
 report is rewritten after every stage, so an interrupted run still leaves its figures.
@@ -48,6 +51,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+
+import cpu_isa  # this folder's: the script's own directory is first on sys.path
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = Path(__file__).resolve().parent
@@ -338,12 +343,17 @@ class Plan:
     foreground_first: list[Stage]  # beside the background stages
     background: list[Stage]
     measuring: list[Stage]  # alone, after the background stages
+    beside: list[Stage] = field(default_factory=list)  # all along, on CPUs of their own
 
     def all(self) -> list[Stage]:
-        return [*self.foreground_first, *self.background, *self.measuring]
+        return [*self.foreground_first, *self.background, *self.measuring, *self.beside]
 
 
-def plan(a: argparse.Namespace, work: Path, logs: Path) -> Plan:
+def plan(
+    a: argparse.Namespace, work: Path, logs: Path, cpus: tuple[list[int], list[int]] | None
+) -> Plan:
+    """The stages; `cpus` is (the CPU stage's CPUs, the CPUs kept for it) when this host has
+    cores to spare for it, else None and it runs alone after the GPU stages."""
     smoke = a.smoke
     tok = ["--tokenizer", str(a.tokenizer)] if a.tokenizer.is_dir() else []
     small = "tiny" if smoke else "1b"
@@ -373,8 +383,8 @@ def plan(a: argparse.Namespace, work: Path, logs: Path) -> Plan:
     )
     model8 = Stage(
         "model-8b",
-        f"Llama-3-8B shape with {a.layers_8b} of its 32 layers (RTN runs on the CPU: all 32 do "
-        "not fit the 8-minute budget), and its RTN g128 artifact",
+        f"Llama-3-8B shape with {a.layers_8b} of its 32 layers (all 32, written, hashed "
+        "and quantized, do not fit the 8-minute budget), and its RTN g128 artifact",
         [PY, str(BENCH / "random_model.py"), "8b", str(work), "--device", device, "--artifact"]
         + ["--layers", str(a.layers_8b), *tok],
         cap=240,
@@ -492,9 +502,20 @@ def plan(a: argparse.Namespace, work: Path, logs: Path) -> Plan:
             reserve=25,
             needs=(art,),
         )
+    cpu_isa = Stage(
+        "cpu-isa",
+        "the CPU engine on this host's ISA paths (issue 19): SmolLM2-135M's shape, 2 threads, "
+        "against transformers fp32",
+        [PY, str(BENCH / "cpu_isa.py"), str(work / "cpu-isa"), "--tokenizer", str(a.tokenizer)]
+        + (["--shape", "tiny", "--batches", "1", "--new-tokens", "8"] if smoke else [])
+        + (["--cpus", ",".join(map(str, cpus[0]))] if cpus else []),
+        cap=240 if smoke else a.budget - 60,
+    )
     measuring = [decode, engine_cuda, agree, serve, kernels, cuda_attention, cuda_gemm, memory]
     measuring.append(awq)
-    p = Plan([tests], [model, model8], measuring)
+    p = Plan([tests], [model, model8], measuring, [cpu_isa] if cpus else [])
+    if not cpus:
+        measuring.append(cpu_isa)
     chosen = set(a.only.split(",")) if a.only else None
     for s in p.all():
         if chosen is not None and s.name not in chosen and s.skip is None:
@@ -508,8 +529,11 @@ def plan(a: argparse.Namespace, work: Path, logs: Path) -> Plan:
 def run_plan(p: Plan, a: argparse.Namespace, env: Environment, logs: Path, report: Path) -> None:
     deadline = STARTED + a.budget
 
+    lock = threading.Lock()  # stages end on three threads
+
     def write() -> None:
-        report.write_text(render_report(p, a, env))
+        with lock:
+            report.write_text(render_report(p, a, env))
 
     def timeout_for(stage: Stage, later: list[Stage]) -> float | None:
         """The stage's limit: its cap, but never eating into the time kept for later stages;
@@ -540,6 +564,9 @@ def run_plan(p: Plan, a: argparse.Namespace, env: Environment, logs: Path, repor
             # own figures still count: run it regardless.
             go(s, p.background[i + 1 :] + p.measuring)
 
+    beside = [threading.Thread(target=go, args=(s, []), daemon=True) for s in p.beside]
+    for t in beside:
+        t.start()
     worker = threading.Thread(target=background, daemon=True)
     worker.start()
     for i, s in enumerate(p.foreground_first):
@@ -547,6 +574,8 @@ def run_plan(p: Plan, a: argparse.Namespace, env: Environment, logs: Path, repor
     worker.join()  # every background stage has its own limit, so this ends
     for i, s in enumerate(p.measuring):
         go(s, p.measuring[i + 1 :])
+    for t in beside:  # each has its own limit within the budget
+        t.join()
 
 
 # --- the report ------------------------------------------------------------------------------
@@ -589,7 +618,7 @@ def clip(text: str, name: str, width: int = 400, rows: int = 300) -> str:
 
 
 def render_report(p: Plan, a: argparse.Namespace, env: Environment) -> str:
-    stages = p.foreground_first + p.background + p.measuring
+    stages = p.all()
     done = [s for s in stages if s.result is not None]
     bad = [s for s in done if not passed(s.result)]
     pending = [s for s in stages if s.result is None]
@@ -686,7 +715,7 @@ def main() -> int:
 
     env = environment()
     log(f"[{clock()}] environment: {env.gpu}; {env.facts}")
-    stages = plan(a, a.work, logs)
+    stages = plan(a, a.work, logs, None if a.smoke else keep_cpus())
     if not a.smoke and not env.cuda:
         for s in stages.all():
             s.result = Result("skipped", note="no CUDA GPU visible (use --smoke on a CPU)")
@@ -704,6 +733,23 @@ def main() -> int:
     return 1 if bad else 0
 
 
+def keep_cpus() -> tuple[list[int], list[int]] | None:
+    """Two cores for the cpu-isa stage, this process (and so every other stage, and the
+    threads that start them) moved off them; None where there are too few cores or the
+    sandbox refuses affinity, and the stage runs alone at the end."""
+    allowed = os.sched_getaffinity(0)
+    cpus = cpu_isa.reserve(2, cpu_isa.core_groups(allowed))
+    if cpus is None:
+        return None
+    try:
+        os.sched_setaffinity(0, allowed - set(cpus[1]))
+    except OSError as e:
+        log(f"[{clock()}] cannot set CPU affinity ({e}): cpu-isa runs alone, last")
+        return None
+    log(f"[{clock()}] CPUs {cpus[1]} kept for the cpu-isa stage, which runs on {cpus[0]}")
+    return cpus
+
+
 def passed(r: Result) -> bool:
     """Skips by design (smoke run, --only) do not fail the check; running out of time or
     missing an input does."""
@@ -712,7 +758,7 @@ def passed(r: Result) -> bool:
 
 def clean_work(work: Path) -> None:
     """Remove what this check puts in --work, and nothing else (it may be a shared folder)."""
-    for pattern in ("src-*", "art-*", "triton-cache", "tokenizer"):
+    for pattern in ("src-*", "art-*", "triton-cache", "tokenizer", "cpu-isa"):
         for path in work.glob(pattern):
             shutil.rmtree(path, ignore_errors=True)
 

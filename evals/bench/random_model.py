@@ -33,7 +33,8 @@ import torch
 if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path.pop(0)
 
-# Llama-3.2-1B and Llama-3-8B; "tiny" is the CPU smoke run's stand-in (seconds to quantize).
+# Llama-3.2-1B and Llama-3-8B; SmolLM2-135M for the CPU figures of a host whose real model
+# cannot travel (cpu_isa.py); "tiny" is the CPU smoke run's stand-in (seconds to quantize).
 SHAPES: dict[str, dict[str, int]] = {
     "tiny": dict(
         hidden_size=128,
@@ -42,6 +43,14 @@ SHAPES: dict[str, dict[str, int]] = {
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
+    ),
+    "smollm2": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
     ),
     "1b": dict(
         hidden_size=2048,
@@ -60,7 +69,7 @@ SHAPES: dict[str, dict[str, int]] = {
         head_dim=128,
     ),
 }
-TIED = {"tiny": True, "1b": True, "8b": False}  # as the real models: 1B ties, 8B does not
+TIED = {"tiny": True, "smollm2": True, "1b": True, "8b": False}  # as the real models
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -157,9 +166,11 @@ def build_source(
     return Made(shape, params, out, dir_bytes(out), time.perf_counter() - start)
 
 
-def rtn_artifact(source: Path, artifact: Path, group_size: int = 128) -> float:
-    """`lite auto_awq SRC --calib-samples 0` through the CLI module (the console script may
-    not be installed where the check runs); returns seconds."""
+def rtn_artifact(
+    source: Path, artifact: Path, group_size: int = 128, device: str = "auto"
+) -> float:
+    """`lite auto_awq SRC --calib-samples 0` on `device` through the CLI module (the console
+    script may not be installed where the check runs); returns seconds."""
     start = time.perf_counter()
     cmd = [
         sys.executable,
@@ -173,6 +184,8 @@ def rtn_artifact(source: Path, artifact: Path, group_size: int = 128) -> float:
         "0",
         "--w-group-size",
         str(group_size),
+        "--device",
+        device,
         "--overwrite",
         "--quiet",
     ]
@@ -204,7 +217,7 @@ def main() -> None:
     rtn_s, art_bytes = 0.0, 0
     art = a.work / f"art-{a.shape}"
     if a.artifact:
-        rtn_s = rtn_artifact(made.source, art, a.group_size)
+        rtn_s = rtn_artifact(made.source, art, a.group_size, a.device)
         art_bytes = dir_bytes(art)
     if a.drop_source:
         import shutil
