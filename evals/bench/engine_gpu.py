@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import importlib.util
 import os
 import statistics
 import sys
@@ -43,29 +42,12 @@ import types
 from dataclasses import dataclass
 from pathlib import Path
 
+import engine as bench  # this folder's engine.py: prompts(), weight_bytes(), copy_bandwidth()
 import torch
 
-# This folder is sys.path[0] when a script here runs, and its kernels.py would shadow the
-# `kernels` package that transformers probes for at import: take the folder off the path and
-# load the sibling engine.py by its file name instead.
-HERE = Path(__file__).resolve().parent
-if sys.path and Path(sys.path[0]).resolve() == HERE:
-    sys.path.pop(0)
-
-from runtime.config import EngineConfig  # noqa: E402
-from runtime.engine.engine import Engine  # noqa: E402
-from runtime.engine.sampler import SamplingParams  # noqa: E402
-
-
-def _sibling(name: str):
-    spec = importlib.util.spec_from_file_location(f"liteserve_bench_{name}", HERE / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _sibling("engine")  # evals/bench/engine.py: prompts(), weight_bytes(), copy_bandwidth()
+from runtime.config import EngineConfig
+from runtime.engine.engine import Engine
+from runtime.engine.sampler import SamplingParams
 
 
 def log(msg: str) -> None:

@@ -14,7 +14,7 @@ call of `bash evals/bench/gpu_check.sh` (which sets up the carried wheels, then 
   engine-cuda  the same decode figures with backend cuda (the csrc library)
   agree        engine_gpu.py agree: triton (bf16, fp16) against the CPU backend in fp32
   serve        serving_gpu.py: `runtime serve` with 1, 8 and 32 concurrent streams
-  kernels      kernels.py: the W4A16 GEMM and decode attention on Llama-3-8B shapes
+  kernels      triton_bench.py: the W4A16 GEMM and decode attention on Llama-3-8B shapes
   cuda-attention, cuda-gemm   the csrc kernels against their baselines
   memory-8b    engine_gpu.py memory on the 8B-shaped artifact, projected to 32 layers
   awq-8b       lite auto_awq --device cuda at 128 x 512 calibration tokens on the 8B shape's
@@ -31,7 +31,7 @@ error and the check goes on; the exit status is non-zero if any stage did not pa
 report is rewritten after every stage, so an interrupted run still leaves its figures.
 
 --smoke runs the same pipeline on a CPU with a tiny model in a minute or two (backend cpu;
-the triton backend and kernels.py interpreted), to check the check itself.
+the triton backend and triton_bench.py interpreted), to check the check itself.
 """
 
 from __future__ import annotations
@@ -433,7 +433,7 @@ def plan(
     kernels = Stage(
         "kernels",
         "W4A16 GEMM and paged decode attention on Llama-3-8B shapes",
-        [PY, str(BENCH / "kernels.py"), "--batch", "1" if smoke else "1,8"]
+        [PY, str(BENCH / "triton_bench.py"), "--batch", "1" if smoke else "1,8"]
         + (["--quick"] if smoke else []),
         cap=120,
         reserve=45,

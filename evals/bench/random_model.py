@@ -28,11 +28,6 @@ from pathlib import Path
 
 import torch
 
-# This folder is sys.path[0] when a script here runs, and its kernels.py would shadow the
-# `kernels` package that transformers probes for at import: take the folder off the path.
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)
-
 # Llama-3.2-1B and Llama-3-8B; SmolLM2-135M for the CPU figures of a host whose real model
 # cannot travel (cpu_isa.py); "tiny" is the CPU smoke run's stand-in (seconds to quantize).
 SHAPES: dict[str, dict[str, int]] = {

@@ -9,7 +9,7 @@ to the copy bandwidth and to torch.matmul in fp16 on dense weights of the same s
 Decode attention: one token per sequence over 1k..32k cached tokens, fp16/int8/int4 KV, Llama-3-8B
 heads (32 query, 8 KV, dim 128); prints time and the KV bytes read per second.
 
-Usage (a CUDA GPU): python evals/bench/kernels.py [--tune] [--batch 1,8] [--quick]
+Usage (a CUDA GPU): python evals/bench/triton_bench.py [--tune] [--batch 1,8] [--quick]
 --quick shrinks every shape, e.g. to check the script under TRITON_INTERPRET=1 on a CPU.
 """
 
