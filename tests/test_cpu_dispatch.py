@@ -9,6 +9,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -305,7 +306,48 @@ def test_table_is_measured_once_per_host_and_read_back(tmp_path, monkeypatch) ->
     assert json.loads(path.read_text())["int4"] == [[1, "int8"], [256, "dense"]]
 
 
-def test_backend_builds_only_the_forms_its_table_uses(tmp_path, monkeypatch) -> None:
+def test_contention_counts_only_what_other_work_took_from_the_threads() -> None:
+    # (busy seconds on this process's CPUs, this process's seconds, CPUs): 4 CPUs, 2 threads
+    before = (100.0, 10.0, 4)
+    assert cpu_dispatch.contention(before, (104.0, 12.0, 4), 1.0, 2) == 0  # others fit on 2
+    assert cpu_dispatch.contention(before, (104.5, 12.0, 4), 1.0, 2) == pytest.approx(0.25)
+    assert cpu_dispatch.contention(before, (102.0, 11.0, 2), 1.0, 2) == pytest.approx(0.5)
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads the CPU time in /proc/stat")
+def test_a_table_measured_beside_other_work_is_used_but_not_kept(
+    tmp_path, monkeypatch, caplog
+) -> None:
+    """A busy loop in another process on the one CPU this test pins itself to: the table is
+    used, not written, and the next (quiet) measurement is kept."""
+    monkeypatch.setenv("LITESERVE_CACHE", str(tmp_path))
+    table = {"int4": Choice(((1, "int8"),)), "logits": Choice(((1, "int8"),))}
+    spin = "import time\nend = time.time() + 3\nwhile time.time() < end: pass"
+
+    def measure_beside_a_busy_loop() -> dict[str, Choice]:
+        busy = subprocess.Popen([sys.executable, "-c", spin])  # on the same CPU as this test
+        time.sleep(1.0)
+        busy.kill()
+        busy.wait()
+        return table
+
+    def measure_quietly() -> dict[str, Choice]:
+        time.sleep(cpu_dispatch.MIN_JUDGED_S + 0.1)
+        return table
+
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})
+    try:
+        assert cpu_dispatch.cached_choices("busy-key", measure_beside_a_busy_loop) == table
+        assert not list((tmp_path / "dispatch").glob("busy-key-*.json"))
+        assert "the next start measures again" in caplog.text
+        assert cpu_dispatch.cached_choices("busy-key", measure_quietly) == table
+        assert len(list((tmp_path / "dispatch").glob("busy-key-*.json"))) == 1
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
+def test_backend_builds_only_the_forms_its_table_uses(tmp_path, monkeypatch, caplog) -> None:
     """A fresh cache: the backend measures this host, logs the table, and repacks weights only
     into the forms of the paths it chose; LITESERVE_CPU_INT8=0 leaves the int8 paths out."""
     monkeypatch.setenv("LITESERVE_CACHE", str(tmp_path))
@@ -334,7 +376,9 @@ def test_backend_builds_only_the_forms_its_table_uses(tmp_path, monkeypatch) -> 
             assert torch.allclose(
                 backend.int4_linear(x, weight), ref, rtol=0.02, atol=0.02 * float(ref.abs().max())
             )
-        assert len(list((tmp_path / "dispatch").glob("*.json"))) == 2
+        # kept unless measured beside other work (then used, not kept, and a warning says so)
+        kept = len(list((tmp_path / "dispatch").glob("*.json")))
+        assert kept + caplog.text.count("the next start measures again") == 2
     finally:
         native.library.cache_clear()
 

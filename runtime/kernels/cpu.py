@@ -697,7 +697,7 @@ class CpuBackend(Backend):
             key = f"{lib}-torch{torch.__version__}-{str(dtype).removeprefix('torch.')}"
             key += f"-{torch.get_num_threads()}t" + ("" if self.int8 else "-float")
             table = cpu_dispatch.cached_choices(
-                key, lambda: measure_dispatch(self.lib, dtype, self.int8)
+                key, lambda: measure_dispatch(self.lib, dtype, self.int8), torch.get_num_threads()
             )
             self._dispatch[dtype] = table
             log.info(

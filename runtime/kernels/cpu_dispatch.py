@@ -14,12 +14,22 @@ chosen at the next row count unless another beats it by KEEP_FACTOR, so timing n
 near-equal paths does not make the table flip back and forth. A path that loses by more than
 LOSER_FACTOR at some row count is not timed at larger ones (torch's fp32 int4 kernel would
 otherwise cost seconds at 256 rows).
+
+Interleaving evens out drift, not contention: another process on the cores the kernels use
+slows the multi-threaded paths more than the others (a descheduled OpenMP thread stalls its
+team at every barrier). A table measured while the test suite ran beside it on this 2-core
+host put the lm_head on the fp32 C path for good, 4.5x slower at one row than int8 on a quiet
+host. So the host's CPU time is read from /proc/stat around the measurement, and a table
+measured while other work took more than DISTURBED of the CPU time its threads needed (beyond
+the CPUs they left free; a hypervisor's steal counts) is used by that process only: the next
+start measures again, until a quiet one keeps it.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +44,8 @@ MIN_RUNS, MIN_SECONDS, MAX_RUNS = 5, 0.02, 200  # short calls repeat until 20 ms
 LOSER_FACTOR = 4.0
 KEEP_FACTOR = 1.1  # the previous row count's path stays unless another beats it by 10%
 TABLE_VERSION = 2  # bump when the candidates or the measurement change (2: interleaved)
+DISTURBED = 0.1  # share of the measuring threads' CPU time other work may take: kept below
+MIN_JUDGED_S = 0.5  # shorter measurements are not judged (/proc/stat counts 10 ms ticks)
 
 # path -> (rows -> a zero-argument call that runs the path once at that row count)
 Candidates = dict[str, Callable[[int], Callable[[], object]]]
@@ -116,18 +128,61 @@ def choose(timings: Timings) -> Choice:
     return Choice(tuple(chosen))
 
 
+CpuTime = tuple[float, float, int]  # (seconds used on this process's CPUs, by it, CPU count)
+
+
+def cpu_time() -> CpuTime | None:
+    """CPU seconds used so far on the CPUs this process may run on (busy = every /proc/stat
+    field but idle and iowait, a hypervisor's steal included) and by this process; None where
+    there is no /proc/stat. Work on other CPUs (outside a container's cpuset) does not count."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return None
+    mine = {f"cpu{n}" for n in os.sched_getaffinity(0)}
+    busy = 0
+    for line in lines:
+        name, *fields = line.split()
+        if name in mine:  # user nice system idle iowait irq softirq steal
+            ticks = [int(v) for v in fields[:8]]
+            busy += sum(ticks) - ticks[3] - ticks[4]
+    own = os.times()
+    return busy / os.sysconf("SC_CLK_TCK"), own.user + own.system, len(mine)
+
+
+def contention(before: CpuTime, after: CpuTime, wall: float, threads: int) -> float:
+    """The share of `threads` CPUs over `wall` seconds that other work took: its CPU time on
+    this process's CPUs beyond what the ones the threads leave free could hold."""
+    others = max(0.0, (after[0] - before[0]) - (after[1] - before[1]))
+    spare = max(0, after[2] - threads) * wall
+    return max(0.0, others - spare) / (threads * wall)
+
+
+class _Disturbed(Exception):
+    """The table was measured beside other work: not written (cached_entry keeps nothing)."""
+
+
 def cached_choices(
-    key: str, measure_all: Callable[[], dict[str, Choice]], remeasure: bool = True
+    key: str,
+    measure_all: Callable[[], dict[str, Choice]],
+    threads: int = 1,
+    remeasure: bool = True,
 ) -> dict[str, Choice]:
     """The host's table for `key` from the cache, measuring and writing it the first time.
-    An unwritable cache still gives a measured table (kept for this process only); an
-    unreadable one (tables are written atomically, so a damaged disk or a hand edit) is
-    measured again and replaced."""
+    A table measured beside other work (above) or with an unwritable cache is used by this
+    process only; an unreadable one (tables are written atomically, so a damaged disk or a
+    hand edit) is measured again and replaced. `threads`: how many the measured kernels run."""
     target = cache_root() / "dispatch" / f"{key}-v{TABLE_VERSION}.json"
     measured: dict[str, Choice] = {}
 
     def write(tmp: Path) -> None:
+        before, start = cpu_time(), time.perf_counter()
         measured.update(measure_all())
+        wall, after = time.perf_counter() - start, cpu_time()
+        if before and after and wall >= MIN_JUDGED_S:
+            share = contention(before, after, wall, threads)
+            if share > DISTURBED:
+                raise _Disturbed(f"{share:.0%}")
         table = {op: [list(p) for p in c.points] for op, c in measured.items()}
         tmp.write_text(json.dumps(table, indent=1))
 
@@ -136,6 +191,14 @@ def cached_choices(
     except CacheUnwritable as e:
         log.warning("CPU dispatch table not cached (%s)", e)
         return measured or measure_all()
+    except _Disturbed as e:
+        log.warning(
+            "other work took %s of the CPU time while the CPU dispatch table was measured: "
+            "this process uses it, and the next start measures again (a table measured on a "
+            "busy host can pick paths several times slower)",
+            e,
+        )
+        return measured
     if measured:
         return measured
     try:
@@ -146,4 +209,4 @@ def cached_choices(
             raise RuntimeError(f"the CPU dispatch table {path} is unreadable ({e})") from e
         log.warning("the CPU dispatch table %s is unreadable (%s): measuring again", path, e)
         path.unlink(missing_ok=True)  # readers see it whole or not at all, then rebuild it
-        return cached_choices(key, measure_all, remeasure=False)
+        return cached_choices(key, measure_all, threads, remeasure=False)
