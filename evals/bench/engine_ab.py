@@ -34,7 +34,10 @@ ROOT = Path(__file__).resolve().parents[2]
 # run in the child from the revision's root (first on sys.path), with its own harness
 _CHILD = """
 import json, sys
-import runtime.kernels.isa  # noqa: F401  first: LITESERVE_CPU_ISA limits torch before it loads
+try:  # first: LITESERVE_CPU_ISA limits torch before it loads (revisions before it lack it)
+    import runtime.kernels.isa  # noqa: F401
+except ImportError:
+    pass
 from evals.bench.engine import bench_runtime
 from runtime.config import EngineConfig
 from runtime.engine.engine import Engine
