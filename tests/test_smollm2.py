@@ -125,7 +125,7 @@ def test_runtime_matches_transformers_and_int8_kv_costs_under_1pct(
     monkeypatch.delenv("LITESERVE_CPU_INT8")
     if native.load()[0] is not None:  # the int8 paths are the C kernels'
         everywhere = {op: Choice(((1 << 30, "int8"),)) for op in ("int4", "logits")}
-        monkeypatch.setattr(cpu_dispatch, "cached_choices", lambda key, measure: everywhere)
+        monkeypatch.setattr(cpu_dispatch, "cached_choices", lambda key, run, threads: everywhere)
     none = _engine_ppl(art, "none", batches)
     int8 = _engine_ppl(art, "int8", batches)
     int4 = _engine_ppl(art, "int4", batches)
