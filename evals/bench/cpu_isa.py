@@ -16,7 +16,9 @@ weights, and the real GGUF (98 MB) is too large to carry to a lent machine.
         [--shape smollm2] [--batches 1,8] [--new-tokens 64]
 
 prints markdown: each run's full output as it ends (the CPU, its copy bandwidth, the dispatch
-table, where a step's time goes), then a summary table with one row per path.
+table, where a step's time goes), a summary table with one row per path, and, with two paths,
+`engine_ab.py --isas`'s medians of `--rounds` alternated runs of each (one run per path cannot
+tell 20% from a shared host's drift).
 """
 
 from __future__ import annotations
@@ -143,6 +145,7 @@ def main() -> None:
     p.add_argument("--cpus", help="CPUs to pin to (default: those this process may use)")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3, help="alternated runs of the paths")
     a = p.parse_args()
     if a.cpus:
         os.sched_setaffinity(0, parse_cpu_list(a.cpus))
@@ -163,8 +166,24 @@ def main() -> None:
         out = run_engine(path, art, src, threads, a)
         rows.append(summarize(path, out))
         print(f"\n### LITESERVE_CPU_ISA={path}\n\n```\n{out.rstrip()}\n```", flush=True)
-    print("\n### Summary\n\n" + HEADER)
+    print("\n### Summary (one run per path)\n\n" + HEADER)
     print("\n".join(rows))
+    if len(chosen) > 1:  # single runs drift apart on a shared host: alternate the two paths
+        medians = alternate(art, chosen, threads, a).rstrip()
+        print(f"\n### The paths alternated\n\n```\n{medians}\n```")
+
+
+def alternate(art: Path, chosen: list[str], threads: int, a: argparse.Namespace) -> str:
+    """engine_ab.py's medians of alternated runs of the paths, the last named first (the
+    native build's gain over the path an older machine of this kind would take)."""
+    cmd = [sys.executable, str(BENCH / "engine_ab.py"), "--artifact", str(art)]
+    cmd += ["--isas", ",".join(reversed(chosen)), "--rounds", str(a.rounds)]
+    cmd += ["--batches", a.batches, "--new-tokens", str(a.new_tokens)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
+    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"engine_ab.py failed:\n{done.stderr[-3000:]}")
+    return done.stdout
 
 
 if __name__ == "__main__":
