@@ -156,6 +156,9 @@ def main() -> None:
     src, art = make_model(a.shape, a.work, a.tokenizer)
     built = time.perf_counter() - start
     chosen = paths(host_flags())
+    if not (a.tokenizer / "tokenizer.json").is_file():
+        print(f"No tokenizer in {a.tokenizer}: a 512-token vocabulary, so the lm_head's share of a "
+              "step is far below SmolLM2's (prepare-device.sh writes .tok).\n")  # fmt: skip
     print(
         f"A random model of {a.shape}'s shape and its RTN g64 artifact, made in {built:.0f} s; "
         f"{threads} threads on CPUs {','.join(map(str, allowed))}; paths: {', '.join(chosen)}.",
