@@ -319,7 +319,8 @@ def test_a_table_measured_beside_other_work_is_used_but_not_kept(
     tmp_path, monkeypatch, caplog
 ) -> None:
     """A busy loop in another process on the one CPU this test pins itself to: the table is
-    used, not written, and the next (quiet) measurement is kept."""
+    used, not written. Then a one-thread measurement with the host's other CPUs free (so a
+    CI machine's own background work cannot count against it) is kept."""
     monkeypatch.setenv("LITESERVE_CACHE", str(tmp_path))
     table = {"int4": Choice(((1, "int8"),)), "logits": Choice(((1, "int8"),))}
     spin = "import time\nend = time.time() + 3\nwhile time.time() < end: pass"
@@ -341,10 +342,11 @@ def test_a_table_measured_beside_other_work_is_used_but_not_kept(
         assert cpu_dispatch.cached_choices("busy-key", measure_beside_a_busy_loop) == table
         assert not list((tmp_path / "dispatch").glob("busy-key-*.json"))
         assert "the next start measures again" in caplog.text
-        assert cpu_dispatch.cached_choices("busy-key", measure_quietly) == table
-        assert len(list((tmp_path / "dispatch").glob("busy-key-*.json"))) == 1
     finally:
         os.sched_setaffinity(0, allowed)
+    if len(allowed) > 1:
+        assert cpu_dispatch.cached_choices("busy-key", measure_quietly) == table
+        assert len(list((tmp_path / "dispatch").glob("busy-key-*.json"))) == 1
 
 
 def test_backend_builds_only_the_forms_its_table_uses(tmp_path, monkeypatch, caplog) -> None:
