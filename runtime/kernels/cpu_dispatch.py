@@ -17,7 +17,7 @@ otherwise cost seconds at 256 rows).
 
 Interleaving evens out drift, not contention: another process on the cores the kernels use
 slows the multi-threaded paths more than the others (a descheduled OpenMP thread stalls its
-team at every barrier). A table measured while the test suite ran beside it on this 2-core
+team at every barrier). A table measured while the test suite ran beside it on a 2-core
 host put the lm_head on the fp32 C path for good, 4.5x slower at one row than int8 on a quiet
 host. So the host's CPU time is read from /proc/stat around the measurement, and a table
 measured while other work took more than DISTURBED of the CPU time its threads needed (beyond
