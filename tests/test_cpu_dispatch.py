@@ -78,7 +78,7 @@ def _builds_beside_native() -> list[str]:
     covered = {"native", "avx512"}  # avx512 runs only where it is what native builds
     if "avx512" in RUNNABLE:
         covered.add("avx512-emulated")
-    if not isa._host_flags() & {"avx512f", "avx_vnni"}:
+    if not isa.host_flags() & {"avx512f", "avx_vnni"}:
         covered.add("avx2")
     return [name for name in RUNNABLE if name not in covered]
 
@@ -217,7 +217,7 @@ def test_unknown_or_unrunnable_isa_is_refused_with_the_choices(monkeypatch) -> N
     with pytest.raises(ValueError, match=r"LITESERVE_CPU_ISA='sse9'.*one of \['native'"):
         isa.selected()
     monkeypatch.setenv(isa.ENV, "avx512")
-    monkeypatch.setattr(isa, "_host_flags", lambda: {"avx2", "fma", "f16c"})
+    monkeypatch.setattr(isa, "host_flags", lambda: {"avx2", "fma", "f16c"})
     monkeypatch.setattr(isa, "X86", True)
     with pytest.raises(ValueError, match="lacks .*avx512f.*use native or a lower one"):
         isa.selected()

@@ -86,15 +86,6 @@ def paths(flags: set[str], machine: str = platform.machine()) -> list[str]:
     return ["native"]
 
 
-def host_flags() -> set[str]:
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((ln for ln in info.splitlines() if ln.startswith(("flags", "Features"))), "")
-    return set(line.partition(":")[2].split())
-
-
 def summarize(path: str, output: str) -> str:
     """One summary row from engine.py's output: its C kernels' path, batch-1 and largest-batch
     decode, batch-1 prefill, and the batch-1 ratio to transformers fp32."""
@@ -155,6 +146,8 @@ def main() -> None:
     a.work.mkdir(parents=True, exist_ok=True)
     src, art = make_model(a.shape, a.work, a.tokenizer)
     built = time.perf_counter() - start
+    from runtime.kernels.isa import host_flags  # here: gpu_check.py imports this module
+
     chosen = paths(host_flags())
     if not (a.tokenizer / "tokenizer.json").is_file():
         print(f"No tokenizer in {a.tokenizer}: a 512-token vocabulary, so the lm_head's share of a "

@@ -95,7 +95,9 @@ def main() -> None:
             subprocess.run([*git, "worktree", "remove", "--force", str(base)], check=False)
 
 
-def run_rounds(sides: list[tuple[str, Path, str | None]], artifact: str, a) -> None:
+def run_rounds(
+    sides: list[tuple[str, Path, str | None]], artifact: str, a: argparse.Namespace
+) -> None:
     """Each side once per round, in turn; then the medians and the second side's ratio."""
     runs: dict[str, list[dict[int, tuple[float, float]]]] = {name: [] for name, _, _ in sides}
     for i in range(a.rounds):

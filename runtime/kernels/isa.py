@@ -48,7 +48,7 @@ ISAS = {
 }
 
 
-def _host_flags() -> set[str]:
+def host_flags() -> set[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -68,7 +68,7 @@ def selected() -> tuple[str, Isa]:
     isa = ISAS[name]
     if isa.requires and not X86:
         raise ValueError(f"{ENV}={name} is an x86 target; this is {platform.machine()}: use native")
-    missing = [f for f in isa.requires if f not in _host_flags()]
+    missing = [f for f in isa.requires if f not in host_flags()]
     if missing:
         raise ValueError(
             f"{ENV}={name} needs CPU features this machine lacks ({', '.join(missing)}): "
