@@ -50,12 +50,21 @@ print(json.dumps(result))
 """
 
 
+def child_path(root: Path) -> str:
+    """`root` first on the child's path, then the environment's entries other than this
+    checkout: packages installed beside the interpreter's (a lent GPU machine's carried wheels
+    in /tmp/site) stay importable, while `runtime` comes from `root` alone."""
+    own = str(Path(__file__).resolve().parents[2])
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != own]
+    return os.pathsep.join([str(root), *rest])
+
+
 def measure(
     root: Path, artifact: str, batches: str, new: int, isa: str | None = None
 ) -> dict[int, tuple[float, float]]:
     """(prefill, decode) tokens/s per batch, with `root`'s runtime (on ISA path `isa`, else
     the environment's), in a child process."""
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    env = {**os.environ, "PYTHONPATH": child_path(root)}
     if isa is not None:
         env["LITESERVE_CPU_ISA"] = isa
     cmd = [sys.executable, "-c", _CHILD, artifact, batches, str(new)]

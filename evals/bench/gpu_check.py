@@ -37,6 +37,7 @@ the triton backend and triton_bench.py interpreted), to check the check itself.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -369,7 +370,7 @@ def plan(
         "gpu-tests",
         "the tests marked gpu",
         [PY, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rfEs"]
-        + ["--durations=10", "--continue-on-collection-errors"],
+        + ["--durations=10", "--continue-on-collection-errors", *test_workers(smoke)],
         cap=240,
         render=render_pytest,
     )
@@ -748,6 +749,17 @@ def keep_cpus() -> tuple[list[int], list[int]] | None:
         return None
     log(f"[{clock()}] CPUs {cpus[1]} kept for the cpu-isa stage, which runs on {cpus[0]}")
     return cpus
+
+
+def test_workers(smoke: bool) -> list[str]:
+    """pytest-xdist's workers where the machine has it: the GPU tests' time goes mostly to
+    Triton's compiles, which are CPU work, and a lent machine has 16 cores for a budget of
+    minutes. One module per worker (`loadfile`) keeps module fixtures (artifacts, servers)
+    built once."""
+    if smoke or importlib.util.find_spec("xdist") is None:
+        return []
+    workers = max(1, min(8, len(os.sched_getaffinity(0)) // 2))
+    return ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else []
 
 
 def passed(r: Result) -> bool:
