@@ -317,3 +317,28 @@ def test_c_kernels_and_torch_path_generate_alike(
         got = torch.tensor([lp.logprob for lp in c_seq.logprobs])
         want = torch.tensor([lp.logprob for lp in torch_seq.logprobs])
         assert len(got) == 12 and torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+
+
+def test_warm_up_prefills_longer_than_a_session_as_several_sequences(
+    rtn_artifact: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compiling backend warms up prefills of its row buckets, up to the largest step; one
+    longer than session_len (a 512-row bucket at session_len 320 on an H200) must be several
+    sequences, since the rotary table holds session_len positions: read past it, a GPU's
+    gather asserts and the server never starts. Run here through the CPU backend, where the
+    same read raises."""
+    engine = Engine(rtn_artifact, _config(session_len=64, num_blocks=8))
+    runner = engine.runner
+    steps = []
+    real = runner.forward
+    monkeypatch.setattr(runner, "forward", lambda step, fed=None: steps.append(step) or real(step))
+    monkeypatch.setattr(runner.ops, "warmup_tokens", (1, 100, 200, 400))
+    runner.warm_up(150, 64)
+    assert [len(s.input_ids) for s in steps] == [1, 100, 200, 1, 1]
+    assert [s.query_lens for s in steps[:3]] == [[1], [64, 36], [64, 64, 64, 8]]
+    assert [s.context_lens for s in steps[3:]] == [[1], [64]]
+    for s in steps:
+        assert max(s.positions) < 64 and sum(s.query_lens) == len(s.positions)
+        assert s.logits_indices == [
+            sum(s.query_lens[: i + 1]) - 1 for i in range(len(s.query_lens))
+        ]

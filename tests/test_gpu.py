@@ -12,6 +12,12 @@ multiply-adds on the GPU) and round the hidden state to fp16 at different points
 logits inherit a few such steps: 0.02 is 5 of them. The same bound held compiled on an H200
 for the triton-vs-CPU comparison of test_triton_engine.py (measured 2026-11-30, at df79558).
 Greedy tokens are compared exactly.
+
+With int4 KV the bound is 0.06 nats: a K or V element whose fp16 value differs by one ulp
+between the backends can round to the neighbouring int4 code, a move of a whole step (1/15 of
+its head's range, against fp16's 1/2048 relative), and the scores that read it move with it.
+Measured on an H200 (2026-12-04): 0.0255 between graphs and the CPU backend, where none and
+int8 KV stayed within 0.02.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 0.02  # nats; see the module docstring
+TOL_KV = {"none": TOL, "int8": TOL, "int4": 0.06}
 CUDA0 = torch.device("cuda", 0)
 
 
@@ -91,7 +98,8 @@ def test_graphs_eager_and_cpu_agree(
     ref = logprobs(got["cpu"])
     for name in ("graphs", "stepwise", "eager"):
         for want, have in zip(ref, logprobs(got[name]), strict=True):
-            assert want.shape == have.shape and float((want - have).abs().max()) < TOL, name
+            diff = float((want - have).abs().max())
+            assert want.shape == have.shape and diff < TOL_KV[kv_quant], (name, diff)
     assert replayed["graphs"] > 0 and replayed["stepwise"] > 0, replayed
     assert replayed["eager"] == replayed["cpu"] == 0, replayed
 

@@ -186,13 +186,15 @@ def test_serving_compiles_nothing_after_start(
     params = SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True, prompt_logprobs=0)
     engine.generate(prompts, params)  # the scheduler's own mixes
     keys = recorder.keys()
-    assert len(recorder.launches) > 2000 and set(keys["serve"].values()) >= {
-        "_w4a16_kernel",
-        "_prefill_kernel",
-        "_decode_partition_kernel",
-        "_decode_merge_kernel",
-        "_kv_write_kernel",
-    }, sorted(set(keys["serve"].values()))
+    decode = {"_decode_partition_kernel", "_decode_merge_kernel"}
+    served = {"_w4a16_kernel", "_prefill_kernel", "_kv_write_kernel"}
+    if runner.graphs is None:
+        served |= decode
+    else:  # decode steps replay the graphs captured at start: no launch passes the recorder
+        assert set(keys["start"].values()) >= decode, sorted(set(keys["start"].values()))
+    assert len(recorder.launches) > 2000 and set(keys["serve"].values()) >= served, sorted(
+        set(keys["serve"].values())
+    )
     new = sorted(key for key in keys["serve"] if key not in keys["start"])
     assert not new, f"{len(new)} kernels would compile while serving:\n" + "\n".join(
         f"{name}: {spec}" for name, spec, _ in new

@@ -489,7 +489,7 @@ def plan(
         + ["--device", device, "--calib-samples", calib[0], "--calib-seqlen", calib[1]]
         + ["--w-group-size", "128" if not smoke else "32", "--overwrite", "--quiet"],
         cap=240 if smoke else 150,
-        reserve=90,
+        reserve=60,
         needs=(awq_src,),
         render=render_awq(awq_src, 32),
     )
@@ -758,7 +758,7 @@ def test_workers(smoke: bool) -> list[str]:
     built once."""
     if smoke or importlib.util.find_spec("xdist") is None:
         return []
-    workers = max(1, min(8, len(os.sched_getaffinity(0)) // 2))
+    workers = max(1, min(12, len(os.sched_getaffinity(0)) - 2))
     return ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else []
 
 

@@ -10,6 +10,7 @@ slices of the same forward.
 from __future__ import annotations
 
 import bisect
+import itertools
 from typing import TYPE_CHECKING
 
 import torch
@@ -82,25 +83,39 @@ class ModelRunner:
     def warm_up(self, max_rows: int, max_context: int) -> None:
         """Compile the kernels before the first request, for backends that compile
         (``ops.warmup_tokens``, row counts ascending): a prefill of each row count up to the
-        first that holds the largest step (``max_rows``), then decode steps at the shortest and
-        the longest context (long ones take the split-context kernels). The outputs are
-        dropped, and the blocks written are free: whoever gets them writes their KV before
-        reading it."""
+        first that holds the largest step (``max_rows``), as fresh sequences of at most
+        ``max_context`` tokens (no position past the rotary table, which holds that many),
+        then decode steps at the shortest and the longest context (long ones take the
+        split-context kernels). The outputs are dropped, and the blocks written are free:
+        whoever gets them writes their KV before reading it."""
         tokens = self.ops.warmup_tokens
         for n in tokens[: bisect.bisect_left(tokens, max_rows) + 1]:
-            self.forward(self._warm_step(n, n))
+            whole, rest = divmod(n, max_context)
+            lens = [max_context] * whole + ([rest] if rest else [])
+            self.forward(self._warm_step([(m, m) for m in lens]))
         for ctx in sorted({1, max_context}) if tokens else ():
-            self.forward(self._warm_step(ctx, 1))
+            self.forward(self._warm_step([(ctx, 1)]))
 
-    def _warm_step(self, ctx: int, n: int) -> StepInputs:
-        """One sequence of ``ctx`` tokens whose last ``n`` are new, over the pool's first
-        blocks, wrapping past its end (a warm-up may outgrow a small pool; what it computes is
-        never read)."""
-        bs = self.block_size
-        table = [b % self.cache.num_blocks for b in range(-(-ctx // bs))]
-        positions = list(range(ctx - n, ctx))
-        slots = [table[p // bs] * bs + p % bs for p in positions]
-        return StepInputs([0] * n, positions, slots, [table], [ctx], [n], [n - 1], bs)
+    def _warm_step(self, seqs: list[tuple[int, int]]) -> StepInputs:
+        """Sequences of (context, new tokens), each over the pool's first blocks, wrapping
+        past its end (a warm-up may outgrow a small pool; what it computes is never read)."""
+        bs, pool = self.block_size, self.cache.num_blocks
+        tables = [[b % pool for b in range(-(-ctx // bs))] for ctx, _ in seqs]
+        positions, slots = [], []
+        for (ctx, n), table in zip(seqs, tables, strict=True):
+            positions += range(ctx - n, ctx)
+            slots += [table[p // bs] * bs + p % bs for p in range(ctx - n, ctx)]
+        ends = list(itertools.accumulate(n for _, n in seqs))
+        return StepInputs(
+            [0] * ends[-1],
+            positions,
+            slots,
+            tables,
+            [ctx for ctx, _ in seqs],
+            [n for _, n in seqs],
+            [e - 1 for e in ends],
+            bs,
+        )
 
     def forward(self, step: StepInputs, fed: FeedRows | None = None) -> torch.Tensor:
         """The model over one step, eagerly (every rank's slice of it under TP, which takes

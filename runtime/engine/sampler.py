@@ -177,7 +177,9 @@ def _apply_repetition_penalty(
     ids = torch.cat(ids)
     keep = (ids >= 0) & (ids < V)
     mask = torch.zeros(len(rows), V, dtype=torch.bool, device=device)
-    mask[to_device(which[keep], device), to_device(ids[keep], device)] = True  # one scatter
+    # one scatter; a device value, since a Python True would be copied from the host (a sync)
+    on = torch.ones((), dtype=torch.bool, device=device)
+    mask.index_put_((to_device(which[keep], device), to_device(ids[keep], device)), on)
     pen = on_device([params[i].repetition_penalty for i in rows], device, torch.float32)
     idx = on_device(rows, device)
     sub = logits[idx]

@@ -15,8 +15,9 @@ Design, and why:
 * **Dequantize in the tile loop.** int8/int4 codes are turned into ``q * scale + zero`` in
   fp32 right after the load, then cast to the KV dtype as ``KVCache.read`` does, so the
   kernel sees the reference's K/V (a GPU may fuse the multiply-add: one fp32 rounding less);
-  int4 loads the packed bytes contiguously and joins the low and high nibbles back into
-  elements ``2i`` and ``2i + 1``.
+  int4 element ``d`` reads byte ``d // 2`` and shifts out its nibble. (Loading the bytes
+  once and joining the nibbles with ``tl.join(...).reshape`` gave wrong K/V on an H200 with
+  16- and 32-token tiles under triton 3.6, while the interpreter agreed with the reference.)
 * **Flash-decoding.** Decode has one query per sequence, so the context is split into
   partitions run by separate programs (``[B, Hkv, partitions]``); each writes its running
   max, sum and unnormalized output, and a small second kernel merges them by log-sum-exp.
@@ -86,11 +87,11 @@ def _load_kv_tile(
     """K or V of ``BLOCK_N`` tokens (``block``/``offset`` int64 [BLOCK_N]) as
     ``[BLOCK_N, BLOCK_D]`` in ``OUT_DTYPE``; masked entries are 0."""
     row = (block * stride_cb + offset * stride_co + kv_head * stride_ch)[:, None]
-    if QUANT == 2:  # the packed bytes, contiguous; nibbles joined back as (2i, 2i + 1)
-        offs_b = tl.arange(0, BLOCK_D // 2)
-        mask = mask_n[:, None] & (offs_b < HEAD_DIM // 2)[None, :]
-        byte = tl.load(cache_ptr + row + offs_b[None, :], mask=mask, other=0).to(tl.int32)
-        codes = tl.join(byte & 0xF, byte >> 4).reshape(byte.shape[0], BLOCK_D).to(tl.float32)
+    if QUANT == 2:  # element d is the low (even d) or high (odd d) nibble of byte d // 2
+        offs_d = tl.arange(0, BLOCK_D)
+        mask = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
+        byte = tl.load(cache_ptr + row + (offs_d // 2)[None, :], mask=mask, other=0)
+        codes = ((byte.to(tl.int32) >> ((offs_d % 2) * 4)[None, :]) & 0xF).to(tl.float32)
     else:
         offs_d = tl.arange(0, BLOCK_D)
         mask = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
