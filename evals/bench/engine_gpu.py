@@ -258,14 +258,15 @@ def device_copy_bandwidth(device: torch.device) -> float:
     return 2 * 2**30 / seconds
 
 
-def weights_read_per_step(engine: Engine, artifact: Path) -> tuple[int, str]:
-    """engine.py's count (int4 weights, group parameters, lm_head); the artifact's tensor
-    files as a stand-in if the model's attributes have moved."""
-    try:
+def weights_read_per_step(engine: Engine) -> tuple[int, str]:
+    """Bytes of weights a batch-1 decode step reads: on the CPU engine.py's count (the forms
+    its measured dispatch reads); on a GPU every tensor of the decoder layers and the lm_head
+    (the embedding too where it is tied; an untied one is read a row per token), as stored."""
+    if engine.backend == "cpu":
         return int(bench.weight_bytes(engine)), "int4 linears + group params + lm_head"
-    except Exception as e:  # the model's attributes may have moved: fall back
-        total = sum(f.stat().st_size for f in artifact.glob("*.safetensors"))
-        return total, f"the artifact's tensor files; engine.py's count failed: {e!r}"
+    device, model, seen = engine_device(engine), engine.model, set()
+    layers = sum(tensor_bytes(layer, device, seen) for layer in model.layers)
+    return layers + tensor_bytes(model.lm_head, device, seen), "decoder layers + lm_head"
 
 
 # --- decode ----------------------------------------------------------------------------------
@@ -364,7 +365,7 @@ def cmd_decode(a: argparse.Namespace) -> None:
                 out(f"| {name} | failed: {type(e).__name__}: {str(e)[:80]} | |")
 
     bandwidth = device_copy_bandwidth(device)
-    wbytes, what = weights_read_per_step(engine, a.artifact)
+    wbytes, what = weights_read_per_step(engine)
     floor_ms = 1000 * wbytes / bandwidth
     b0 = batches[0]
     out(

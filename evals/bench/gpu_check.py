@@ -26,7 +26,9 @@ call of `bash evals/bench/gpu_check.sh` (which sets up the carried wheels, then 
 The model stages run in the background while the GPU tests run; nothing runs beside the
 measuring stages but cpu-isa, on its own cores. Each stage is a subprocess with its own
 timeout, taken from one budget (--budget, 8 minutes in all with the set-up) so that a slow stage
-leaves time for the ones after it. A stage that fails or times out is recorded with its
+leaves time for the ones after it: each keeps a reserve, its time on an H200 (2026-12-04, where
+the stages took 371 s together, the GPU tests 97 s of it on 12 pytest-xdist workers) plus a
+margin. A stage that fails or times out is recorded with its
 error and the check goes on; the exit status is non-zero if any stage did not pass. The
 report is rewritten after every stage, so an interrupted run still leaves its figures.
 
@@ -403,7 +405,7 @@ def plan(
             else ["--batches", "1,16,64,256", "--backend", "triton", "--kv-quant", "int8"]
         ),
         cap=240 if smoke else 150,
-        reserve=90,
+        reserve=75,
         env=triton_cache,
         needs=(art, src),
     )
@@ -413,7 +415,7 @@ def plan(
         [*engine, "agree", str(art), "--backend", "triton"]
         + (["--prompts", "2", "--prompt-len", "16", "--new-tokens", "4"] if smoke else []),
         cap=240 if smoke else 90,
-        reserve=30,
+        reserve=45,
         env={**triton_cache, **interp},
         needs=(art,),
     )
@@ -427,7 +429,7 @@ def plan(
             else ["--streams", "1,8,32", "--backend", "triton", "--kv-quant", "int8"]
         ),
         cap=180 if smoke else 120,
-        reserve=45,
+        reserve=30,
         env=triton_cache,
         needs=(art,),
     )
@@ -437,7 +439,7 @@ def plan(
         [PY, str(BENCH / "triton_bench.py"), "--batch", "1" if smoke else "1,8"]
         + (["--quick"] if smoke else []),
         cap=120,
-        reserve=45,
+        reserve=35,
         env=interp,
     )
     engine_cuda = Stage(
@@ -458,21 +460,21 @@ def plan(
         # a smoke run may build the library first (nvcc, 2-3 min on 2 cores); a GPU machine
         # gets it prebuilt in .kernels/
         cap=300 if smoke else 90,
-        reserve=20,
+        reserve=15,
     )
     cuda_gemm = Stage(
         "cuda-gemm",
         "csrc W4A16 GEMM against dense bf16, tinygemm and Triton on Llama-3-8B shapes",
         [PY, str(BENCH / "cuda_gemm.py")] + (["--quick"] if smoke else ["--ms", "1,4,16,4096"]),
         cap=240 if smoke else 90,  # the library may be built first in a smoke run
-        reserve=20,
+        reserve=25,
     )
     memory = Stage(
         "memory-8b",
         "device memory of the 8B shape, projected to 32 layers",
         [*engine, "memory", str(art8), "--full-layers", "32", "--backend", "triton"],
         cap=90,
-        reserve=25,
+        reserve=30,
         needs=(art8,),
         skip=gpu_only,
     )
@@ -489,7 +491,7 @@ def plan(
         + ["--device", device, "--calib-samples", calib[0], "--calib-seqlen", calib[1]]
         + ["--w-group-size", "128" if not smoke else "32", "--overwrite", "--quiet"],
         cap=240 if smoke else 150,
-        reserve=60,
+        reserve=55,
         needs=(awq_src,),
         render=render_awq(awq_src, 32),
     )

@@ -15,9 +15,13 @@ Design, and why:
 * **Dequantize in the tile loop.** int8/int4 codes are turned into ``q * scale + zero`` in
   fp32 right after the load, then cast to the KV dtype as ``KVCache.read`` does, so the
   kernel sees the reference's K/V (a GPU may fuse the multiply-add: one fp32 rounding less);
-  int4 element ``d`` reads byte ``d // 2`` and shifts out its nibble. (Loading the bytes
-  once and joining the nibbles with ``tl.join(...).reshape`` gave wrong K/V on an H200 with
-  16- and 32-token tiles under triton 3.6, while the interpreter agreed with the reference.)
+  int4 tiles load the packed bytes contiguously and join the low and high nibbles back into
+  elements ``2i`` and ``2i + 1``, except tiles under 1024 elements (``_JOIN_MIN_ELEMENTS``),
+  which read byte ``d // 2`` for each element ``d`` and shift out its nibble. On an H200 under
+  triton 3.6 (2026-12-04) the join gave wrong K/V in 16 x 32 and 32 x 16 (tokens x dims)
+  decode tiles, where the interpreter agreed with the reference, and right ones in 64 x 16,
+  64 x 32 and 64 x 128 tiles. The per-element load is right at every size, but took 2.4-7x as
+  long over int4 KV at 32k tokens and spills registers at head dim 256.
 * **Flash-decoding.** Decode has one query per sequence, so the context is split into
   partitions run by separate programs (``[B, Hkv, partitions]``); each writes its running
   max, sum and unnormalized output, and a small second kernel merges them by log-sum-exp.
@@ -60,6 +64,7 @@ from runtime.kv.layer import LayerKV
 
 _LOG2E = math.log2(math.e)
 DEFAULT_PARTITION = 512  # tokens per decode partition (rounded up to whole blocks)
+_JOIN_MIN_ELEMENTS = tl.constexpr(1024)  # the smallest int4 tile joined, tokens x dims (docstring)
 _MERGE_BLOCK_P = 32
 _SEQ_BLOCK = 32  # cu_query_lens entries a prefill program scans at a time for its sequence
 
@@ -83,11 +88,17 @@ def _load_kv_tile(
     QUANT: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """K or V of ``BLOCK_N`` tokens (``block``/``offset`` int64 [BLOCK_N]) as
     ``[BLOCK_N, BLOCK_D]`` in ``OUT_DTYPE``; masked entries are 0."""
     row = (block * stride_cb + offset * stride_co + kv_head * stride_ch)[:, None]
-    if QUANT == 2:  # element d is the low (even d) or high (odd d) nibble of byte d // 2
+    if QUANT == 2 and BLOCK_N * BLOCK_D >= _JOIN_MIN_ELEMENTS:  # nibbles joined: (2i, 2i + 1)
+        offs_b = tl.arange(0, BLOCK_D // 2)
+        mask = mask_n[:, None] & (offs_b < HEAD_DIM // 2)[None, :]
+        byte = tl.load(cache_ptr + row + offs_b[None, :], mask=mask, other=0).to(tl.int32)
+        codes = tl.join(byte & 0xF, byte >> 4).reshape(BLOCK_N, BLOCK_D).to(tl.float32)
+    elif QUANT == 2:  # element d: the low (even d) or high (odd d) nibble of byte d // 2
         offs_d = tl.arange(0, BLOCK_D)
         mask = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
         byte = tl.load(cache_ptr + row + (offs_d // 2)[None, :], mask=mask, other=0)
@@ -158,7 +169,7 @@ def _attend_tile(
     k = _load_kv_tile(
         k_cache, k_scale, k_zero, block, offset, kv_head, in_range,
         stride_cb, stride_co, stride_ch, stride_pb, stride_po, stride_ph,
-        HEAD_DIM, QUANT, q.dtype, BLOCK_D,
+        HEAD_DIM, QUANT, q.dtype, BLOCK_D, BLOCK_N,
     )  # fmt: skip
     scores = _dot(q, tl.trans(k), None, PRECISION, WIDEN) * qk_scale
     valid = in_range[None, :] & (pos[None, :] <= q_pos[:, None])
@@ -172,7 +183,7 @@ def _attend_tile(
     v = _load_kv_tile(
         v_cache, v_scale, v_zero, block, offset, kv_head, in_range,
         stride_cb, stride_co, stride_ch, stride_pb, stride_po, stride_ph,
-        HEAD_DIM, QUANT, q.dtype, BLOCK_D,
+        HEAD_DIM, QUANT, q.dtype, BLOCK_D, BLOCK_N,
     )  # fmt: skip
     acc = _dot(p.to(q.dtype), v, acc * alpha[:, None], PRECISION, WIDEN)
     return m_new, l_i * alpha + tl.sum(p, axis=1), acc
