@@ -36,16 +36,27 @@ BLOCK = 128  # columns updated together before the lazy update of the rest
 
 def _inverse_cholesky(gram: torch.Tensor, dead: torch.Tensor, damp: float) -> torch.Tensor:
     """Upper Cholesky factor of (H + damp * mean(diag H) * I)^-1 in fp64: GPTQ's sequential
-    update reads its rows. Input channels that never fire (zero diagonal) get a unit diagonal."""
-    h = gram.double().clone()
+    update reads its rows. Input channels that never fire (zero diagonal) get a unit diagonal.
+
+    At most two K x K fp64 matrices are alive at once (one is 1.6 GB at an 8B model's K of
+    14336, where a layer's whole calibration holds about 7 GB): each intermediate is dropped
+    as soon as the next exists, and the triangular inverse is solved in place into the
+    identity, laid out column-major as LAPACK writes it (the same bits as a solve into a new
+    matrix)."""
+    h = gram.to(torch.float64, copy=True)
     h[dead, dead] = 1.0
     h.diagonal().add_(damp * float(h.diagonal().mean()))
     # H = R R^T with R upper (the Cholesky factor of H with its channels reversed), so
     # H^-1 = R^-T R^-1 and R^-1 is the factor: one factorization and one triangular inverse
     # instead of inverting H and factoring the inverse (half the time where K is 1536).
-    r = torch.linalg.cholesky(h.flip(0, 1)).flip(0, 1)
-    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
-    return torch.linalg.solve_triangular(r, eye, upper=True)
+    h = h.flip(0, 1)
+    r = torch.linalg.cholesky(h)
+    del h
+    r = r.flip(0, 1)
+    inv = torch.eye(r.shape[0], dtype=r.dtype, device=r.device).mT
+    torch.linalg.solve_triangular(r, inv, upper=True, out=inv)
+    del r
+    return inv.contiguous()
 
 
 def gptq_quantize(
@@ -64,11 +75,12 @@ def gptq_quantize(
     groups = -(-k // gs)
     perm = _group_act_order(gram, gs) if group_act_order else None
     if perm is not None:
-        w, gram = w[:, perm], gram[perm][:, perm]
-    w = w.double().clone()
+        w, gram = w[:, perm], gram[perm[:, None], perm]
+    w = w.to(torch.float64, copy=True)
     dead = gram.diagonal() == 0
     w[:, dead] = 0
     hinv = _inverse_cholesky(gram, dead, damp)
+    del gram  # the permuted copy: the loop reads hinv alone
     q = torch.empty(n, k, dtype=torch.uint8, device=w.device)
     scale = torch.empty(n, groups, dtype=torch.float32, device=w.device)
     zero = torch.empty(n, groups, dtype=torch.int32, device=w.device)

@@ -111,6 +111,21 @@ def row_bytes(layer: torch.nn.Module, config, seqlen: int) -> int:
     return seqlen * token_bytes(layer, config.hidden_size, config.num_attention_heads, seqlen)
 
 
+def gptq_bytes(layer: torch.nn.Module) -> int:
+    """The widest linear's GPTQ rounding (lite/gptq.py, the default rounding with calibration):
+    its permuted Gram matrix in fp32 and two K x K fp64 matrices while the inverse Cholesky
+    factor is made, then that factor, the weights and their update in fp64 while columns are
+    rounded; its weights in fp64 throughout. At an 8B model's down projection (K = 14336)
+    the factorization is the larger phase, 4.6 GB."""
+    worst = 0
+    for lin in _linears(layer).values():
+        n, k = lin.out_features, lin.in_features
+        factor = k * k * (2 * FP64 + FP32)
+        rounding = k * k * FP64 + n * k * FP64
+        worst = max(worst, max(factor, rounding) + n * k * FP64)
+    return worst
+
+
 def layer_memory(layer: torch.nn.Module, config, seqlen: int, rows: int) -> LayerMemory:
     """`rows` 0: round-to-nearest, no statistics and no activations."""
     weights = sum(p.numel() for p in layer.parameters()) * FP32
@@ -121,7 +136,7 @@ def layer_memory(layer: torch.nn.Module, config, seqlen: int, rows: int) -> Laye
         weights=weights,
         grams=gram_bytes(layer, family),
         chunk=rows * row_bytes(layer, config, seqlen),
-        workspace=search_bytes(layer, family),
+        workspace=max(search_bytes(layer, family), gptq_bytes(layer)),
     )
 
 
