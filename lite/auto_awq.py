@@ -44,6 +44,7 @@ from lite.compute import (
     full_fp32,
     out_of_memory,
     peak_gib,
+    peak_tensors_gib,
     pick_device,
     reset_peak,
 )
@@ -635,7 +636,9 @@ def _summary(work_dir: Path, seconds: float, device: torch.device) -> str:
     line = f"wrote {work_dir} in {seconds:.0f} s on {device_label(device)}; "
     line += f"peak RSS {peak_rss_gib():.2f} GiB"
     gpu = peak_gib(device)
-    return line if gpu is None else f"{line}; peak GPU memory {gpu:.2f} GiB"
+    if gpu is None:
+        return line
+    return f"{line}; peak GPU memory {gpu:.2f} GiB ({peak_tensors_gib(device):.2f} GiB in tensors)"
 
 
 def embed(ckpt: Checkpoint, calib: CalibrationSet) -> torch.Tensor:

@@ -85,6 +85,15 @@ def peak_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_reserved(device) / 2**30
 
 
+def peak_tensors_gib(device: torch.device) -> float | None:
+    """Peak GPU memory held by tensors at once: below peak_gib by what the allocator cached
+    but did not use (fragmentation), so the two say whether a peak is the code's or the
+    cache's. None on the CPU."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / 2**30
+
+
 def out_of_memory(
     device: torch.device, layer: int, rows: int, room: tuple[int, int | None] = (0, None)
 ) -> DeviceMemoryError:

@@ -224,7 +224,7 @@ def render_pytest(r: Result) -> Result:
 
 AWQ_LINE = re.compile(
     r"wrote \S+ in (?P<s>\d+) s on (?P<dev>[^;]+); peak RSS (?P<rss>[\d.]+) GiB"
-    r"(?:; peak GPU memory (?P<gpu>[\d.]+) GiB)?"
+    r"(?:; peak GPU memory (?P<gpu>[\d.]+) GiB(?: \((?P<tensors>[\d.]+) GiB in tensors\))?)?"
 )
 
 
@@ -242,11 +242,13 @@ def render_awq(source: Path, full: int) -> Callable[[Result], Result]:
         seconds = int(found["s"])
         layers = json.loads((source / "config.json").read_text())["num_hidden_layers"]
         gpu = f"{found['gpu']} GiB" if found["gpu"] else "-"
+        tensors = f"{found['tensors']} GiB" if found["tensors"] else "-"
         row = f"| {layers} | {seconds} | {seconds * full / layers / 60:.1f} min | {found['dev']} | "
         r.stdout = (
-            f"| layers | wall s | projected to {full} layers | device | peak RSS | peak GPU |\n"
-            "|---:|---:|---:|---|---:|---:|\n"
-            f"{row}{found['rss']} GiB | {gpu} |\n"
+            f"| layers | wall s | projected to {full} layers | device | peak RSS | peak GPU "
+            "| of it in tensors |\n"
+            "|---:|---:|---:|---|---:|---:|---:|\n"
+            f"{row}{found['rss']} GiB | {gpu} | {tensors} |\n"
         )
         return r
 
