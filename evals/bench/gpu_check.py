@@ -417,7 +417,7 @@ def plan(
         [*engine, "agree", str(art), "--backend", "triton"]
         + (["--prompts", "2", "--prompt-len", "16", "--new-tokens", "4"] if smoke else []),
         cap=240 if smoke else 90,
-        reserve=45,
+        reserve=55,
         env={**triton_cache, **interp},
         needs=(art,),
     )
