@@ -369,6 +369,7 @@ def plan(
     triton_cache = {"TRITON_CACHE_DIR": str(work / "triton-cache")}
     interp = {"TRITON_INTERPRET": "1"} if smoke else {}
     gpu_only = "smoke run: needs a GPU" if smoke else None
+    chosen = set(a.only.split(",")) if a.only else None
     engine = [PY, str(BENCH / "engine_gpu.py")]
 
     tests = Stage(
@@ -389,7 +390,7 @@ def plan(
         + ["--continue-on-collection-errors", *test_workers(smoke)],
         cap=a.budget - 60,
         render=render_pytest,
-        skip=suite_skip(a),
+        skip=suite_skip(smoke, chosen),
     )
     model = Stage(
         f"model-{small}",
@@ -534,7 +535,6 @@ def plan(
     p = Plan([tests, suite], [model, model8], measuring, [cpu_isa] if cpus else [])
     if not cpus:
         measuring.append(cpu_isa)
-    chosen = set(a.only.split(",")) if a.only else None
     for s in p.all():
         if chosen is not None and s.name not in chosen and s.skip is None:
             s.skip = "not selected (--only)"
@@ -768,12 +768,12 @@ def keep_cpus() -> tuple[list[int], list[int]] | None:
     return cpus
 
 
-def suite_skip(a: argparse.Namespace) -> str | None:
+def suite_skip(smoke: bool, chosen: set[str] | None) -> str | None:
     """Why the all-tests stage does not run: on a CPU the whole suite is CI's; on a GPU host
-    it runs only when named, being minutes long even on 16 cores."""
-    if a.smoke:
+    it runs only when named (`chosen`: the --only names), being minutes long even on 16 cores."""
+    if smoke:
         return "smoke run: on a CPU the whole suite is CI's"
-    if "all-tests" in (a.only or "").split(","):
+    if chosen is not None and "all-tests" in chosen:
         return None
     return "not selected: the whole suite runs only when named (--only all-tests)"
 
