@@ -46,30 +46,39 @@ constexpr int kDtypeBf16 = 1;  // the project's STORAGE_KINDS codes
 constexpr int kDtypeFp16 = 2;
 
 // ---------------------------------------------------------------------------------------------
-// Tile configurations. X(id, BM, BN, BK, WM, WN, STAGES, MINB): a BM x BN output tile per block,
-// BK-deep k-steps, WM x WN warps, STAGES shared-memory buffers, MINB = the blocks per SM that
-// __launch_bounds__ asks registers for. The only table: the host planner reads it through
-// lsq_w4a16_config (runtime/kernels/cuda/gemm_plan.py).
-#define LSQ_W4A16_CONFIGS(X)                                                             \
-  X(0, 16, 64, 128, 1, 4, 4, 4)   /* decode: narrow N, 9 KB/stage */                   \
-  X(1, 16, 128, 128, 1, 4, 4, 4)  /* decode: 14 KB/stage */                            \
-  X(2, 16, 256, 64, 1, 8, 4, 2)   /* decode: wide N, 8 warps */                        \
-  X(3, 32, 128, 64, 1, 4, 4, 4)   /* M 17..64 */                                       \
-  X(4, 64, 128, 64, 2, 2, 4, 2)   /* M 33..256, and prefill of narrow weights */       \
-  X(5, 64, 256, 64, 2, 4, 4, 1)   /* prefill */                                        \
-  X(6, 128, 128, 64, 2, 4, 4, 1)  /* prefill */                                        \
-  X(7, 128, 256, 64, 2, 4, 3, 1)  /* prefill, the largest tile: 64x64 per warp */
+// Tile configurations. X(id, BM, BN, BK, WM, WN, WK, STAGES, MINB): a BM x BN output tile per
+// block, BK-deep k-steps, WM x WN x WK warps (WK > 1: the warps split each k-step's 16-deep
+// slices WK ways and add their partial tiles in shared memory at the end, in a fixed order),
+// STAGES shared-memory buffers, MINB = the blocks per SM that __launch_bounds__ asks registers
+// for. The only table: the host planner reads it through lsq_w4a16_config
+// (runtime/kernels/cuda/gemm_plan.py).
+//
+// At decode (BM = 16) a block streams its weights through few instructions per word, and the
+// SM's issue rate, not HBM, bounds it unless many warps are resident: WK raises the warps per
+// output tile without more blocks or a global split, and the decode tiles are compiled per
+// group size (below) so that group boundaries are known at compile time.
+#define LSQ_W4A16_CONFIGS(X)                                                                \
+  X(0, 16, 64, 128, 1, 4, 1, 4, 4)   /* decode: narrow N, 9 KB/stage */                   \
+  X(1, 16, 128, 128, 1, 4, 1, 4, 4)  /* decode: 14 KB/stage */                            \
+  X(2, 16, 256, 64, 1, 8, 1, 4, 2)   /* decode: wide N, 8 warps */                        \
+  X(3, 32, 128, 64, 1, 4, 1, 4, 4)   /* M 17..64 */                                       \
+  X(4, 64, 128, 64, 2, 2, 1, 4, 2)   /* M 33..256, and prefill of narrow weights */       \
+  X(5, 64, 256, 64, 2, 4, 1, 4, 1)   /* prefill */                                        \
+  X(6, 128, 128, 64, 2, 4, 1, 4, 1)  /* prefill */                                        \
+  X(7, 128, 256, 64, 2, 4, 1, 3, 1)  /* prefill, the largest tile: 64x64 per warp */      \
+  X(8, 16, 128, 128, 1, 4, 2, 4, 2)  /* decode: config 1 with 8 warps, k split 2 ways */  \
+  X(9, 16, 64, 128, 1, 2, 4, 4, 2)   /* decode: narrow N, 8 warps, k split 4 ways */
 
 struct ConfigInfo {
-  int block_m, block_n, block_k, warps, stages;
+  int block_m, block_n, block_k, warps, warps_m, warps_k, stages;
 };
 
-#define LSQ_INFO(id, bm, bn, bk, wm, wn, st, minb) {bm, bn, bk, (wm) * (wn), st},
+#define LSQ_INFO(id, bm, bn, bk, wm, wn, wk, st, minb) {bm, bn, bk, (wm) * (wn) * (wk), wm, wk, st},
 constexpr ConfigInfo kConfigs[] = {LSQ_W4A16_CONFIGS(LSQ_INFO)};
 #undef LSQ_INFO
 constexpr int kNumConfigs = sizeof(kConfigs) / sizeof(kConfigs[0]);
 
-#define LSQ_ID(id, bm, bn, bk, wm, wn, st, minb) id,
+#define LSQ_ID(id, bm, bn, bk, wm, wn, wk, st, minb) id,
 constexpr int kIds[] = {LSQ_W4A16_CONFIGS(LSQ_ID)};
 #undef LSQ_ID
 constexpr bool ids_in_order(int i = 0) {
@@ -77,14 +86,18 @@ constexpr bool ids_in_order(int i = 0) {
 }
 static_assert(ids_in_order(), "config ids are the rows of LSQ_W4A16_CONFIGS, 0, 1, 2, ...");
 
-template <int BM_, int BN_, int BK_, int WM_, int WN_, int STAGES_, int MINB_>
+template <int BM_, int BN_, int BK_, int WM_, int WN_, int WK_, int STAGES_, int MINB_>
 struct Tile {
-  static constexpr int BM = BM_, BN = BN_, BK = BK_, WM = WM_, WN = WN_;
+  static constexpr int BM = BM_, BN = BN_, BK = BK_, WM = WM_, WN = WN_, WK = WK_;
   static constexpr int STAGES = STAGES_, MINB = MINB_;
-  static constexpr int THREADS = 32 * WM * WN;
+  static constexpr int THREADS = 32 * WM * WN * WK;
   static constexpr int TM = BM / WM, TN = BN / WN;  // warp tile
   static constexpr int MT = TM / 16, NT = TN / 16;  // m16 row tiles, 16x16 weight tiles per warp
   static constexpr int KK = BK / 16;                // 16-deep slices per k-step
+  static constexpr int KW = KK / WK;                // of them, one warp's (a contiguous run)
+  static constexpr int ACC = MT * NT * 8;           // fp32 accumulators per thread
+  // the partial tiles of warps 1 .. WK-1 along k, in shared memory after the main loop
+  static constexpr int REDUCE_BYTES = (WK - 1) * WM * WN * 32 * ACC * 4;
   static constexpr int QROWS = BK / 32;             // most groups one k-step can touch (gs >= 32)
   static constexpr int A_CHUNKS = BM * BK / 8;      // 16-byte chunks per stage
   static constexpr int B_CHUNKS = BK * BN / 32;
@@ -97,6 +110,8 @@ struct Tile {
   static_assert(BK == 64 || BK == 128, "the A swizzle needs >= 8 chunks per row; gs >= 32");
   static_assert(QROWS * BN / 4 <= THREADS, "one pass loads a stage's qparams");
   static_assert(STAGES >= 2, "a pipeline needs two buffers");
+  static_assert(KK % WK == 0 && (KW & (KW - 1)) == 0, "each warp takes a power-of-2 run of slices");
+  static_assert(REDUCE_BYTES <= SMEM, "the k-split's partial tiles fit the pipeline's buffers");
   static_assert(A_STAGE % 128 == 0 && B_STAGE % 128 == 0 && Q_STAGE % 16 == 0, "alignment");
 };
 
@@ -184,9 +199,39 @@ LSQ_HD uint16_t pack1(float v) {
 // ---------------------------------------------------------------------------------------------
 // The GEMM kernel.
 
+// With the k-step's slices split WK ways, the warps along k (warp_k > 0) leave their fp32 tiles in
+// shared memory (the pipeline's buffers, free once every copy has landed) and the warp_k = 0 warp
+// of the same output tile adds them in order 1, 2, ..., WK - 1: reproducible bits. Returns
+// whether this thread holds the sum (and writes the epilogue).
+template <class T>
+LSQ_HD bool reduce_warps_k(float* acc, int warp_mn, int warp_k, int lane, uint8_t* smem) {
+  float* const part = reinterpret_cast<float*>(smem);
+  auto at = [&](int wk, int e) {  // lanes adjacent: conflict-free
+    return part + (((wk - 1) * (T::WM * T::WN) + warp_mn) * T::ACC + e) * 32 + lane;
+  };
+  block_sync();  // every warp is past its last read of the pipeline's buffers
+  if (warp_k > 0)
+#pragma unroll
+    for (int e = 0; e < T::ACC; ++e) *at(warp_k, e) = acc[e];
+  block_sync();
+  if (warp_k > 0) return false;
+  for (int wk = 1; wk < T::WK; ++wk)
+#pragma unroll
+    for (int e = 0; e < T::ACC; ++e) acc[e] += *at(wk, e);
+  return true;
+}
+
+// log2 of the group size: GS when the kernel is compiled for one (32, 64 or 128), else p's.
+template <int GS>
+LSQ_HD int group_log2(const Params& p) {
+  static_assert(GS == 0 || GS == 32 || GS == 64 || GS == 128, "group sizes 32, 64, 128");
+  return GS == 32 ? 5 : GS == 64 ? 6 : GS == 128 ? 7 : p.gs_log2;
+}
+
 // One thread of block (bx, by, bz) of the grid; one_m_tile: the grid has one row of tiles
 // (gridDim.y == 1); split: the grid splits K (gridDim.z > 1). smem: T::SMEM bytes, 128-aligned.
-template <class T, bool BF16>
+// GS: the group size the kernel is compiled for, or 0 for any (read from p).
+template <class T, int GS, bool BF16>
 LSQ_HD void gemm_block(const Params p, unsigned bx, unsigned by, unsigned bz, bool one_m_tile,
                        bool split, int tid, uint8_t* smem) {
   uint8_t* const a_smem = smem;
@@ -195,18 +240,21 @@ LSQ_HD void gemm_block(const Params p, unsigned bx, unsigned by, unsigned bz, bo
 
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int warp_m = warp / T::WN;
-  const int warp_n = warp % T::WN;
+  const int warp_mn = T::WK == 1 ? warp : warp % (T::WM * T::WN);
+  const int warp_k = T::WK == 1 ? 0 : warp / (T::WM * T::WN);  // which run of slices
+  const int warp_m = warp_mn / T::WN;
+  const int warp_n = warp_mn % T::WN;
 
   const int n0 = bx * T::BN;
   const int m0 = by * T::BM;
   const int step_begin = bz * p.steps_per_split;
   const int steps = imin(p.steps_per_split, p.k_steps - step_begin);  // >= 1 (host checks)
 
-  const int gs = 1 << p.gs_log2;
+  const int gs_log2 = group_log2<GS>(p);
+  const int gs = 1 << gs_log2;
   const int q_rows = T::BK > gs ? T::BK / gs : 1;  // groups per k-step
   const int kt_total = p.kp / 16;                  // qweight rows
-  const int groups = p.kp >> p.gs_log2;            // qparams rows
+  const int groups = p.kp >> gs_log2;              // qparams rows
   // Weights are read once when one row of tiles covers M (decode): do not let them evict x.
   const uint64_t b_policy = l2_policy(one_m_tile);
 
@@ -264,7 +312,7 @@ LSQ_HD void gemm_block(const Params p, unsigned bx, unsigned by, unsigned bz, bo
                           b_bytes[i], b_policy);
       if (q_on)
         cp_async16(q_dst + (q_r * T::BN + q_cc * 4) * 4,
-                   q_src + (int64_t)(k0 >> p.gs_log2) * p.np, q_ok ? 16 : 0);
+                   q_src + (int64_t)(k0 >> gs_log2) * p.np, q_ok ? 16 : 0);
       return;
     }
     // The general step: bounds on k, K padding past Kp, and x without 16-byte rows.
@@ -309,7 +357,7 @@ LSQ_HD void gemm_block(const Params p, unsigned bx, unsigned by, unsigned bz, bo
     }
     // Q: the (s, b) words of the step's group(s) for the block's BN columns, 4 per chunk.
     if (q_on) {
-      const int g = (k0 >> p.gs_log2) + q_r, col = n0 + q_cc * 4;
+      const int g = (k0 >> gs_log2) + q_r, col = n0 + q_cc * 4;
       const bool ok = g < groups && col < p.np;
       const uint32_t* src = ok ? p.qparams + (int64_t)g * p.np + col : p.qparams;
       cp_async16(q_dst + (q_r * T::BN + q_cc * 4) * 4, src, ok ? 16 : 0);
@@ -334,11 +382,13 @@ LSQ_HD void gemm_block(const Params p, unsigned bx, unsigned by, unsigned bz, bo
     const uint32_t* qw = reinterpret_cast<const uint32_t*>(q_smem + stage * T::Q_STAGE);
     uint32_t s2[T::NT][2], b2[T::NT][2];
 #pragma unroll
-    for (int kk = 0; kk < T::KK; ++kk) {
-      // (s, b) of the group this 16-deep slice lies in: at kk = 0, and where a group starts
-      // (only at even kk, since gs >= 32).
-      if (kk == 0 || (kk % 2 == 0 && ((kk * 16) & (gs - 1)) == 0)) {
-        const int qr = (kk * 16) >> p.gs_log2;
+    for (int kw = 0; kw < T::KW; ++kw) {
+      const int kk = warp_k * T::KW + kw;
+      // (s, b) of the group this 16-deep slice lies in: at the warp's first slice, and where a
+      // group starts (only at even kw, since gs >= 32; a warp's run of KW slices is a power of
+      // 2 long, so it starts on a group boundary or lies inside one group).
+      if (kw == 0 || (kw % 2 == 0 && ((kw * 16) & (gs - 1)) == 0)) {
+        const int qr = (kk * 16) >> gs_log2;
 #pragma unroll
         for (int j = 0; j < T::NT; ++j)
 #pragma unroll
@@ -388,6 +438,7 @@ LSQ_HD void gemm_block(const Params p, unsigned bx, unsigned by, unsigned bz, bo
     write_stage = write_stage == T::STAGES - 1 ? 0 : write_stage + 1;
   }
   cp_async_wait<0>();
+  if (T::WK > 1 && !reduce_warps_k<T>(&acc[0][0][0][0], warp_mn, warp_k, lane, smem)) return;
 
   // ---- epilogue: fp32 partials to the workspace, or y in the activation dtype ----
   const int tig = lane & 3;
@@ -424,11 +475,11 @@ LSQ_HD void gemm_block(const Params p, unsigned bx, unsigned by, unsigned bz, bo
   }
 }
 
-template <class T, bool BF16>
+template <class T, int GS, bool BF16>
 __global__ void __launch_bounds__(T::THREADS, T::MINB) w4a16_gemm_kernel(const Params p) {
   extern __shared__ __align__(128) uint8_t smem[];
-  gemm_block<T, BF16>(p, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y == 1, gridDim.z > 1,
-                      threadIdx.x, smem);
+  gemm_block<T, GS, BF16>(p, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y == 1, gridDim.z > 1,
+                          threadIdx.x, smem);
 }
 
 // y[m, n] = sum over s = 0, 1, ..., splits - 1 of workspace[s, m, n], in that order, for the
@@ -609,19 +660,40 @@ static int plan_gemm(const void* x, int64_t ldx, const int32_t* qweight, const v
   return 0;
 }
 
-#define LSQ_TILE(id, bm, bn, bk, wm, wn, st, minb) \
-  using Tile##id = Tile<bm, bn, bk, wm, wn, st, minb>;
+#define LSQ_TILE(id, bm, bn, bk, wm, wn, wk, st, minb) \
+  using Tile##id = Tile<bm, bn, bk, wm, wn, wk, st, minb>;
 LSQ_W4A16_CONFIGS(LSQ_TILE)
 #undef LSQ_TILE
 
-// Calls runner.template run<Tile, BF16>() for the plan's config and dtype.
+// Decode tiles are compiled per group size (their cost per weight word is the point of them);
+// the others read it at run time, where several row tiles share each group's (s, b).
+template <class T>
+constexpr bool kPerGroupSize = T::BM <= 16;
+
+template <class T, bool BF16, class Runner>
+int dispatch_group(const Plan& plan, Runner& runner) {
+  if constexpr (!kPerGroupSize<T>) {
+    return runner.template run<T, 0, BF16>();
+  } else {
+    switch (plan.p.gs_log2) {
+      case 5:
+        return runner.template run<T, 32, BF16>();
+      case 6:
+        return runner.template run<T, 64, BF16>();
+      default:
+        return runner.template run<T, 128, BF16>();
+    }
+  }
+}
+
+// Calls runner.template run<Tile, GS, BF16>() for the plan's config, group size and dtype.
 template <class Runner>
 int dispatch(const Plan& plan, Runner& runner) {
   switch (plan.config) {
-#define LSQ_CASE(id, bm, bn, bk, wm, wn, st, minb)   \
-  case id:                                           \
-    return plan.bf16 ? runner.template run<Tile##id, true>() \
-                     : runner.template run<Tile##id, false>();
+#define LSQ_CASE(id, bm, bn, bk, wm, wn, wk, st, minb)                     \
+  case id:                                                                 \
+    return plan.bf16 ? dispatch_group<Tile##id, true>(plan, runner)        \
+                     : dispatch_group<Tile##id, false>(plan, runner);
     LSQ_W4A16_CONFIGS(LSQ_CASE)
 #undef LSQ_CASE
     default:
@@ -632,10 +704,10 @@ int dispatch(const Plan& plan, Runner& runner) {
 struct Launcher {
   const Plan& plan;
   cudaStream_t stream;
-  template <class T, bool BF16>
+  template <class T, int GS, bool BF16>
   int run() {
     static std::atomic<uint64_t> smem_set{0};
-    auto kernel = w4a16_gemm_kernel<T, BF16>;
+    auto kernel = w4a16_gemm_kernel<T, GS, BF16>;
     cudaError_t err = allow_smem(kernel, T::SMEM, smem_set);
     if (err != cudaSuccess) return static_cast<int>(err);
     const dim3 grid(plan.grid_x, plan.grid_y, static_cast<unsigned>(plan.split_k));
@@ -652,7 +724,7 @@ struct Launcher {
 struct Emulator {
   const Plan& plan;
   const lsq_simt::emulate::Options* options;
-  template <class T, bool BF16>
+  template <class T, int GS, bool BF16>
   int run() {
 #ifdef __CUDA_ARCH__
     return 0;
@@ -662,7 +734,8 @@ struct Emulator {
     emulate::run_grid(
         plan.grid_x, plan.grid_y, static_cast<unsigned>(plan.split_k), T::THREADS, T::SMEM,
         [&](unsigned x, unsigned y, unsigned z, int tid, void* smem) {
-          gemm_block<T, BF16>(p, x, y, z, one_m_tile, split, tid, static_cast<uint8_t*>(smem));
+          gemm_block<T, GS, BF16>(p, x, y, z, one_m_tile, split, tid,
+                                  static_cast<uint8_t*>(smem));
         },
         *options);
     if (split)
@@ -701,13 +774,15 @@ extern "C" {
 int lsq_w4a16_num_configs(void) { return lsq_gemm::kNumConfigs; }
 
 int lsq_w4a16_config(int32_t id, int32_t* block_m, int32_t* block_n, int32_t* block_k,
-                     int32_t* warps, int32_t* stages) {
+                     int32_t* warps, int32_t* warps_m, int32_t* warps_k, int32_t* stages) {
   if (id < 0 || id >= lsq_gemm::kNumConfigs) return -1;
   const lsq_gemm::ConfigInfo& c = lsq_gemm::kConfigs[id];
   if (block_m) *block_m = c.block_m;
   if (block_n) *block_n = c.block_n;
   if (block_k) *block_k = c.block_k;
   if (warps) *warps = c.warps;
+  if (warps_m) *warps_m = c.warps_m;
+  if (warps_k) *warps_k = c.warps_k;
   if (stages) *stages = c.stages;
   return 0;
 }

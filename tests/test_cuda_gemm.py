@@ -35,7 +35,8 @@ from tests.conftest import GPU
 
 ARCHS = cuda_lib.ARCHS
 SMS = 132  # an H200
-TILE_KERNELS = 16  # 8 tile configs x 2 dtypes
+CONFIGS, DECODE_CONFIGS = 10, 5  # the decode tiles (block_m 16) are compiled per group size
+TILE_KERNELS = 2 * (DECODE_CONFIGS * len(gp.GROUP_SIZES) + CONFIGS - DECODE_CONFIGS)  # x 2 dtypes
 KERNELS = TILE_KERNELS + 4  # and the split-K reduction and the dequantization, x 2 dtypes
 INVALID = 1  # cudaErrorInvalidValue
 FP16, BF16 = 2, 1  # STORAGE_KINDS
@@ -139,14 +140,16 @@ def test_sass_runs_tensor_cores_ldmatrix_cp_async(
 
 
 def test_config_table(table: tuple[gp.TileConfig, ...], lib: ctypes.CDLL) -> None:
-    assert len(table) == lib.lsq_w4a16_num_configs() == TILE_KERNELS // 2
+    assert len(table) == lib.lsq_w4a16_num_configs() == CONFIGS
     for c in table:
         assert c.block_m % 16 == 0 and c.block_n % 64 == 0, c
         assert c.block_k in (64, 128) and c.warps in (4, 8) and c.stages >= 2, c
+        assert c.warps % (c.warps_m * c.warps_k) == 0 and c.block_m % (16 * c.warps_m) == 0, c
         assert c.smem_bytes <= 99 * 1024, c  # sm_86/sm_89's per-block limit
-    assert any(c.block_m == 16 for c in table)  # decode tiles
+    assert len([c for c in table if c.block_m == 16]) == DECODE_CONFIGS  # decode tiles
+    assert any(c.warps_k > 1 for c in table)  # warps splitting the k-step
     assert any(c.block_m >= 128 for c in table)  # prefill tiles
-    out = [ctypes.c_int32(-7) for _ in range(5)]
+    out = [ctypes.c_int32(-7) for _ in range(7)]
     for bad in (-1, len(table), 1 << 20):
         assert lib.lsq_w4a16_config(bad, *(ctypes.byref(v) for v in out)) == -1
         assert all(v.value == -7 for v in out)
@@ -294,7 +297,9 @@ def test_plan(
     fill = p.blocks / SMS
     weight_bytes = np_ * k // 2
     if weight_bytes >= 8 << 20:  # one Llama/Qwen matrix: split-K (or N) fills the H200
-        assert fill >= (0.95 if m <= 16 else 0.8), p
+        # (past 16 rows a 128-row tile on 96 of 132 SMs can beat twice as many 64-row tiles
+        # that convert each weight twice as often per row)
+        assert fill >= (0.95 if m <= 16 else 0.7), p
         if m <= 16:
             assert fill <= 4, p  # not split past a few blocks per SM
     else:  # SmolLM2: sub-MB weights, latency-bound; a split only where its launch pays off
@@ -414,7 +419,7 @@ def _check(y: torch.Tensor, ref: torch.Tensor, what: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", cuda_lib.GEMM_DTYPES)
-@pytest.mark.parametrize("config", range(8))
+@pytest.mark.parametrize("config", range(CONFIGS))
 def test_emulated_every_config(
     lib: ctypes.CDLL, table: tuple[gp.TileConfig, ...], config: int, dtype
 ) -> None:
@@ -437,14 +442,16 @@ def test_emulated_group_sizes(
     lib: ctypes.CDLL, table: tuple[gp.TileConfig, ...], n: int, k: int, gs: int
 ) -> None:
     """Each group size against both k-step depths: BK = 128 (several groups a step at gs 32 and
-    64) and BK = 64 (a group across two steps at gs 128). SmolLM2's fused qkv is the first."""
+    64) and BK = 64 (a group across two steps at gs 128), and against the tiles whose warps
+    split a k-step (a warp's run of slices inside one group, or across several). SmolLM2's
+    fused qkv is the first."""
     qweight, qparams = cuda_lib.gemm_weight(n, k, gs, seed=gs)
     gen = torch.Generator().manual_seed(gs)
     for dtype in cuda_lib.GEMM_DTYPES:
         x = torch.randn(5, k, generator=gen).to(dtype)
         ref = cuda_lib.gemm_reference(x, qweight, qparams, n, k, gs)
         assert (table[0].block_k, table[3].block_k) == (128, 64)  # both k-step depths
-        for cfg in (table[0], table[3]):
+        for cfg in (table[0], table[3], *(c for c in table if c.warps_k > 1)):
             split = cuda_lib.gemm_splits_to_try(cfg, k, gs)[-1]
             y = _emulated(lib, x, qweight, qparams, n, k, gs, cfg.id, split)
             _check(y, ref, f"{dtype} config {cfg.id} split {split}")

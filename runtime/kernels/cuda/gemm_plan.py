@@ -51,6 +51,8 @@ GROUP_SIZES = (32, 64, 128)
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # 512 means 512+
 DECODE_ROWS = 16  # m up to this runs the 16-row (decode) configs
 MAX_SPLIT_K = 32
+# a tile's pinned form (TileConfig.shape), split_k aside
+TILE_FIELDS = ("block_m", "block_n", "block_k", "warps", "warps_m", "warps_k", "stages")
 
 # The machine model (per SM of an H100/H200-class GPU; only ratios matter for the choice).
 _SM_FLOPS = 4.0e12  # mma.sync fp16/bf16, fp32 accumulate, per SM
@@ -62,6 +64,17 @@ _THREADS_PER_SM = 2048  # sm_80/90; 1536 on sm_86/89
 _REGS_PER_SM = 65536
 _REGS_PER_THREAD = 128  # the configs' launch bounds keep most at or under this
 _MAX_BLOCKS_PER_SM = 16
+# Instruction issue: 4 schedulers per SM each issue a warp instruction a cycle at best. Per packed
+# 32-bit weight word (8 weights) a warp along m issues the int4 conversion, (s, b) and shared
+# load: about 19 instructions where the kernel is compiled for the group size (decode tiles), 26
+# where it reads it at run time (evals/bench/gemm_sass.py, sm_90). Each mma.sync is one more.
+_SCHEDULERS = 4
+_CLOCK_HZ = 1.98e9  # H100/H200 boost
+_DEQUANT_INSTR = {True: 19.0, False: 26.0}  # keyed by "compiled per group size"
+# A scheduler with w resident warps issues about min(1, w * this) of its cycles: the H200 ran the
+# 16x128 decode tile (28.7 instructions a word then) at 2 warps per scheduler in 0.9-1.2x the
+# time that 0.45 of the issue rate gives, on all four Llama-3-8B linears at M = 1 (2026-12-04).
+_ISSUE_PER_WARP = 0.225
 _TIE = 1.03
 # cuBLAS's tensor-core rate per SM against mma.sync's (_SM_FLOPS): wgmma on sm_90 (about 700 of
 # the H100/H200's 989 dense TFLOPS reached on large GEMMs, mma.sync about two thirds of that)
@@ -71,13 +84,17 @@ _DEQUANT_MARGIN = 1.15  # the dequantized path must beat the fused kernel's esti
 
 @dataclass(frozen=True)
 class TileConfig:
-    """One row of the C table: a block_m x block_n tile per block, block_k-deep k-steps."""
+    """One row of the C table: a block_m x block_n tile per block, block_k-deep k-steps, by
+    ``warps`` warps: ``warps_m`` along the rows (each dequantizes the tile's weights for its
+    own rows) and ``warps_k`` splitting each k-step's slices (adding up at the end)."""
 
     id: int
     block_m: int
     block_n: int
     block_k: int
     warps: int
+    warps_m: int
+    warps_k: int
     stages: int
 
     @property
@@ -93,13 +110,7 @@ class TileConfig:
 
     def shape(self) -> dict[str, int]:
         """The pinned form of the tile (without split_k)."""
-        return {
-            "block_m": self.block_m,
-            "block_n": self.block_n,
-            "block_k": self.block_k,
-            "warps": self.warps,
-            "stages": self.stages,
-        }
+        return {f: getattr(self, f) for f in TILE_FIELDS}
 
 
 @dataclass(frozen=True)
@@ -155,11 +166,11 @@ def configs(lib: ctypes.CDLL) -> tuple[TileConfig, ...]:
     """The C table of the loaded library, in id order (callable without a GPU)."""
     lib.lsq_w4a16_num_configs.argtypes = []
     lib.lsq_w4a16_num_configs.restype = ctypes.c_int
-    lib.lsq_w4a16_config.argtypes = [ctypes.c_int32] + [ctypes.POINTER(ctypes.c_int32)] * 5
+    lib.lsq_w4a16_config.argtypes = [ctypes.c_int32] + [ctypes.POINTER(ctypes.c_int32)] * 7
     lib.lsq_w4a16_config.restype = ctypes.c_int
     table = []
     for i in range(lib.lsq_w4a16_num_configs()):
-        out = [ctypes.c_int32() for _ in range(5)]
+        out = [ctypes.c_int32() for _ in range(7)]
         if lib.lsq_w4a16_config(i, *(ctypes.byref(v) for v in out)) != 0:
             raise RuntimeError(f"lsq_w4a16_config refused id {i} of its own table")
         table.append(TileConfig(i, *(v.value for v in out)))
@@ -265,10 +276,29 @@ def estimate_seconds(
     hbm_bytes = np_ * cdiv(k, 16) * 8 + 2 * m * k + 2 * m * n
     memory = hbm_bytes / bandwidth
     chain = cdiv(p.blocks, slots) * cdiv(p.steps_per_split, cfg.stages - 1) * _LATENCY_S
-    total = max(compute, memory, chain)
+    rate = issue_rate(cfg, per_sm, blocks_per_sm(cfg, smem_per_sm))
+    issue = per_sm * p.steps_per_split * step_instructions(cfg) / rate
+    total = max(compute, memory, chain, issue)
     if split_k > 1:
         total += _LAUNCH_S + (8 * split_k * m * np_ + 2 * m * n) / _HBM_BYTES_PER_S
     return total
+
+
+def step_instructions(cfg: TileConfig) -> float:
+    """Warp instructions one block issues per k-step: each warp along m converts the step's
+    block_k * block_n / 8 weight words, and the block issues one mma.sync per m16n8k16."""
+    words = cfg.block_k * cfg.block_n / 8
+    per_group_size = cfg.block_m <= DECODE_ROWS  # csrc's kPerGroupSize
+    convert = words * cfg.warps_m * _DEQUANT_INSTR[per_group_size] / 32
+    return convert + (cfg.block_m // 16) * (cfg.block_n // 8) * (cfg.block_k // 16)
+
+
+def issue_rate(cfg: TileConfig, per_sm: int, slots_per_sm: int) -> float:
+    """Warp instructions a second on the busiest SM, holding min(per_sm, its slots) blocks at
+    once: fewer warps than hide the latencies leave issue cycles empty."""
+    resident = min(per_sm, slots_per_sm)
+    warps_per_scheduler = resident * cfg.warps / _SCHEDULERS
+    return _SCHEDULERS * _CLOCK_HZ * min(1.0, _ISSUE_PER_WARP * warps_per_scheduler)
 
 
 def dense_speedup(arch: str) -> float:
@@ -366,7 +396,7 @@ def _pinned_plan(
         raise ValueError(f"pinned {key}: expected a mapping, got {type(entry).__name__}")
     if dict(entry) == DequantPlan(m, n, k).to_dict():
         return DequantPlan(m, n, k)
-    want = {"block_m", "block_n", "block_k", "warps", "stages", "split_k"}
+    want = {*TILE_FIELDS, "split_k"}
     if set(entry) != want:
         raise ValueError(
             f"pinned {key}: keys must be {sorted(want)} (or only dequant: 1), got "
