@@ -17,10 +17,15 @@ the targets:
 * M = 1: at least 1.3x tinygemm;
 * M = 4096: at least 0.8x the dense matmul.
 
---quick runs tiny shapes through the CPU emulation of the kernel (lsq_emulate_w4a16_gemm, no
-GPU, no timing): a check of this script.
+--sweep M,... times every fused launch the planner considers (each tile config and split-K) on
+each shape at those M and prints, per shape and M, the planned launch against the fastest one
+measured, the model's estimates of both and the measured top 5: the figures the planner's
+constants (runtime/kernels/cuda/gemm_plan.py) are fit to, and what `lite tune` would pin.
 
-Usage: python evals/bench/cuda_gemm.py [--ms 1,4,16,64,256,1024,4096] [--quick]
+--quick runs tiny shapes through the CPU emulation of the kernel (lsq_emulate_w4a16_gemm, no
+GPU, no timing): a check of this script (with --sweep, every candidate of one decode shape).
+
+Usage: python evals/bench/cuda_gemm.py [--ms 1,4,16,64,256,1024,4096] [--sweep 1,16] [--quick]
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ QUICK = {"quick 200x300": ((200, 300), (1, 17)), "quick 1024x1024": ((1024, 1024
 GROUP, QUICK_GROUP = 128, 32
 MS = "1,4,16,64,256,1024,4096"
 TINYGEMM_MAX_M = 16  # tinygemm is a decode kernel; the targets compare it at M = 1
+SWEEP_QUICK = "quick 200x300"  # --quick --sweep emulates every candidate of this shape only
+ERR_LIMIT = 1e-2  # bf16's bound in the tests (tests/cuda_lib.py GEMM_TOLERANCE)
 
 
 class Weight:
@@ -163,11 +170,59 @@ def targets(rows: list[dict]) -> None:
         print(f"- {what}: {span} (target >= {goal}x: {met if got else 'unknown'})")
 
 
+def sweep(lib, shape: str, w: Weight, m: int, sms: int, arch: str, quick: bool) -> None:
+    """Every fused candidate of one shape and M timed (emulated and checked with --quick): the
+    planned one against the fastest, with the model's estimates."""
+    x = torch.randn(m, w.k, device=w.qweight.device).to(torch.bfloat16)
+    ref = x.double() @ w.exact.double().T
+    plans = gemm_plan.ranked(gemm_plan.configs(lib), m, w.n, w.k, w.gs, sms, arch)
+    fused = [p for p in plans if isinstance(p, gemm_plan.GemmPlan)]
+    timed = []
+    for p in fused:
+        run = csrc_call(lib, w, x, p, quick)
+        err = rel_err(run(), ref)
+        if err > ERR_LIMIT:
+            raise SystemExit(f"{shape} M={m} {label(p)}: relative error {err:.1e}")
+        timed.append((None if quick else graph_ms(run), p))
+    if quick:
+        print(f"| {shape} | {m} | {label(plans[0])} | {len(timed)} launches, all within error |")
+        return
+    planned = next(ms for ms, p in timed if p is plans[0]) if plans[0] in fused else None
+    best_ms, best = min(timed, key=lambda t: t[0])
+    est = lambda p: gemm_plan.estimate_seconds(p.tile, m, w.n, w.k, p.split_k, sms) * 1e3  # noqa: E731
+    top = ", ".join(f"{label(p)} {ms:.4f}" for ms, p in sorted(timed, key=lambda t: t[0])[:5])
+    ratio = f"{planned / best_ms:.2f}x" if planned else "-"
+    print(
+        f"| {shape} | {m} | {label(plans[0])} | {fmt(planned)} | {fmt(est(fused[0]))} | "
+        f"{label(best)} | {best_ms:.4f} | {est(best):.4f} | {ratio} | "
+        f"{fused.index(best) + 1} of {len(fused)} | {top} |"
+    )
+
+
+def print_sweep(lib, runs: dict, gs: int, sweep_ms: tuple[int, ...], sms: int, arch: str, device):
+    quick = device.type == "cpu"
+    print(f"\n## Every fused launch at M = {', '.join(map(str, sweep_ms))}\n")
+    if quick:
+        print("| shape | M | plan | checked |\n|---|---:|---|---|")
+    else:
+        print(
+            "| shape | M | plan | ms | model ms | fastest | ms | model ms | plan / fastest | "
+            "fastest's model rank | measured top 5 (config/split ms) |\n"
+            "|---|---:|---|---:|---:|---|---:|---:|---:|---|---|"
+        )
+    for name, ((n, k), _) in runs.items():
+        w = Weight(n, k, gs, device)
+        for m in sweep_ms:
+            sweep(lib, name, w, m, sms, arch, quick)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ms", default=MS, help="row counts")
+    p.add_argument("--sweep", default="", help="row counts at which to time every fused launch")
     p.add_argument("--quick", action="store_true", help="CPU emulation, tiny shapes, no timing")
     a = p.parse_args()
+    sweep_ms = tuple(int(m) for m in a.sweep.split(",") if m)
     device, lib, sms = setup(a.quick)
     ms = tuple(int(m) for m in a.ms.split(","))
     runs = QUICK if a.quick else {name: (shape, ms) for name, shape in SHAPES.items()}
@@ -190,6 +245,9 @@ def main() -> None:
             print_row(rows[-1], w)
     if not a.quick:
         targets(rows)
+    if sweep_ms:
+        swept = {k: v for k, v in runs.items() if not a.quick or k == SWEEP_QUICK}
+        print_sweep(lib, swept, gs, sweep_ms, sms, arch, device)
 
 
 if __name__ == "__main__":
