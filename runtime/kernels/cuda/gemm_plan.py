@@ -21,11 +21,14 @@ then the larger tile, then the lower id):
 * memory: the weights and x stream at HBM bandwidth only with enough bytes in flight: each
   resident block keeps ``stages - 1`` k-steps in flight, and latency * bandwidth is the need;
 * latency: a block's k-steps form a chain of round trips, ``stages - 1`` at a time;
+* issue: the busiest SM issues each block's warp instructions (the weights' int4 conversion per
+  warp along m, the mma.sync) at a rate that grows with the warps resident on it, up to one
+  per scheduler per cycle (fit to an H200's M = 1 figures, see ``_ISSUE_PER_WARP``);
 * a split adds the reduction launch and the workspace's round trip.
 
-So a single weight matrix at decode is split until its blocks cover the SMs with enough bytes in
-flight, while a small one (SmolLM2's) is not split when the extra launch costs more than the
-latency it hides.
+So a single weight matrix at decode is split until its blocks cover the SMs with enough warps
+and bytes in flight, while a small one (SmolLM2's) is not split when the extra launch costs more
+than the latency it hides.
 
 Past the decode rows the plan may instead be a :class:`DequantPlan`: ``lsq_w4a16_dequantize``
 writes the weights out in the activation dtype (the bits the GEMM would multiply) and a dense
