@@ -12,12 +12,18 @@ time, the KV bytes read per second and the speed-up over Triton, then the target
 Every shape's output is also compared with Triton's (max abs difference: both read the same
 pool, so it is their rounding difference, ~1e-3 for fp16).
 
+--sweep times, at the longest context of each batch and KV kind, partition sizes from 256
+tokens to a few thousand against the one lsq_paged_decode_partition_size plans (about 4 blocks
+per SM): the data its rule is to be fit to (issue 12; at batch 1 the fixed cost of each block,
+its Q fragments, the warps' merge and the partials, weighs against the waves of blocks).
+
 The library is the cuda backend's (`runtime build-kernels`; built on first use, or carried
 prebuilt in LITESERVE_CACHE to a machine without nvcc). --quick runs tiny shapes through the
 CPU emulation of the kernel (lsq_emulate_paged_decode_attention, no GPU, no timing): a check
 of this script.
 
 Usage: python evals/bench/cuda_attention.py [--batch 1,8] [--contexts 1024,4096,16384,32768]
+       [--sweep]
 """
 
 from __future__ import annotations
@@ -113,6 +119,29 @@ def graph_ms(fn, iters: int = 50) -> float:
     return start.elapsed_time(end) / iters
 
 
+SWEEP_PARTITIONS = (256, 512, 768, 1024, 1536, 2048, 4096, 8192)
+
+
+def sweep(lib, kv_quant: str, batch: int, ctx: int, device: torch.device, sms: int) -> None:
+    """One row: the planned partition size against every size of SWEEP_PARTITIONS that fits."""
+    spec, kv, tables, lens = make_pool(kv_quant, batch, ctx, device)
+    q = torch.randn(batch, HEADS, DIM, device=device, dtype=torch.float16)
+    out = torch.empty_like(q)
+    width = tables.shape[1]
+    planned = lib.lsq_paged_decode_partition_size(batch, HEADS, KV_HEADS, width, BLOCK, sms)
+    timed = {}
+    for part in sorted({planned, *(p for p in SWEEP_PARTITIONS if p <= width * BLOCK)}):
+        floats = lib.lsq_paged_decode_workspace_floats(batch, HEADS, DIM, width, BLOCK, part)
+        workspace = torch.empty(max(floats, 1), dtype=torch.float32, device=device)
+        timed[part] = graph_ms(csrc_call(lib, q, out, kv, tables, lens, part, workspace, False))
+    best = min(timed, key=timed.get)
+    cells = ", ".join(f"{p}: {ms:.4f}" for p, ms in timed.items())
+    print(
+        f"| {kv_quant} | {batch} | {ctx} | {planned} | {timed[planned]:.4f} | {best} | "
+        f"{timed[best]:.4f} | {timed[planned] / timed[best]:.2f}x | {cells} |"
+    )
+
+
 def measure(lib, kv_quant: str, batch: int, ctx: int, device: torch.device, sms: int, quick: bool):
     """(partition size, csrc ms, triton ms, max |csrc - triton|, KV bytes read) of one shape;
     in --quick mode only the emulated call runs (times and difference are None)."""
@@ -147,6 +176,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", default="1,8")
     p.add_argument("--contexts", default="1024,4096,16384,32768")
+    p.add_argument("--sweep", action="store_true", help="partition sizes at the longest context")
     p.add_argument("--quick", action="store_true", help="CPU emulation, tiny shapes, no timing")
     a = p.parse_args()
     device, lib, sms = setup(a.quick)
@@ -185,6 +215,13 @@ def main() -> None:
         spec = KVSpec(1, KV_HEADS, DIM, BLOCK, "none", torch.float16)
         rate = longest * spec.bytes_per_token() / times[("none", 1, longest)] / 1e9
         print(f"- fp16 KV at batch 1: {rate:.2f} TB/s of KV read (target >= 2.5 TB/s)")
+    if a.sweep:
+        print(f"\n## Partition sizes at context {longest} (csrc ms)\n")
+        print("| kv | batch | context | planned | ms | fastest | ms | planned / fastest | all |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+        for batch in batches:
+            for kv_quant in ("none", "int8", "int4"):
+                sweep(lib, kv_quant, batch, longest, device, sms)
 
 
 if __name__ == "__main__":

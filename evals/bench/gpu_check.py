@@ -472,11 +472,12 @@ def plan(
     cuda_attention = Stage(
         "cuda-attention",
         "csrc paged decode attention against Triton's on Llama-3-8B shapes",
-        [PY, str(BENCH / "cuda_attention.py")] + (["--quick"] if smoke else ["--batch", "1,8"]),
+        [PY, str(BENCH / "cuda_attention.py")]
+        + (["--quick"] if smoke else ["--batch", "1,8", "--sweep"]),
         # a smoke run may build the library first (nvcc, 2-3 min on 2 cores); a GPU machine
         # gets it prebuilt in .kernels/
         cap=300 if smoke else 90,
-        reserve=15,
+        reserve=25,  # 15 s on the H200 before the partition sweep (issue 12)
     )
     cuda_gemm = Stage(
         "cuda-gemm",
