@@ -189,7 +189,10 @@ def sweep(lib, shape: str, w: Weight, m: int, sms: int, arch: str, quick: bool) 
         return
     planned = next(ms for ms, p in timed if p is plans[0]) if plans[0] in fused else None
     best_ms, best = min(timed, key=lambda t: t[0])
-    est = lambda p: gemm_plan.estimate_seconds(p.tile, m, w.n, w.k, p.split_k, sms) * 1e3  # noqa: E731
+
+    def est(p: gemm_plan.GemmPlan) -> float:
+        return gemm_plan.estimate_seconds(p.tile, m, w.n, w.k, w.gs, p.split_k, sms) * 1e3
+
     top = ", ".join(f"{label(p)} {ms:.4f}" for ms, p in sorted(timed, key=lambda t: t[0])[:5])
     ratio = f"{planned / best_ms:.2f}x" if planned else "-"
     print(

@@ -68,16 +68,19 @@ _REGS_PER_SM = 65536
 _REGS_PER_THREAD = 128  # the configs' launch bounds keep most at or under this
 _MAX_BLOCKS_PER_SM = 16
 # Instruction issue: 4 schedulers per SM each issue a warp instruction a cycle at best. Per packed
-# 32-bit weight word (8 weights) a warp along m issues the int4 conversion, (s, b) and shared
-# load: about 19 instructions where the kernel is compiled for the group size (decode tiles), 26
-# where it reads it at run time (evals/bench/gemm_sass.py, sm_90). Each mma.sync is one more.
+# 32-bit weight word (8 weights) a warp along m issues its shared load, the int4 conversion and
+# the scale and offset (about 18 instructions, bf16; evals/bench/gemm_sass.py on sm_90), and per
+# qparams word (a column's (s, b) for one group) a shared load and the pairs' conversion (about
+# 5). Each mma.sync is one more.
 _SCHEDULERS = 4
 _CLOCK_HZ = 1.98e9  # H100/H200 boost
-_DEQUANT_INSTR = {True: 19.0, False: 26.0}  # keyed by "compiled per group size"
+_WORD_INSTR = 18.0
+_PAIR_INSTR = 5.0
 # A scheduler with w resident warps issues about min(1, w * this) of its cycles: the H200 ran the
-# 16x128 decode tile (28.7 instructions a word then) at 2 warps per scheduler in 0.9-1.2x the
-# time that 0.45 of the issue rate gives, on all four Llama-3-8B linears at M = 1 (2026-12-04).
-_ISSUE_PER_WARP = 0.225
+# 16x128 decode tile with the group size read at run time (25 instructions a word by this model,
+# 28.7 in its SASS) at 2 warps per scheduler in 0.9-1.2x the time that 0.4 of the issue rate
+# gives, on all four Llama-3-8B linears at M = 1 (2026-12-04, before configs 8 and 9 existed).
+_ISSUE_PER_WARP = 0.2
 _TIE = 1.03
 # cuBLAS's tensor-core rate per SM against mma.sync's (_SM_FLOPS): wgmma on sm_90 (about 700 of
 # the H100/H200's 989 dense TFLOPS reached on large GEMMs, mma.sync about two thirds of that)
@@ -260,6 +263,7 @@ def estimate_seconds(
     m: int,
     n: int,
     k: int,
+    group_size: int,
     split_k: int,
     sm_count: int,
     smem_per_sm: int = _SMEM_PER_SM,
@@ -280,19 +284,25 @@ def estimate_seconds(
     memory = hbm_bytes / bandwidth
     chain = cdiv(p.blocks, slots) * cdiv(p.steps_per_split, cfg.stages - 1) * _LATENCY_S
     rate = issue_rate(cfg, per_sm, blocks_per_sm(cfg, smem_per_sm))
-    issue = per_sm * p.steps_per_split * step_instructions(cfg) / rate
+    issue = per_sm * p.steps_per_split * step_instructions(cfg, group_size) / rate
     total = max(compute, memory, chain, issue)
     if split_k > 1:
         total += _LAUNCH_S + (8 * split_k * m * np_ + 2 * m * n) / _HBM_BYTES_PER_S
     return total
 
 
-def step_instructions(cfg: TileConfig) -> float:
+def step_instructions(cfg: TileConfig, group_size: int) -> float:
     """Warp instructions one block issues per k-step: each warp along m converts the step's
-    block_k * block_n / 8 weight words, and the block issues one mma.sync per m16n8k16."""
+    block_k * block_n / 8 weight words, and the (s, b) pairs of each group its run of the step
+    touches (2 qparams words per 16 columns; a tile not compiled per group size converts them
+    at every slice pair where a group of 32 could start); the block issues one mma.sync per
+    m16n8k16."""
     words = cfg.block_k * cfg.block_n / 8
+    run = cfg.block_k // cfg.warps_k  # k depth of one warp's slices in a step
     per_group_size = cfg.block_m <= DECODE_ROWS  # csrc's kPerGroupSize
-    convert = words * cfg.warps_m * _DEQUANT_INSTR[per_group_size] / 32
+    groups = max(1, run // (group_size if per_group_size else 32))
+    pairs_per_word = 32 * groups / run
+    convert = words * cfg.warps_m * (_WORD_INSTR + _PAIR_INSTR * pairs_per_word) / 32
     return convert + (cfg.block_m // 16) * (cfg.block_n // 8) * (cfg.block_k // 16)
 
 
@@ -365,7 +375,7 @@ def ranked(
     for cfg in candidates(table, m):
         for split in range(1, MAX_SPLIT_K + 1):
             if split_ok(cfg, k, group_size, split):
-                seconds = estimate_seconds(cfg, m, n, k, split, sm_count, smem_per_sm)
+                seconds = estimate_seconds(cfg, m, n, k, group_size, split, sm_count, smem_per_sm)
                 timed.append((seconds, make_plan(cfg, m, n, k, split)))
     fastest = min(t for t, _ in timed)
     choice = min(
