@@ -637,6 +637,25 @@ LSQ_HD void st_shared_v4(SharedAddr dst, uint32_t a, uint32_t b, uint32_t c, uin
 #endif
 }
 
+// A fence making this thread's global stores visible to the whole GPU before its later ones
+// (__threadfence); the emulator runs blocks one after another, so there it has nothing to do.
+LSQ_HD void thread_fence() {
+#ifdef __CUDA_ARCH__
+  __threadfence();
+#endif
+}
+
+// *address += v, atomically over the GPU; returns the old value.
+LSQ_HD uint32_t atomic_add(uint32_t* address, uint32_t v) {
+#ifdef __CUDA_ARCH__
+  return atomicAdd(address, v);
+#else
+  const uint32_t old = *address;
+  *address = old + v;
+  return old;
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------
 // Collectives. All lanes of the warp (all threads of the block for block_sync) take part.
 

@@ -129,6 +129,10 @@ struct Params {
   int steps_per_split;   // k-steps of one split (the last may have fewer, never none)
   int a_vec;             // x is 16-byte aligned with ldx % 8 == 0: cp.async for A
   int y_vec;             // y is 4-byte aligned with ldy even: paired stores
+  int y_vec8;            // y is 8-byte aligned with ldy % 4 == 0: the reduction's quad stores
+  int splits;            // split_k
+  int n_tiles;           // output tiles along N (gridDim.x)
+  uint32_t* counters;    // split-K in one launch: per output tile, the splits done (else null)
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -199,6 +203,50 @@ LSQ_HD uint16_t pack1(float v) {
 // ---------------------------------------------------------------------------------------------
 // The GEMM kernel.
 
+// y[m, n] = sum over s = 0, 1, ..., splits - 1 of workspace[s, m, n], in that order, for the
+// 4 columns col .. col + 3 of row m (float4 loads; Np is a multiple of 64).
+struct Reduce {
+  const float* ws;
+  void* y;
+  int64_t ldy;
+  int m, n, np, splits, y_vec8;
+};
+
+template <bool BF16>
+LSQ_HD void reduce_at(const Reduce& r, int row, int col) {
+  if (col >= r.n) return;
+  const int64_t split_stride = (int64_t)r.m * r.np;
+  const float* src = r.ws + (int64_t)row * r.np + col;
+  float4 acc = *reinterpret_cast<const float4*>(src);
+  for (int s = 1; s < r.splits; ++s) {
+    const float4 v = *reinterpret_cast<const float4*>(src + s * split_stride);
+    acc.x += v.x;
+    acc.y += v.y;
+    acc.z += v.z;
+    acc.w += v.w;
+  }
+  uint16_t* yr = static_cast<uint16_t*>(r.y) + row * r.ldy;
+  if (r.y_vec8 && col + 3 < r.n) {
+    uint2 out;
+    out.x = pack2<BF16>(acc.x, acc.y);
+    out.y = pack2<BF16>(acc.z, acc.w);
+    *reinterpret_cast<uint2*>(yr + col) = out;
+  } else {
+    const float v[4] = {acc.x, acc.y, acc.z, acc.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (col + e < r.n) yr[col + e] = pack1<BF16>(v[e]);
+  }
+}
+
+// The same for quad idx of the row-major [M, Np / 4] grid of quads (the reduction kernel's).
+template <bool BF16>
+LSQ_HD void reduce_quad(const Reduce& r, int64_t idx) {
+  const int quads = r.np / 4;
+  if (idx >= (int64_t)r.m * quads) return;
+  reduce_at<BF16>(r, (int)(idx / quads), (int)(idx % quads) * 4);
+}
+
 // With the k-step's slices split WK ways, the warps along k (warp_k > 0) leave their fp32 tiles in
 // shared memory (the pipeline's buffers, free once every copy has landed) and the warp_k = 0 warp
 // of the same output tile adds them in order 1, 2, ..., WK - 1: reproducible bits. Returns
@@ -219,6 +267,34 @@ LSQ_HD bool reduce_warps_k(float* acc, int warp_mn, int warp_k, int lane, uint8_
 #pragma unroll
     for (int e = 0; e < T::ACC; ++e) acc[e] += *at(wk, e);
   return true;
+}
+
+// Split-K in one launch: the block that finishes an output tile's last split sums the tile's
+// partials in split order 0, 1, ... into y, as lsq_reduce_splits would (the same bits, without
+// its launch). Arrival is counted per tile in p.counters, which the last block sets back to 0
+// for the next launch; the fences order every block's partials before its count and the last
+// block's reads after it (the threadFenceReduction pattern of CUDA's samples).
+template <class T, bool BF16>
+LSQ_HD void finish_split(const Params& p, unsigned bx, unsigned by, int tid, uint8_t* smem) {
+  thread_fence();  // this thread's partials are visible to the GPU before the block counts in
+  block_sync();    // and every thread's are (the pipeline's buffers are idle: a flag fits)
+  uint32_t* const last = reinterpret_cast<uint32_t*>(smem);
+  if (tid == 0) {
+    uint32_t* const counter = p.counters + static_cast<int64_t>(by) * p.n_tiles + bx;
+    const bool done = atomic_add(counter, 1u) == static_cast<uint32_t>(p.splits - 1);
+    if (done) *counter = 0u;  // no other block of this launch touches it again
+    *last = done;
+  }
+  block_sync();
+  if (!*last) return;
+  thread_fence();
+  const Reduce r{p.workspace, p.y, p.ldy, p.m, p.n, p.np, p.splits, p.y_vec8};
+  const int m0 = by * T::BM, n0 = bx * T::BN, rows = imin(T::BM, p.m - m0);
+  constexpr int kQuads = T::BN / 4;
+  for (int i = tid; i < rows * kQuads; i += T::THREADS) {
+    const int col = n0 + (i % kQuads) * 4;  // < n checked in reduce_at
+    reduce_at<BF16>(r, m0 + i / kQuads, col);  // no integer division by a run-time value
+  }
 }
 
 // log2 of the group size: GS when the kernel is compiled for one (32, 64 or 128), else p's.
@@ -438,12 +514,12 @@ LSQ_HD void gemm_block(const Params p, unsigned bx, unsigned by, unsigned bz, bo
     write_stage = write_stage == T::STAGES - 1 ? 0 : write_stage + 1;
   }
   cp_async_wait<0>();
-  if (T::WK > 1 && !reduce_warps_k<T>(&acc[0][0][0][0], warp_mn, warp_k, lane, smem)) return;
+  const bool writer = T::WK == 1 || reduce_warps_k<T>(&acc[0][0][0][0], warp_mn, warp_k, lane, smem);
 
   // ---- epilogue: fp32 partials to the workspace, or y in the activation dtype ----
   const int tig = lane & 3;
 #pragma unroll
-  for (int i = 0; i < T::MT; ++i) {
+  for (int i = 0; writer && i < T::MT; ++i) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {  // C rows g and g + 8
       const int row = m0 + warp_m * T::TM + i * 16 + g_lane + half * 8;
@@ -473,6 +549,7 @@ LSQ_HD void gemm_block(const Params p, unsigned bx, unsigned by, unsigned bz, bo
       }
     }
   }
+  if (split && p.counters) finish_split<T, BF16>(p, bx, by, tid, smem);
 }
 
 template <class T, int GS, bool BF16>
@@ -480,45 +557,6 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB) w4a16_gemm_kernel(const P
   extern __shared__ __align__(128) uint8_t smem[];
   gemm_block<T, GS, BF16>(p, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.y == 1, gridDim.z > 1,
                           threadIdx.x, smem);
-}
-
-// y[m, n] = sum over s = 0, 1, ..., splits - 1 of workspace[s, m, n], in that order, for the
-// 4 columns of quad idx (float4 loads; Np is a multiple of 64).
-struct Reduce {
-  const float* ws;
-  void* y;
-  int64_t ldy;
-  int m, n, np, splits, y_vec8;
-};
-
-template <bool BF16>
-LSQ_HD void reduce_quad(const Reduce& r, int64_t idx) {
-  const int quads = r.np / 4;
-  if (idx >= (int64_t)r.m * quads) return;
-  const int row = (int)(idx / quads), col = (int)(idx % quads) * 4;
-  if (col >= r.n) return;
-  const int64_t split_stride = (int64_t)r.m * r.np;
-  const float* src = r.ws + (int64_t)row * r.np + col;
-  float4 acc = *reinterpret_cast<const float4*>(src);
-  for (int s = 1; s < r.splits; ++s) {
-    const float4 v = *reinterpret_cast<const float4*>(src + s * split_stride);
-    acc.x += v.x;
-    acc.y += v.y;
-    acc.z += v.z;
-    acc.w += v.w;
-  }
-  uint16_t* yr = static_cast<uint16_t*>(r.y) + row * r.ldy;
-  if (r.y_vec8 && col + 3 < r.n) {
-    uint2 out;
-    out.x = pack2<BF16>(acc.x, acc.y);
-    out.y = pack2<BF16>(acc.z, acc.w);
-    *reinterpret_cast<uint2*>(yr + col) = out;
-  } else {
-    const float v[4] = {acc.x, acc.y, acc.z, acc.w};
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-      if (col + e < r.n) yr[col + e] = pack1<BF16>(v[e]);
-  }
 }
 
 template <bool BF16>
@@ -612,9 +650,9 @@ struct Plan {
 
 // Every check of the entry point; fills the plan. No CUDA call. m == 0 passes (nothing to run).
 static int plan_gemm(const void* x, int64_t ldx, const int32_t* qweight, const void* qparams,
-                     void* y, int64_t ldy, float* workspace, int64_t m, int64_t n, int64_t k,
-                     int32_t group_size, int32_t dtype, int32_t config, int32_t split_k,
-                     Plan* plan) {
+                     void* y, int64_t ldy, float* workspace, uint32_t* counters,
+                     int64_t counters_len, int64_t m, int64_t n, int64_t k, int32_t group_size,
+                     int32_t dtype, int32_t config, int32_t split_k, Plan* plan) {
   LSQ_REQUIRE(config >= 0 && config < kNumConfigs);
   LSQ_REQUIRE(dtype == kDtypeFp16 || dtype == kDtypeBf16);
   LSQ_REQUIRE(group_size == 32 || group_size == 64 || group_size == 128);
@@ -629,8 +667,10 @@ static int plan_gemm(const void* x, int64_t ldx, const int32_t* qweight, const v
   const int64_t steps_per_split = ceil_div(k_steps, split_k);
   LSQ_REQUIRE((split_k - 1) * steps_per_split < k_steps);  // no split may be empty
   LSQ_REQUIRE(split_k == 1 || (workspace && aligned(workspace, 16)));
+  LSQ_REQUIRE(counters_len >= 0 && (!counters || aligned(counters, 4)));
   const int64_t m_tiles = ceil_div(m, c.block_m);
   LSQ_REQUIRE(m_tiles <= 65535);
+  const int64_t n_tiles = ceil_div(n, c.block_n);
 
   Params& p = plan->p;
   p.x = x;
@@ -650,13 +690,17 @@ static int plan_gemm(const void* x, int64_t ldx, const int32_t* qweight, const v
   p.steps_per_split = static_cast<int>(steps_per_split);
   p.a_vec = aligned(x, 16) && ldx % 8 == 0;
   p.y_vec = aligned(y, 4) && ldy % 2 == 0;
+  p.y_vec8 = aligned(y, 8) && ldy % 4 == 0;
+  p.splits = split_k;
+  p.n_tiles = static_cast<int>(n_tiles);
+  // one launch when the counters cover every output tile; else a second kernel reduces
+  p.counters = split_k > 1 && counters && m_tiles * n_tiles <= counters_len ? counters : nullptr;
   plan->config = config;
   plan->split_k = split_k;
   plan->bf16 = dtype == kDtypeBf16;
-  plan->grid_x = static_cast<unsigned>(ceil_div(n, c.block_n));
+  plan->grid_x = static_cast<unsigned>(n_tiles);
   plan->grid_y = static_cast<unsigned>(m_tiles);
-  const int y_vec8 = aligned(y, 8) && ldy % 4 == 0;
-  plan->reduce = Reduce{workspace, y, ldy, p.m, p.n, p.np, split_k, y_vec8};
+  plan->reduce = Reduce{workspace, y, ldy, p.m, p.n, p.np, split_k, p.y_vec8};
   return 0;
 }
 
@@ -713,7 +757,7 @@ struct Launcher {
     const dim3 grid(plan.grid_x, plan.grid_y, static_cast<unsigned>(plan.split_k));
     kernel<<<grid, T::THREADS, T::SMEM, stream>>>(plan.p);
     const int status = lsq_launch_status();
-    if (status || plan.split_k == 1) return status;
+    if (status || plan.split_k == 1 || plan.p.counters) return status;
     const int64_t quads = (int64_t)plan.p.m * (plan.p.np / 4);
     const unsigned blocks = static_cast<unsigned>(ceil_div(quads, 256));
     lsq_reduce_splits<BF16><<<blocks, 256, 0, stream>>>(plan.reduce);
@@ -738,7 +782,7 @@ struct Emulator {
                                   static_cast<uint8_t*>(smem));
         },
         *options);
-    if (split)
+    if (split && !p.counters)
       for (int64_t q = 0; q < (int64_t)p.m * (p.np / 4); ++q) reduce_quad<BF16>(plan.reduce, q);
     return 0;
 #endif
@@ -789,14 +833,18 @@ int lsq_w4a16_config(int32_t id, int32_t* block_m, int32_t* block_n, int32_t* bl
 
 // Launch y = x @ W_hat^T on `stream`. Every argument is checked before any CUDA call: a bad one
 // returns cudaErrorInvalidValue and launches nothing (so this also holds on a machine without a
-// GPU). m == 0 launches nothing and returns 0.
+// GPU). m == 0 launches nothing and returns 0. With split_k > 1 and `counters` (zeros, at least
+// one per output tile, counters_len of them, used by one stream at a time) the splits are summed
+// in the same launch, by the last block of each tile, which leaves its counter 0 again; without
+// them a second kernel sums them. Either way the bits are the same.
 int lsq_w4a16_gemm(const void* x, int64_t ldx, const int32_t* qweight, const void* qparams, void* y,
-                   int64_t ldy, float* workspace, int64_t m, int64_t n, int64_t k,
-                   int32_t group_size, int32_t dtype, int32_t config, int32_t split_k,
-                   void* stream) {
+                   int64_t ldy, float* workspace, uint32_t* counters, int64_t counters_len,
+                   int64_t m, int64_t n, int64_t k, int32_t group_size, int32_t dtype,
+                   int32_t config, int32_t split_k, void* stream) {
   lsq_gemm::Plan plan;
-  const int err = lsq_gemm::plan_gemm(x, ldx, qweight, qparams, y, ldy, workspace, m, n, k,
-                                      group_size, dtype, config, split_k, &plan);
+  const int err =
+      lsq_gemm::plan_gemm(x, ldx, qweight, qparams, y, ldy, workspace, counters, counters_len, m,
+                          n, k, group_size, dtype, config, split_k, &plan);
   if (err || m == 0) return err;
   lsq_gemm::Launcher launcher{plan, static_cast<cudaStream_t>(stream)};
   return lsq_gemm::dispatch(plan, launcher);
@@ -845,11 +893,13 @@ int lsq_emulate_w4a16_dequantize(const int32_t* qweight, const void* qparams, vo
 // emulated cp.async refuses to read outside x, qweight and qparams.
 int lsq_emulate_w4a16_gemm(const void* x, int64_t ldx, const int32_t* qweight,
                            const void* qparams, void* y, int64_t ldy, float* workspace,
-                           int64_t m, int64_t n, int64_t k, int32_t group_size, int32_t dtype,
-                           int32_t config, int32_t split_k, int32_t copies_land_at_issue) {
+                           uint32_t* counters, int64_t counters_len, int64_t m, int64_t n,
+                           int64_t k, int32_t group_size, int32_t dtype, int32_t config,
+                           int32_t split_k, int32_t copies_land_at_issue) {
   lsq_gemm::Plan plan;
-  const int err = lsq_gemm::plan_gemm(x, ldx, qweight, qparams, y, ldy, workspace, m, n, k,
-                                      group_size, dtype, config, split_k, &plan);
+  const int err =
+      lsq_gemm::plan_gemm(x, ldx, qweight, qparams, y, ldy, workspace, counters, counters_len, m,
+                          n, k, group_size, dtype, config, split_k, &plan);
   if (err || m == 0) return err;
   const lsq_gemm::Params& p = plan.p;
   auto range = [](const void* begin, int64_t bytes) {

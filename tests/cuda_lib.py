@@ -456,10 +456,11 @@ def gemm(
     split_k: int,
     y: torch.Tensor | None = None,
     emulate_landing: int | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = x @ W_hat^T by lsq_w4a16_gemm on torch's current stream, or, with emulate_landing
     (0: cp.async copies land at their wait, 1: at issue), by lsq_emulate_w4a16_gemm on the CPU.
-    x and y may be row views."""
+    x and y may be row views. With ``counters`` (int32 zeros) a split sums in the same launch."""
     m = x.shape[0]
     assert x.stride(1) == 1 and x.shape[1] == k
     if y is None:
@@ -467,7 +468,9 @@ def gemm(
     np_ = -(-n // 64) * 64
     workspace = torch.empty(max(1, split_k * m * np_), dtype=torch.float32, device=x.device)
     args = [x.data_ptr(), x.stride(0), qweight.data_ptr(), qparams.data_ptr(), y.data_ptr()]
-    args += [y.stride(0), workspace.data_ptr(), m, n, k, gs, STORAGE_KINDS[x.dtype]]
+    args += [y.stride(0), workspace.data_ptr()]
+    args += [None, 0] if counters is None else [counters.data_ptr(), counters.numel()]
+    args += [m, n, k, gs, STORAGE_KINDS[x.dtype]]
     args += [config, split_k]
     if emulate_landing is None:
         rc = lib.lsq_w4a16_gemm(*args, torch.cuda.current_stream().cuda_stream)

@@ -157,13 +157,14 @@ def test_config_table(table: tuple[gp.TileConfig, ...], lib: ctypes.CDLL) -> Non
 
 # Fake device pointers: the entry point checks every argument before any CUDA call, so these are
 # never dereferenced; a valid call with m = 0 launches nothing and returns 0.
-X, QW, QP, Y, WS = 0x10000, 0x20000, 0x30000, 0x40000, 0x50000
+X, QW, QP, Y, WS, CT = 0x10000, 0x20000, 0x30000, 0x40000, 0x50000, 0x60000
 
 
 def _call(lib: ctypes.CDLL, **over: int) -> int:
     args = dict(
-        x=X, ldx=576, qweight=QW, qparams=QP, y=Y, ldy=576, workspace=WS, m=0, n=576, k=576,
-        group_size=64, dtype=FP16, config=0, split_k=1, stream=0,
+        x=X, ldx=576, qweight=QW, qparams=QP, y=Y, ldy=576, workspace=WS, counters=CT,
+        counters_len=64, m=0, n=576, k=576, group_size=64, dtype=FP16, config=0, split_k=1,
+        stream=0,
     )  # fmt: skip
     args.update(over)
     return lib.lsq_w4a16_gemm(*args.values())
@@ -227,6 +228,8 @@ def test_valid_arguments_with_no_rows_launch_nothing(lib: ctypes.CDLL) -> None:
         {"qweight": QW + 4},  # not 16-byte aligned
         {"qparams": QP + 8},
         {"workspace": WS + 4, "split_k": 2},
+        {"counters": CT + 2, "split_k": 2},  # not 4-byte aligned
+        {"counters_len": -1},
         {"m": 70000 * 16},  # more m tiles than a grid's y dimension
     ],
 )
@@ -405,11 +408,22 @@ def test_a_valid_call_reaches_cuda(lib: ctypes.CDLL) -> None:
 
 
 def _emulated(lib, x, qweight, qparams, n, k, gs, config, split, y=None) -> torch.Tensor:
-    """The emulated GEMM with copies landing late and early: the same bits, or a pipeline bug."""
+    """The emulated GEMM with copies landing late and early: the same bits, or a pipeline bug;
+    with a split, also summed in the same launch (split counters): the same bits again, and the
+    counters left at 0."""
     late = cuda_lib.gemm(lib, x, qweight, qparams, n, k, gs, config, split, y, emulate_landing=0)
     late = late.clone()
     early = cuda_lib.gemm(lib, x, qweight, qparams, n, k, gs, config, split, y, emulate_landing=1)
     assert torch.equal(late, early), f"config {config} split {split}: landing changes the result"
+    if split > 1:
+        early = early.clone()
+        counters = torch.zeros(64 * 1024, dtype=torch.int32)
+        one = cuda_lib.gemm(
+            lib, x, qweight, qparams, n, k, gs, config, split, y, emulate_landing=1,
+            counters=counters,
+        )  # fmt: skip
+        assert torch.equal(one, early), f"config {config} split {split}: one launch differs"
+        assert not counters.any(), "the last block of each tile leaves its counter 0"
     return early
 
 

@@ -153,13 +153,21 @@ def test_strides_and_padding_left_alone(
 def test_split_k_is_bit_reproducible(
     lib: ctypes.CDLL, table: tuple[gp.TileConfig, ...], dtype
 ) -> None:
+    """Split-K's sum in split order, by a second kernel or in the same launch by each tile's
+    last block (whichever block that is in a run): the same bits, every time, and the launch
+    leaves its counters at 0."""
     n, k, gs = 4096, 4096, 128
     qweight, qparams = gemm_weight(n, k, gs, seed=3, device="cuda")
     x = torch.randn(16, k, device="cuda").to(dtype)
-    cfg = table[0]
-    first = gemm(lib, x, qweight, qparams, n, k, gs, cfg.id, 8)
-    for _ in range(3):
-        assert torch.equal(gemm(lib, x, qweight, qparams, n, k, gs, cfg.id, 8), first)
+    counters = torch.zeros(1 << 14, dtype=torch.int32, device="cuda")
+    for cfg in (c for c in table if c.block_m == 16):
+        first = gemm(lib, x, qweight, qparams, n, k, gs, cfg.id, 8)
+        for _ in range(3):
+            assert torch.equal(gemm(lib, x, qweight, qparams, n, k, gs, cfg.id, 8), first)
+        for _ in range(20):
+            one = gemm(lib, x, qweight, qparams, n, k, gs, cfg.id, 8, counters=counters)
+            assert torch.equal(one, first), cfg
+        assert not counters.any(), cfg
 
 
 def test_captured_in_a_cuda_graph(lib: ctypes.CDLL, table: tuple[gp.TileConfig, ...]) -> None:
@@ -170,16 +178,20 @@ def test_captured_in_a_cuda_graph(lib: ctypes.CDLL, table: tuple[gp.TileConfig, 
     x = torch.randn(m, k, device="cuda").half()
     y = torch.empty(m, n, dtype=torch.float16, device="cuda")
     cfg = table[0]
-    gemm(lib, x, qweight, qparams, n, k, gs, cfg.id, 3, y=y)  # warm-up (smem attribute)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        gemm(lib, x, qweight, qparams, n, k, gs, cfg.id, 3, y=y)
-    x.copy_(torch.randn(m, k, device="cuda").half())
-    graph.replay()
-    torch.cuda.synchronize()
-    ref = gemm_reference(x, qweight, qparams, n, k, gs)
-    assert gemm_rel_err(y, ref) < GEMM_TOLERANCE[torch.float16]
+    counters = torch.zeros(1 << 14, dtype=torch.int32, device="cuda")
+    for one_launch in (None, counters):  # the split summed by a second kernel, or in the launch
+        gemm(lib, x, qweight, qparams, n, k, gs, cfg.id, 3, y=y, counters=one_launch)  # warm-up
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            gemm(lib, x, qweight, qparams, n, k, gs, cfg.id, 3, y=y, counters=one_launch)
+        for _ in range(2):  # the counters are back at 0 for the second replay
+            x.copy_(torch.randn(m, k, device="cuda").half())
+            graph.replay()
+            torch.cuda.synchronize()
+            ref = gemm_reference(x, qweight, qparams, n, k, gs)
+            assert gemm_rel_err(y, ref) < GEMM_TOLERANCE[torch.float16]
+    assert not counters.any()
 
 
 @pytest.mark.parametrize("dtype", GEMM_DTYPES)

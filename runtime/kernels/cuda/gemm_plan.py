@@ -9,8 +9,11 @@ with static cudart answers without a GPU). :func:`plan` picks a config and a spl
 Split-K cuts the ``ceil(k / block_k)`` k-steps into ``split_k`` contiguous slices of
 ``steps_per_split`` whole steps (the last may be shorter, never empty); each slice covers at
 least one quantization group. The GEMM then writes fp32 partials to a workspace
-``[split_k, m, Np]`` (``Np`` = n padded to 64) with plain stores and a second kernel sums them in
-split order, so results are reproducible bit for bit. Without split-K the workspace is unused.
+``[split_k, m, Np]`` (``Np`` = n padded to 64) with plain stores, and they are summed in split
+order, so results are reproducible bit for bit: in the same launch by the block that finishes
+each output tile's last split (counted in per-tile counters, :data:`SPLIT_COUNTERS` of them), or
+by a second kernel when the tiles outnumber the counters. Without split-K the workspace is
+unused.
 
 How the plan is chosen. Every candidate (config, split_k) gets a time estimate from a small model
 of an H100/H200-class SM, and the fastest wins (within 3 %: fewer splits, then more SMs busy,
@@ -24,7 +27,8 @@ then the larger tile, then the lower id):
 * issue: the busiest SM issues each block's warp instructions (the weights' int4 conversion per
   warp along m, the mma.sync) at a rate that grows with the warps resident on it, up to one
   per scheduler per cycle (fit to an H200's M = 1 figures, see ``_ISSUE_PER_WARP``);
-* a split adds the reduction launch and the workspace's round trip.
+* a split adds the workspace's round trip and, where its tiles fit the split counters, the last
+  block's read of the partials, else the reduction's launch.
 
 So a single weight matrix at decode is split until its blocks cover the SMs with enough warps
 and bytes in flight, while a small one (SmolLM2's) is not split when the extra launch costs more
@@ -54,6 +58,10 @@ GROUP_SIZES = (32, 64, 128)
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # 512 means 512+
 DECODE_ROWS = 16  # m up to this runs the 16-row (decode) configs
 MAX_SPLIT_K = 32
+# Output tiles a split-K launch can count in its per-tile counters and so sum in the same launch
+# (runtime/kernels/cuda/w4a16.py holds that many per device and stream); more take a second
+# kernel, the reduction.
+SPLIT_COUNTERS = 1 << 14
 # a tile's pinned form (TileConfig.shape), split_k aside
 TILE_FIELDS = ("block_m", "block_n", "block_k", "warps", "warps_m", "warps_k", "stages")
 
@@ -286,8 +294,9 @@ def estimate_seconds(
     rate = issue_rate(cfg, per_sm, blocks_per_sm(cfg, smem_per_sm))
     issue = per_sm * p.steps_per_split * step_instructions(cfg, group_size) / rate
     total = max(compute, memory, chain, issue)
-    if split_k > 1:
-        total += _LAUNCH_S + (8 * split_k * m * np_ + 2 * m * n) / _HBM_BYTES_PER_S
+    if split_k > 1:  # the last block of a tile reads its partials (one round trip), or a launch
+        tail = _LATENCY_S if p.grid[0] * p.grid[1] <= SPLIT_COUNTERS else _LAUNCH_S
+        total += tail + (8 * split_k * m * np_ + 2 * m * n) / _HBM_BYTES_PER_S
     return total
 
 

@@ -77,7 +77,9 @@ _KV_WRITE = [
 ]
 # The C entry points (csrc/*.cu) and their argument types; each returns an int status (a
 # cudaError_t: 0 launched, 1 invalid arguments, refused before any CUDA call).
-_GEMM = [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I32, _I32, _I32, _I32, _P]
+# x, ldx, qweight, qparams, y, ldy, workspace, counters, counters_len, m, n, k, group_size, dtype,
+# config, split_k, stream
+_GEMM = [_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I32, _I32, _I32, _I32, _P]
 # qweight, qparams, w, ldw, n, k, group_size, dtype, stream
 _DEQUANT = [_P, _P, _P, _I64, _I64, _I64, _I32, _I32, _P]
 SIGNATURES: dict[str, tuple[list, type]] = {

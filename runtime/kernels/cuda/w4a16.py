@@ -14,13 +14,26 @@ import ctypes
 import torch
 
 from runtime.device import check_devices
-from runtime.kernels.cuda.gemm_plan import DequantPlan, Plan
+from runtime.kernels.cuda.gemm_plan import SPLIT_COUNTERS, DequantPlan, Plan
 from runtime.kernels.cuda.library import check
 from runtime.kv.format import STORAGE_KINDS
+
+_counters: dict[tuple[str, int | None, int], torch.Tensor] = {}
 
 
 def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
+
+
+def split_counters(device: torch.device, stream: int) -> torch.Tensor:
+    """The zeros split-K launches on ``stream`` count their finished splits in, one buffer per
+    device and stream: launches on one stream run in order and each leaves its counters 0 again
+    (a buffer shared by two streams could see two launches count into one tile at once)."""
+    key = (device.type, device.index, stream)
+    found = _counters.get(key)
+    if found is None:
+        found = _counters[key] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
+    return found
 
 
 def dequantize(
@@ -71,12 +84,14 @@ def linear(
         if plan.workspace_floats
         else None
     )
+    stream = 0 if emulated else _stream(x.device)
+    counters = split_counters(x.device, stream) if workspace is not None else None
     args = (x.data_ptr(), x.stride(0), qweight.data_ptr(), qparams.data_ptr(), y.data_ptr())
-    args += (y.stride(0), None if workspace is None else workspace.data_ptr(), m, n, k)
-    args += (group_size, STORAGE_KINDS[x.dtype], plan.config, plan.split_k)
-    if emulated:  # cp.async copies land at their wait
-        status = lib.lsq_emulate_w4a16_gemm(*args, 0)
-    else:
-        status = lib.lsq_w4a16_gemm(*args, _stream(x.device))
+    args += (y.stride(0), None if workspace is None else workspace.data_ptr())
+    args += (None, 0) if counters is None else (counters.data_ptr(), counters.numel())
+    args += (m, n, k, group_size, STORAGE_KINDS[x.dtype], plan.config, plan.split_k)
+    # emulated: cp.async copies land at their wait
+    run = lib.lsq_emulate_w4a16_gemm if emulated else lib.lsq_w4a16_gemm
+    status = run(*args, 0 if emulated else stream)
     check(status, "lsq_w4a16_gemm")
     return y
