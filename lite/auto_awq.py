@@ -40,6 +40,7 @@ from lite.awq import (
 from lite.compute import (
     cuda_version,
     device_label,
+    expandable_segments,
     free_bytes,
     full_fp32,
     out_of_memory,
@@ -606,6 +607,7 @@ def auto_awq(
     from transformers import AutoTokenizer
 
     started = time.perf_counter()
+    expandable_segments()  # before anything touches CUDA
     device = pick_device(compute.device)
     work_dir = Path(work_dir)
     check_writable(work_dir, overwrite)

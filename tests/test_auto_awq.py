@@ -17,6 +17,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
+from lite import compute
 from lite.cli import main
 from runtime.artifact.reader import Artifact
 from tests.conftest import make_llama3_rope_model
@@ -645,3 +646,25 @@ def test_schema_1_artifacts_still_load(rtn_artifact: Path, tmp_path: Path) -> No
     assert Artifact(old).manifest.producer.devices == []
     code, out = lite("inspect", str(old), "--verify")
     assert code == 0 and "liteserve" in out, out
+
+
+def test_expandable_segments_unless_the_user_configured_the_allocator(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """lite auto_awq asks for expandable segments before CUDA starts, and never overrides the
+    user's own allocator settings (under either of torch's names) or a CUDA already running."""
+    for name in compute.ALLOC_ENV:  # set, then unset: monkeypatch restores what was there
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert compute.expandable_segments()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == compute.EXPANDABLE
+    for name in compute.ALLOC_ENV:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+        monkeypatch.setenv(name, "max_split_size_mb:128")
+        assert not compute.expandable_segments()
+        assert os.environ[name] == "max_split_size_mb:128"
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert not compute.expandable_segments()
+    assert not any(name in os.environ for name in compute.ALLOC_ENV)
