@@ -206,13 +206,13 @@ LSQ_HD LaneMap lane_map(const Params& p, int lane) {
   return m;
 }
 
-// The tile's bytes for this lane. row0 = the tile's first slot * Hkv + KV head. MASKED: some
-// positions fall outside [valid_lo, valid_hi) and are not read (zeros); else all are valid.
+// The tile's K bytes for this lane (and which of its score rows are valid). row0 = the tile's
+// first slot * Hkv + KV head. MASKED: some positions fall outside [valid_lo, valid_hi) and are
+// not read (zeros); else all are valid.
 template <class C, bool MASKED>
-LSQ_HD void load_tile(const Params& p, int64_t row0, int t0, const LaneMap& lm, int valid_lo,
-                      int valid_hi, Raw<C>& raw) {
+LSQ_HD void load_k(const Params& p, int64_t row0, int t0, const LaneMap& lm, int valid_lo,
+                   int valid_hi, Raw<C>& raw) {
   const uint8_t* kb = p.k + row0 * C::kRowBytes;
-  const uint8_t* vb = p.v + row0 * C::kRowBytes;
 #pragma unroll
   for (int s = 0; s < 2; ++s) {
     const int pos = t0 + lm.jk[s];
@@ -230,6 +230,13 @@ LSQ_HD void load_tile(const Params& p, int64_t row0, int t0, const LaneMap& lm, 
       }
     }
   }
+}
+
+// The tile's V bytes and (quantized pools) parameters for this lane; as load_k.
+template <class C, bool MASKED>
+LSQ_HD void load_v(const Params& p, int64_t row0, int t0, const LaneMap& lm, int valid_lo,
+                   int valid_hi, Raw<C>& raw) {
+  const uint8_t* vb = p.v + row0 * C::kRowBytes;
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     const int pos = t0 + lm.jv[s];
@@ -316,11 +323,12 @@ LSQ_HD uint32_t v_operand(const Raw<C>& raw, int e, int pr, uint32_t scale2, uin
 }
 
 // One tile: scores, online softmax, P.V into acc. This lane holds heads 2t and 2t + 1
-// (index h = 0, 1) for tokens g and g + 8.
-template <class C>
-LSQ_HD void compute_tile(const Raw<C>& raw, int lane, const uint32_t (&qb)[C::KT][2],
+// (index h = 0, 1) for tokens g and g + 8. k_done() runs once the tile's K bytes and valid
+// flags are consumed (after the scores): it may load the next tile's into raw.
+template <class C, class KDone>
+LSQ_HD void compute_tile(Raw<C>& raw, int lane, const uint32_t (&qb)[C::KT][2],
                          const float (&hm)[2], const float (&qs)[2], float (&m)[2], float (&l)[2],
-                         float (&acc)[C::KT][4]) {
+                         float (&acc)[C::KT][4], KDone&& k_done) {
   const int g = lane >> 2, t = lane & 3;
   // the parameters this lane needs, from the lanes that loaded them (see Raw)
   float ks[2] = {0.f, 0.f}, kz[2] = {0.f, 0.f};
@@ -358,6 +366,7 @@ LSQ_HD void compute_tile(const Raw<C>& raw, int lane, const uint32_t (&qb)[C::KT
     if constexpr (C::kQuant) x = fmaf(ks[row], x, kz[row] * qs[h]);
     s[i] = raw.valid[row] ? x * hm[h] : -INFINITY;
   }
+  k_done();
   // online softmax per head; a head's 16 tokens are spread over the 8 lanes with this t
   float p[4], alphas[2];
 #pragma unroll
@@ -506,7 +515,8 @@ LSQ_HD void decode_block(const Params& p, unsigned bx, unsigned by, unsigned bz,
   uint32_t row_lo = 0, row_hi = 0;
   int round = -1;
   auto tile_start = [&](int i) { return lo + kTile * (warp + kWarps * i); };
-  auto fetch = [&](int i, Raw<C>& raw) {
+  // tile i's K bytes (WHAT & 1) and V bytes (WHAT & 2) into raw
+  auto fetch = [&](int i, Raw<C>& raw, int what) {
     if (i / 32 != round) {  // warp-uniform
       round = i / 32;
       const int mine = 32 * round + lane;
@@ -521,30 +531,42 @@ LSQ_HD void decode_block(const Params& p, unsigned bx, unsigned by, unsigned bz,
     const int64_t row0 = static_cast<int64_t>(
         (static_cast<uint64_t>(shfl_idx(row_hi, i % 32)) << 32) | shfl_idx(row_lo, i % 32));
     const int t0 = tile_start(i);
-    if (t0 >= win_lo && t0 + kTile <= p_hi)  // the whole tile is valid (warp-uniform)
-      load_tile<C, false>(p, row0, t0, lm, win_lo, p_hi, raw);
-    else
-      load_tile<C, true>(p, row0, t0, lm, win_lo, p_hi, raw);
+    if (t0 >= win_lo && t0 + kTile <= p_hi) {  // the whole tile is valid (warp-uniform)
+      if (what & 1) load_k<C, false>(p, row0, t0, lm, win_lo, p_hi, raw);
+      if (what & 2) load_v<C, false>(p, row0, t0, lm, win_lo, p_hi, raw);
+    } else {
+      if (what & 1) load_k<C, true>(p, row0, t0, lm, win_lo, p_hi, raw);
+      if (what & 2) load_v<C, true>(p, row0, t0, lm, win_lo, p_hi, raw);
+    }
   };
+  constexpr int kK = 1, kV = 2, kBoth = 3;
+  auto no_early_k = [] {};
 
   if (my_tiles > 0) {
     Raw<C> a;
-    fetch(0, a);
+    fetch(0, a, kBoth);
     if constexpr (C::kPrefetch) {  // two buffers in turn: tile i + 1 loads during tile i
       Raw<C> b;
       for (int i = 0;; i += 2) {
-        if (i + 1 < my_tiles) fetch(i + 1, b);
-        compute_tile<C>(a, lane, qb, hm, qs, m, l, acc);
+        if (i + 1 < my_tiles) fetch(i + 1, b, kBoth);
+        compute_tile<C>(a, lane, qb, hm, qs, m, l, acc, no_early_k);
         if (i + 1 >= my_tiles) break;
-        if (i + 2 < my_tiles) fetch(i + 2, a);
-        compute_tile<C>(b, lane, qb, hm, qs, m, l, acc);
+        if (i + 2 < my_tiles) fetch(i + 2, a, kBoth);
+        compute_tile<C>(b, lane, qb, hm, qs, m, l, acc, no_early_k);
         if (i + 2 >= my_tiles) break;
       }
     } else {
+      // Two tiles' bytes do not fit the registers (16-bit pools at d96, d128), but half of
+      // each does: tile i + 1's K loads once tile i's scores are done (during its softmax and
+      // P.V) and its V once tile i's P.V is (during tile i + 1's scores), in the registers the
+      // finished half used.
       for (int i = 0;;) {
-        compute_tile<C>(a, lane, qb, hm, qs, m, l, acc);
-        if (++i >= my_tiles) break;
-        fetch(i, a);
+        const bool more = i + 1 < my_tiles;
+        compute_tile<C>(a, lane, qb, hm, qs, m, l, acc, [&] {
+          if (more) fetch(i + 1, a, kK);
+        });
+        if (!more) break;
+        fetch(++i, a, kV);
       }
     }
   }

@@ -215,6 +215,9 @@ DECODE_CASES = [
     ("none", F16, 64, 9, 3, 64, [1, 17, 1000], 300, 128),
     ("none", BF16, 16, 9, 3, 96, [17, 1, 200], None, 48),  # 3-block partitions
     ("none", BF16, 64, 32, 8, 128, [1000, 17], 100, 64),
+    # several tiles per warp of a 16-bit pool at d128 / d96 (K of the next tile loads early)
+    ("none", F16, 16, 32, 8, 128, [1, 17, 1000], 300, 256),
+    ("none", BF16, 64, 9, 3, 96, [1000, 17], None, 512),
     ("int8", F16, 16, 32, 8, 128, [1, 17, 1000], None, 256),
     ("int8", F16, 64, 9, 3, 64, [1000, 1, 17], 33, 64),  # most partitions before the window
     ("int8", BF16, 16, 9, 3, 128, [17, 1000], 1, 16),  # window 1: only the token itself
