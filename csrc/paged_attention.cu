@@ -515,7 +515,7 @@ LSQ_HD void decode_block(const Params& p, unsigned bx, unsigned by, unsigned bz,
   uint32_t row_lo = 0, row_hi = 0;
   int round = -1;
   auto tile_start = [&](int i) { return lo + kTile * (warp + kWarps * i); };
-  // tile i's K bytes (WHAT & 1) and V bytes (WHAT & 2) into raw
+  // tile i's K bytes (what & 1) and V bytes (what & 2) into raw
   auto fetch = [&](int i, Raw<C>& raw, int what) {
     if (i / 32 != round) {  // warp-uniform
       round = i / 32;

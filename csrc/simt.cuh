@@ -645,6 +645,15 @@ LSQ_HD void thread_fence() {
 #endif
 }
 
+// A float4 load that bypasses L1 (ld.global.cg): data other blocks wrote during this kernel.
+LSQ_HD float4 load_cg(const float* address) {
+#ifdef __CUDA_ARCH__
+  return __ldcg(reinterpret_cast<const float4*>(address));
+#else
+  return *reinterpret_cast<const float4*>(address);
+#endif
+}
+
 // *address += v, atomically over the GPU; returns the old value.
 LSQ_HD uint32_t atomic_add(uint32_t* address, uint32_t v) {
 #ifdef __CUDA_ARCH__

@@ -217,9 +217,10 @@ LSQ_HD void reduce_at(const Reduce& r, int row, int col) {
   if (col >= r.n) return;
   const int64_t split_stride = (int64_t)r.m * r.np;
   const float* src = r.ws + (int64_t)row * r.np + col;
-  float4 acc = *reinterpret_cast<const float4*>(src);
+  // from L2: in the one-launch path other blocks wrote these during this kernel
+  float4 acc = load_cg(src);
   for (int s = 1; s < r.splits; ++s) {
-    const float4 v = *reinterpret_cast<const float4*>(src + s * split_stride);
+    const float4 v = load_cg(src + s * split_stride);
     acc.x += v.x;
     acc.y += v.y;
     acc.z += v.z;
@@ -280,6 +281,7 @@ LSQ_HD void finish_split(const Params& p, unsigned bx, unsigned by, int tid, uin
   block_sync();    // and every thread's are (the pipeline's buffers are idle: a flag fits)
   uint32_t* const last = reinterpret_cast<uint32_t*>(smem);
   if (tid == 0) {
+    thread_fence();
     uint32_t* const counter = p.counters + static_cast<int64_t>(by) * p.n_tiles + bx;
     const bool done = atomic_add(counter, 1u) == static_cast<uint32_t>(p.splits - 1);
     if (done) *counter = 0u;  // no other block of this launch touches it again
