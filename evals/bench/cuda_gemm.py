@@ -196,7 +196,8 @@ def sweep(lib, shape: str, w: Weight, m: int, sms: int, arch: str, quick: bool) 
     top = ", ".join(f"{label(p)} {ms:.4f}" for ms, p in sorted(timed, key=lambda t: t[0])[:5])
     ratio = f"{planned / best_ms:.2f}x" if planned else "-"
     print(
-        f"| {shape} | {m} | {label(plans[0])} | {fmt(planned)} | {fmt(est(fused[0]))} | "
+        f"| {shape} | {m} | {label(plans[0])} | {fmt(planned)} | "
+        f"{fmt(est(plans[0]) if planned else None)} | "
         f"{label(best)} | {best_ms:.4f} | {est(best):.4f} | {ratio} | "
         f"{fused.index(best) + 1} of {len(fused)} | {top} |"
     )

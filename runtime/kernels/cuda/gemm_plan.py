@@ -177,17 +177,14 @@ Plan = GemmPlan | DequantPlan
 
 
 def configs(lib: ctypes.CDLL) -> tuple[TileConfig, ...]:
-    """The C table of the loaded library, in id order (callable without a GPU)."""
-    lib.lsq_w4a16_num_configs.argtypes = []
-    lib.lsq_w4a16_num_configs.restype = ctypes.c_int
-    lib.lsq_w4a16_config.argtypes = [ctypes.c_int32] + [ctypes.POINTER(ctypes.c_int32)] * 7
-    lib.lsq_w4a16_config.restype = ctypes.c_int
+    """The C table of the loaded library (library.load types its entry points), in id order
+    (callable without a GPU). lsq_w4a16_config writes the fields in TILE_FIELDS' order."""
     table = []
     for i in range(lib.lsq_w4a16_num_configs()):
-        out = [ctypes.c_int32() for _ in range(7)]
+        out = [ctypes.c_int32() for _ in TILE_FIELDS]
         if lib.lsq_w4a16_config(i, *(ctypes.byref(v) for v in out)) != 0:
             raise RuntimeError(f"lsq_w4a16_config refused id {i} of its own table")
-        table.append(TileConfig(i, *(v.value for v in out)))
+        table.append(TileConfig(i, **{f: v.value for f, v in zip(TILE_FIELDS, out, strict=True)}))
     return tuple(table)
 
 
