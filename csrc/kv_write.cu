@@ -16,6 +16,12 @@
 // int4 packs element 2i in the low nibble and 2i + 1 in the high one. An fp16/bf16 pool gets
 // x converted with round-to-nearest-even, as torch's .to() does.
 //
+// With rotary (lsq_rotary_kv_write) the same launch first rotates K (rotate-half, the cos and sin
+// of each token's position given as [tokens, D/2] tables in the activations' dtype) and also
+// rotates the query heads into q_out: what apply_rotary, then kv_write, did in eight kernels.
+// Each product and each sum is rounded to the activations' dtype as torch's elementwise ops
+// round them, so the fused result is bit for bit the unfused one.
+//
 // The block body is __host__ __device__: simt.cuh runs it on a CPU (lsq_emulate_kv_write),
 // which the tests compare bit for bit with the reference without a GPU.
 
@@ -49,12 +55,69 @@ struct Params {
   uint16_t* v_zero;
   int kind;
   int heads, head_dim;
+  // rotary: q [T, q_heads, D] rotated into q_out; cos == nullptr: no rotary, q_heads == 0
+  const uint8_t* q;
+  uint8_t* q_out;
+  int64_t q_st, q_sh, qo_st, qo_sh;  // elements
+  const uint8_t* cos;
+  const uint8_t* sin;
+  int64_t rope_st;  // elements between tokens' rows of cos and sin
+  int q_heads;
+  int per_token;  // items of one token: K and V of each KV head, then each query head
 };
 
-LSQ_HD float load_input(const uint8_t* row, int64_t i, int dtype) {
-  if (dtype == LSQ_KIND_FP32) return reinterpret_cast<const float*>(row)[i];
-  const uint16_t h = reinterpret_cast<const uint16_t*>(row)[i];
-  return dtype == LSQ_KIND_BF16 ? bf16_to_float(h) : half_to_float(h);
+// The rotary arguments of lsq_rotary_kv_write, as given.
+struct Rope {
+  const void* q;
+  int64_t q_st, q_sh;
+  void* q_out;
+  int64_t qo_st, qo_sh;
+  int64_t heads;
+  const void* cos;
+  const void* sin;
+  int64_t stride;
+};
+
+
+// x * c - y * s (first half) or x * c + y * s (second half) as apply_rotary's torch ops give it:
+// x1 * cos - x2 * sin and x2 * cos + x1 * sin, each product and the sum rounded to the dtype.
+LSQ_HD float rotate(float x, float y, float c, float s, bool first_half, int dtype) {
+  const float a = round_to(fmul_rn(x, c), dtype), b = round_to(fmul_rn(y, s), dtype);
+  return round_to(first_half ? fsub_rn(a, b) : fadd_rn(a, b), dtype);
+}
+
+// One head's row of K (or V, or a query head) as the quantizer reads it: rotated or as given.
+struct Row {
+  const uint8_t* x;
+  const uint8_t* cos;  // nullptr: no rotary
+  const uint8_t* sin;
+  int dtype, half;
+
+  LSQ_HD float at(int d) const {
+    const float v = load_as_float(x, d, dtype);
+    if (cos == nullptr) return v;
+    const bool first = d < half;
+    const int i = first ? d : d - half;
+    const float partner = load_as_float(x, first ? d + half : d - half, dtype);
+    return rotate(v, partner, load_as_float(cos, i, dtype), load_as_float(sin, i, dtype), first, dtype);
+  }
+};
+
+// A query head rotated into q_out: each lane owns pairs (i, i + D/2), read before either is
+// written, so q_out may be q itself.
+LSQ_HD void rotate_query(const Params& p, int64_t token, int head, int lane) {
+  const int bytes = p.in_dtype == LSQ_KIND_FP32 ? 4 : 2;
+  const uint8_t* src = p.q + (token * p.q_st + head * p.q_sh) * bytes;
+  uint8_t* dst = p.q_out + (token * p.qo_st + head * p.qo_sh) * bytes;
+  const uint8_t* cs = p.cos + token * p.rope_st * bytes;
+  const uint8_t* sn = p.sin + token * p.rope_st * bytes;
+  const int half = p.head_dim / 2, dt = p.in_dtype;
+  for (int i = lane; i < half; i += 32) {
+    const float x1 = load_as_float(src, i, dt), x2 = load_as_float(src, i + half, dt);
+    const float c = load_as_float(cs, i, dt), s = load_as_float(sn, i, dt);
+    store_from_float(dst, i, rotate(x1, x2, c, s, true, dt), dt);
+    store_from_float(dst, i + half, rotate(x2, x1, c, s, false, dt), dt);
+  }
 }
 
 // The next fp16 towards -inf of a finite h (torch.nextafter(h, -65504) for h > -65504).
@@ -116,15 +179,19 @@ LSQ_HD void write_block(const Params& p, unsigned block, int tid) {
   const int warp = tid >> 5, lane = tid & 31;
   const int64_t item = static_cast<int64_t>(block) * kWarps + warp;
   if (item >= p.items) return;  // warp-uniform, and the block has no barrier
-  const int side = static_cast<int>(item & 1), pair = static_cast<int>(item >> 1);
-  const int64_t token = pair / p.heads;  // 32-bit division: items < 2^31
-  const int head = pair % p.heads;
+  const int64_t token = static_cast<int>(item) / p.per_token;  // 32-bit: items < 2^31
+  const int within = static_cast<int>(item) % p.per_token;
+  if (within >= 2 * p.heads) return rotate_query(p, token, within - 2 * p.heads, lane);
+  const int side = within & 1, head = within >> 1;
   const int64_t slot = static_cast<int64_t>(static_cast<const Slot*>(p.slots)[token]);
   if (slot < 0) return;  // padding
   const int D = p.head_dim;
   const int in_bytes = p.in_dtype == LSQ_KIND_FP32 ? 4 : 2;
   const uint8_t* src = side ? p.v + (token * p.v_st + head * p.v_sh) * in_bytes
                             : p.k + (token * p.k_st + head * p.k_sh) * in_bytes;
+  const bool rotary = !side && p.cos != nullptr;  // V is never rotated
+  const Row x{src, rotary ? p.cos + token * p.rope_st * in_bytes : nullptr,
+              rotary ? p.sin + token * p.rope_st * in_bytes : nullptr, p.in_dtype, D / 2};
   const int64_t row = slot * p.heads + head;
   uint8_t* cache = side ? p.v_cache : p.k_cache;
 
@@ -132,12 +199,12 @@ LSQ_HD void write_block(const Params& p, unsigned block, int tid) {
     uint16_t* dst = reinterpret_cast<uint16_t*>(cache) + row * D;
     for (int d = lane; d < D; d += 32) {
       uint16_t h;
-      if (p.in_dtype == p.kind)
+      if (p.in_dtype == p.kind && !rotary)
         h = reinterpret_cast<const uint16_t*>(src)[d];  // same dtype: the bits as they are
       else if (p.kind == LSQ_KIND_FP16)
-        h = float_to_half(load_input(src, d, p.in_dtype));
+        h = float_to_half(x.at(d));
       else
-        h = float_to_bf16(load_input(src, d, p.in_dtype));
+        h = float_to_bf16(x.at(d));
       dst[d] = h;
     }
     return;
@@ -145,9 +212,9 @@ LSQ_HD void write_block(const Params& p, unsigned block, int tid) {
 
   float lo = INFINITY, hi = -INFINITY;
   for (int d = lane; d < D; d += 32) {
-    const float x = fminf(fmaxf(load_input(src, d, p.in_dtype), -kFp16Max), kFp16Max);
-    lo = fminf(lo, x);
-    hi = fmaxf(hi, x);
+    const float x_d = fminf(fmaxf(x.at(d), -kFp16Max), kFp16Max);
+    lo = fminf(lo, x_d);
+    hi = fmaxf(hi, x_d);
   }
 #pragma unroll
   for (int o = 16; o >= 1; o >>= 1) {
@@ -159,14 +226,14 @@ LSQ_HD void write_block(const Params& p, unsigned block, int tid) {
   if (int4) {
     uint8_t* dst = cache + row * (D / 2);
     for (int i = lane; i < D / 2; i += 32) {
-      const uint32_t c0 = code_of(load_input(src, 2 * i, p.in_dtype), q);
-      const uint32_t c1 = code_of(load_input(src, 2 * i + 1, p.in_dtype), q);
+      const uint32_t c0 = code_of(x.at(2 * i), q);
+      const uint32_t c1 = code_of(x.at(2 * i + 1), q);
       dst[i] = static_cast<uint8_t>(c0 | (c1 << 4));
     }
   } else {
     uint8_t* dst = cache + row * D;
     for (int d = lane; d < D; d += 32)
-      dst[d] = static_cast<uint8_t>(code_of(load_input(src, d, p.in_dtype), q));
+      dst[d] = static_cast<uint8_t>(code_of(x.at(d), q));
   }
   if (lane == 0) {
     (side ? p.v_scale : p.k_scale)[row] = q.scale;
@@ -189,7 +256,8 @@ static int plan_write(const void* k, int64_t k_stride_t, int64_t k_stride_h, con
                       const void* slot_mapping, int64_t num_tokens, void* k_cache,
                       void* v_cache, void* k_scale, void* k_zero, void* v_scale, void* v_zero,
                       int32_t kv_kind, int64_t num_kv_heads, int64_t head_dim,
-                      int64_t block_size, int slot_bytes, Params* p, int64_t* blocks) {
+                      int64_t block_size, int slot_bytes, const Rope* rope, Params* p,
+                      int64_t* blocks) {
   LSQ_REQUIRE(in_dtype == LSQ_KIND_FP32 || in_dtype == LSQ_KIND_BF16 ||
               in_dtype == LSQ_KIND_FP16);
   LSQ_REQUIRE(kv_kind >= LSQ_KIND_BF16 && kv_kind <= LSQ_KIND_INT4);
@@ -197,7 +265,9 @@ static int plan_write(const void* k, int64_t k_stride_t, int64_t k_stride_h, con
   LSQ_REQUIRE(num_kv_heads >= 1 && num_kv_heads <= 65535 && block_size >= 1);
   LSQ_REQUIRE(head_dim >= 1 && head_dim <= 65536);
   LSQ_REQUIRE(kv_kind != LSQ_KIND_INT4 || head_dim % 2 == 0);  // int4 packs pairs
-  LSQ_REQUIRE(num_tokens >= 0 && num_tokens * num_kv_heads * 2 <= 0x7fffffff);
+  const int64_t q_heads = rope ? rope->heads : 0;
+  LSQ_REQUIRE(q_heads >= 0 && q_heads <= 65535);
+  LSQ_REQUIRE(num_tokens >= 0 && num_tokens * (num_kv_heads * 2 + q_heads) <= 0x7fffffff);
   LSQ_REQUIRE(k_stride_t >= 0 && k_stride_h >= 0 && v_stride_t >= 0 && v_stride_h >= 0);
   if (num_tokens == 0) return 0;
   const int in_bytes = in_dtype == LSQ_KIND_FP32 ? 4 : 2;
@@ -209,12 +279,28 @@ static int plan_write(const void* k, int64_t k_stride_t, int64_t k_stride_h, con
     LSQ_REQUIRE(aligned(k_scale, 2) && aligned(k_zero, 2) && aligned(v_scale, 2) &&
                 aligned(v_zero, 2));
   }
+  if (rope) {
+    LSQ_REQUIRE(head_dim % 2 == 0 && rope->cos && rope->sin && rope->stride >= head_dim / 2);
+    LSQ_REQUIRE(aligned(rope->cos, in_bytes) && aligned(rope->sin, in_bytes));
+    LSQ_REQUIRE(rope->q_st >= 0 && rope->q_sh >= 0 && rope->qo_st >= 0 && rope->qo_sh >= 0);
+    LSQ_REQUIRE(q_heads == 0 || (rope->q && rope->q_out && aligned(rope->q, in_bytes) &&
+                                 aligned(rope->q_out, in_bytes)));
+  }
+  p->q = static_cast<const uint8_t*>(rope ? rope->q : nullptr);
+  p->q_out = static_cast<uint8_t*>(rope ? rope->q_out : nullptr);
+  p->q_st = rope ? rope->q_st : 0, p->q_sh = rope ? rope->q_sh : 0;
+  p->qo_st = rope ? rope->qo_st : 0, p->qo_sh = rope ? rope->qo_sh : 0;
+  p->cos = static_cast<const uint8_t*>(rope ? rope->cos : nullptr);
+  p->sin = static_cast<const uint8_t*>(rope ? rope->sin : nullptr);
+  p->rope_st = rope ? rope->stride : 0;
+  p->q_heads = static_cast<int>(q_heads);
+  p->per_token = static_cast<int>(num_kv_heads * 2 + q_heads);
   p->k = static_cast<const uint8_t*>(k);
   p->v = static_cast<const uint8_t*>(v);
   p->k_st = k_stride_t, p->k_sh = k_stride_h, p->v_st = v_stride_t, p->v_sh = v_stride_h;
   p->in_dtype = in_dtype;
   p->slots = slot_mapping;
-  p->items = num_tokens * num_kv_heads * 2;
+  p->items = num_tokens * p->per_token;
   p->k_cache = static_cast<uint8_t*>(k_cache);
   p->v_cache = static_cast<uint8_t*>(v_cache);
   p->k_scale = static_cast<uint16_t*>(k_scale);
@@ -234,13 +320,13 @@ int write_entry(const void* k, int64_t k_stride_t, int64_t k_stride_h, const voi
                 const void* slot_mapping, int64_t num_tokens, void* k_cache, void* v_cache,
                 void* k_scale, void* k_zero, void* v_scale, void* v_zero, int32_t kv_kind,
                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size, void* stream,
-                bool emulated) {
+                bool emulated, const Rope* rope = nullptr) {
   Params p;
   int64_t blocks = 0;
   const int err = plan_write(k, k_stride_t, k_stride_h, v, v_stride_t, v_stride_h, in_dtype,
                              slot_mapping, num_tokens, k_cache, v_cache, k_scale, k_zero,
                              v_scale, v_zero, kv_kind, num_kv_heads, head_dim, block_size,
-                             sizeof(Slot), &p, &blocks);
+                             sizeof(Slot), rope, &p, &blocks);
   if (err || num_tokens == 0) return err;
   if (emulated) {
 #ifndef __CUDA_ARCH__
@@ -254,6 +340,26 @@ int write_entry(const void* k, int64_t k_stride_t, int64_t k_stride_h, const voi
   write_kernel<Slot>
       <<<static_cast<unsigned>(blocks), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
   return lsq_launch_status();
+}
+
+// lsq_rotary_kv_write and its emulated twin: the slots' width told, as the emulator's entry is.
+static int rotary_entry(const Rope& rope, const void* k, int64_t k_stride_t, int64_t k_stride_h,
+                        const void* v, int64_t v_stride_t, int64_t v_stride_h, int32_t in_dtype,
+                        const void* slot_mapping, int32_t slot_bytes, int64_t num_tokens,
+                        void* k_cache, void* v_cache, void* k_scale, void* k_zero, void* v_scale,
+                        void* v_zero, int32_t kv_kind, int64_t num_kv_heads, int64_t head_dim,
+                        int64_t block_size, void* stream, bool emulated) {
+  if (slot_bytes == 8)
+    return write_entry<int64_t>(k, k_stride_t, k_stride_h, v, v_stride_t, v_stride_h, in_dtype,
+                                slot_mapping, num_tokens, k_cache, v_cache, k_scale, k_zero,
+                                v_scale, v_zero, kv_kind, num_kv_heads, head_dim, block_size,
+                                stream, emulated, &rope);
+  if (slot_bytes == 4)
+    return write_entry<int32_t>(k, k_stride_t, k_stride_h, v, v_stride_t, v_stride_h, in_dtype,
+                                slot_mapping, num_tokens, k_cache, v_cache, k_scale, k_zero,
+                                v_scale, v_zero, kv_kind, num_kv_heads, head_dim, block_size,
+                                stream, emulated, &rope);
+  return static_cast<int>(cudaErrorInvalidValue);
 }
 
 }  // namespace lsq_kvw
@@ -308,6 +414,47 @@ int lsq_emulate_kv_write(const void* k, int64_t k_stride_t, int64_t k_stride_h, 
                                          k_scale, k_zero, v_scale, v_zero, kv_kind,
                                          num_kv_heads, head_dim, block_size, nullptr, true);
   return static_cast<int>(cudaErrorInvalidValue);
+}
+
+// Rotary (rotate-half) and KV write in one launch: q [num_tokens, num_heads, head_dim] rotated
+// into q_out (may be q), k rotated and written with v as lsq_kv_write writes them. cos and sin
+// are [num_tokens, head_dim / 2] rows (rope_stride elements apart) of each token's position,
+// in in_dtype. Bit for bit what apply_rotary's torch ops in that dtype and then lsq_kv_write
+// give. slot_bytes: 8 (int64 slots) or 4 (int32).
+int lsq_rotary_kv_write(const void* q, int64_t q_stride_t, int64_t q_stride_h, void* q_out,
+                        int64_t qo_stride_t, int64_t qo_stride_h, int64_t num_heads,
+                        const void* cos, const void* sin, int64_t rope_stride, const void* k,
+                        int64_t k_stride_t, int64_t k_stride_h, const void* v,
+                        int64_t v_stride_t, int64_t v_stride_h, int32_t in_dtype,
+                        const void* slot_mapping, int32_t slot_bytes, int64_t num_tokens,
+                        void* k_cache, void* v_cache, void* k_scale, void* k_zero,
+                        void* v_scale, void* v_zero, int32_t kv_kind, int64_t num_kv_heads,
+                        int64_t head_dim, int64_t block_size, void* stream) {
+  const lsq_kvw::Rope rope{q, q_stride_t, q_stride_h, q_out, qo_stride_t, qo_stride_h,
+                           num_heads, cos, sin, rope_stride};
+  return lsq_kvw::rotary_entry(rope, k, k_stride_t, k_stride_h, v, v_stride_t, v_stride_h,
+                               in_dtype, slot_mapping, slot_bytes, num_tokens, k_cache, v_cache,
+                               k_scale, k_zero, v_scale, v_zero, kv_kind, num_kv_heads,
+                               head_dim, block_size, stream, false);
+}
+
+// lsq_rotary_kv_write run on the CPU by the SIMT emulator, on host pointers.
+int lsq_emulate_rotary_kv_write(const void* q, int64_t q_stride_t, int64_t q_stride_h,
+                                void* q_out, int64_t qo_stride_t, int64_t qo_stride_h,
+                                int64_t num_heads, const void* cos, const void* sin,
+                                int64_t rope_stride, const void* k, int64_t k_stride_t,
+                                int64_t k_stride_h, const void* v, int64_t v_stride_t,
+                                int64_t v_stride_h, int32_t in_dtype, const void* slot_mapping,
+                                int32_t slot_bytes, int64_t num_tokens, void* k_cache,
+                                void* v_cache, void* k_scale, void* k_zero, void* v_scale,
+                                void* v_zero, int32_t kv_kind, int64_t num_kv_heads,
+                                int64_t head_dim, int64_t block_size) {
+  const lsq_kvw::Rope rope{q, q_stride_t, q_stride_h, q_out, qo_stride_t, qo_stride_h,
+                           num_heads, cos, sin, rope_stride};
+  return lsq_kvw::rotary_entry(rope, k, k_stride_t, k_stride_h, v, v_stride_t, v_stride_h,
+                               in_dtype, slot_mapping, slot_bytes, num_tokens, k_cache, v_cache,
+                               k_scale, k_zero, v_scale, v_zero, kv_kind, num_kv_heads,
+                               head_dim, block_size, nullptr, true);
 }
 
 }  // extern "C"

@@ -17,6 +17,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "common.cuh"
+
 #ifndef __CUDA_ARCH__
 #include <math.h>
 #include <stdio.h>
@@ -344,6 +346,28 @@ LSQ_HD uint16_t float_to_bf16(float f) {  // round to nearest even, as torch
 #endif
 }
 
+// Element i of a row of activations of kind LSQ_KIND_FP32, _BF16 or _FP16, as a float.
+LSQ_HD float load_as_float(const void* row, int64_t i, int kind) {
+  if (kind == LSQ_KIND_FP32) return static_cast<const float*>(row)[i];
+  const uint16_t h = static_cast<const uint16_t*>(row)[i];
+  return kind == LSQ_KIND_BF16 ? bf16_to_float(h) : half_to_float(h);
+}
+
+// v stored as element i of such a row, rounded to nearest even.
+LSQ_HD void store_from_float(void* row, int64_t i, float v, int kind) {
+  if (kind == LSQ_KIND_FP32)
+    static_cast<float*>(row)[i] = v;
+  else
+    static_cast<uint16_t*>(row)[i] = kind == LSQ_KIND_BF16 ? float_to_bf16(v) : float_to_half(v);
+}
+
+// v rounded to such a row's dtype (exact for fp32): what a torch op in that dtype stores.
+LSQ_HD float round_to(float v, int kind) {
+  if (kind == LSQ_KIND_BF16) return bf16_to_float(float_to_bf16(v));
+  if (kind == LSQ_KIND_FP16) return half_to_float(float_to_half(v));
+  return v;
+}
+
 LSQ_HD uint32_t pack_half2(float lo, float hi) {
 #ifdef __CUDA_ARCH__
   uint32_t r;
@@ -476,6 +500,24 @@ LSQ_HD float fsub_rn(float a, float b) {
   return __fsub_rn(a, b);
 #else
   volatile float r = a - b;
+  return r;
+#endif
+}
+
+LSQ_HD float fadd_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fadd_rn(a, b);
+#else
+  volatile float r = a + b;
+  return r;
+#endif
+}
+
+LSQ_HD float fmul_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(a, b);
+#else
+  volatile float r = a * b;
   return r;
 #endif
 }

@@ -493,3 +493,99 @@ def gemm_splits_to_try(cfg, k: int, gs: int) -> list[int]:
 
     valid = [s for s in range(1, 9) if gp.split_ok(cfg, k, gs, s)]
     return sorted({valid[0], valid[len(valid) // 2], valid[-1]})
+
+
+# The pointwise kernels between the GEMMs (csrc/kv_write.cu's rotary, rms_norm.cu, silu_mul.cu),
+# checked through CudaBackend's ops (emulated on the CPU in test_cuda_backend.py, compiled in
+# test_cuda_attention_gpu.py) against the torch ops they replace.
+
+# activations dtype, hidden size: SmolLM2's 576 (a partial last pass of a norm block),
+# Llama-3-8B's 4096 (two passes), a size no tile divides
+POINTWISE_CASES = [(F16, 576), (BF16, 4096), (F32, 1000), (BF16, 17)]
+
+
+def rotary_inputs(case: tuple, seed: int, device: torch.device):
+    """(spec, qk, v, (cos, sin), slots, num_blocks) on ``device``: write_inputs' K and V (the
+    special rows kept finite in fp16: inf * 0 would be NaN) beside 3x as many query heads, as
+    views of one qkv row per token as the model's fused GEMM leaves them, and the cos and sin of
+    random positions in the activations' dtype."""
+    spec, k, v, slots, num_blocks = write_inputs(case, seed)
+    t, kv_heads, dim = k.shape
+    heads = 3 * kv_heads
+    gen = torch.Generator().manual_seed(seed + 1)
+    big = torch.finfo(F16).max
+    k = k.float().clamp(-big, big).to(k.dtype)
+    q = torch.randn(t, heads, dim, generator=gen).to(k.dtype)
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1).to(device)
+    qk = qkv[:, : (heads + kv_heads) * dim].view(t, heads + kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(t, kv_heads, dim)
+    angles = torch.rand(t, 1, dim // 2, generator=gen, dtype=torch.float64) * 1e4
+    rope = tuple(f(angles).to(device, k.dtype) for f in (torch.cos, torch.sin))
+    return spec, qk, v, rope, slots.to(device), num_blocks
+
+
+def norm_inputs(case: tuple, seed: int, device: torch.device):
+    """(x, delta, weight) of 3 rows, x a strided view (every other row of a wider tensor)."""
+    dtype, n = case
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(6, n + 8, generator=gen) * 4).to(device, dtype)[::2, 3 : n + 3]
+    delta = torch.randn(3, n, generator=gen).to(device, dtype)
+    weight = (1 + torch.randn(n, generator=gen) / 4).to(device, dtype)
+    return x, delta, weight
+
+
+# The norm against reference.rms_norm of the rounded sum: fp32 inside, one rounding, but the
+# sum of squares in another order and rsqrt to 2 ulp: within one output ulp of the dtype.
+NORM_TOL = {F32: (1e-5, 1e-5), F16: (1e-3, 2**-10), BF16: (1e-2, 2**-7)}
+
+
+def check_add_rms_norm(backend, case: tuple, seed: int, device: torch.device) -> None:
+    from runtime.kernels import reference
+
+    x, delta, weight = norm_inputs(case, seed, device)
+    eps = 1e-5
+    for d in (delta, None):
+        summed, out = backend.add_rms_norm(x, d, weight, eps)
+        want = x if d is None else x + d
+        assert torch.equal(summed, want)  # the add rounded as torch rounds it
+        ref = reference.rms_norm(want.cpu(), weight.cpu(), eps)
+        atol, rtol = NORM_TOL[want.dtype]
+        torch.testing.assert_close(out.cpu(), ref, atol=atol, rtol=rtol)
+    assert torch.equal(x, norm_inputs(case, seed, device)[0])  # the input untouched
+
+
+def check_silu_mul(backend, case: tuple, seed: int, device: torch.device) -> None:
+    """Against F.silu(gate) * up in the dtype: exp may differ from torch's by an fp32 ulp or
+    two, which moves a 16-bit result by at most one step of its dtype (and the bits nearly
+    never), an fp32 one by a few ulps."""
+    dtype, n = case
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(6, 2 * n + 4, generator=gen) * 3).to(device, dtype)[::2, : 2 * n]
+    out = backend.act_mul(gate_up, "silu")
+    gate, up = gate_up.float().cpu().chunk(2, dim=-1)
+    ref = (torch.nn.functional.silu(gate.to(dtype)) * up.to(dtype)).float()
+    ulps = 4 if dtype == F32 else 1
+    step = ulps * torch.finfo(dtype).eps * ref.abs() + torch.finfo(dtype).tiny
+    assert out.shape == (3, n) and out.dtype == dtype
+    assert ((out.cpu().float() - ref).abs() <= step).all()
+    if dtype != F32:  # the bits themselves nearly everywhere
+        assert (out.cpu().float() == ref).float().mean() > 0.99
+
+
+def check_rotary_kv_write(backend, case: tuple, slot_dtype: torch.dtype, device) -> None:
+    """Queries, codes, scales and zeros bit for bit what apply_rotary and LayerKV.write give."""
+    from runtime.kernels.reference import apply_rotary
+    from runtime.kv.cache import KVCache
+
+    spec, qk, v, rope, slots, num_blocks = rotary_inputs(case, case[4], device)
+    ours = on_device(KVCache(spec, num_blocks), device)
+    q = backend.rotary_kv_write(qk, v, rope, ours.layer(0), slots.to(slot_dtype))
+    rotated = apply_rotary(qk.cpu(), *(t.cpu() for t in rope))
+    heads = qk.shape[1] - v.shape[1]
+    theirs = KVCache(spec, num_blocks)
+    theirs.layer(0).write(rotated[:, heads:], v.cpu(), slots.cpu())
+    assert_same_pool(ours, theirs)
+    assert q.shape == rotated[:, :heads].shape and q.dtype == qk.dtype
+    bits = torch.int32 if q.dtype == F32 else torch.int16
+    assert torch.equal(q.cpu().contiguous().view(bits), rotated[:, :heads].contiguous().view(bits))
+    assert ours.layer(0).k.any()  # something was written

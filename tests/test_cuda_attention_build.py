@@ -1,9 +1,10 @@
 """The csrc paged decode attention and KV write without a GPU: compile, resources, argument
 checks, and the kernels' own block bodies run on the CPU.
 
-* **Build**: ``csrc/paged_attention.cu`` and ``csrc/kv_write.cu`` compile into one shared
-  library (static cudart) for sm_80, sm_86, sm_89 and sm_90 with ``-O3 -lineinfo``, once per
-  module: 45-70 s on 2 cores (22 kernels x 4 architectures, plus the host side). ``ptxas -v``
+* **Build**: ``csrc/paged_attention.cu``, ``csrc/kv_write.cu`` and the pointwise kernels
+  (``rms_norm.cu``, ``silu_mul.cu``) compile, with the GEMM, into one shared library (static
+  cudart) for sm_80, sm_86, sm_89 and sm_90 with ``-O3 -lineinfo``, once per test session (24
+  kernels of these x 4 architectures, plus the host side). ``ptxas -v
   must show every kernel for every architecture with no stack frame, no spill stores or loads
   and no local memory, the decode kernels within the registers of 3 blocks per SM, and the
   SASS must hold the tensor-core instructions and 16-byte loads the design relies on.
@@ -96,7 +97,8 @@ def ptxas_usage(log: str) -> dict[tuple[str, str], dict[str, int]]:
 
 
 def expected_kernels() -> set[str]:
-    """Mangled names: 18 decode variants, 2 merges, 2 KV writes (int32 and int64 slots)."""
+    """Mangled names: 18 decode variants, 2 merges, 2 KV writes (int32 and int64 slots), the
+    residual add with RMSNorm, SiLU-and-mul."""
     names = {
         f"_ZN6lsq_pa13decode_kernelILi{kind}ELb{qbf16}ELi{dim}EEEvNS_6ParamsE"
         for kind, qbf16 in DECODE_VARIANTS
@@ -104,6 +106,7 @@ def expected_kernels() -> set[str]:
     }
     names |= {f"_ZN6lsq_pa12merge_kernelILb{b}EEEvNS_6ParamsE" for b in (0, 1)}
     names |= {f"_ZN7lsq_kvw12write_kernelI{t}EEvNS_6ParamsE" for t in ("i", "l")}
+    names |= {"_ZN7lsq_rms11norm_kernelENS_6ParamsE", "_ZN8lsq_silu11silu_kernelENS_6ParamsE"}
     return names
 
 
@@ -111,7 +114,7 @@ def test_every_kernel_compiles_for_every_architecture(build: cuda_lib.Build) -> 
     usage = ptxas_usage(build.log)
     for arch in cuda_lib.ARCHS:
         compiled = {kernel for kernel, sm in usage if sm == f"sm_{arch}"}
-        ours = {k for k in compiled if "lsq_pa" in k or "lsq_kvw" in k}  # the build has all csrc
+        ours = {k for k in compiled if "lsq_gemm" not in k}  # the GEMM's: test_cuda_gemm.py
         assert ours == expected_kernels(), f"sm_{arch}"
     print(f"\ncompiled {len(usage)} kernels in {build.seconds:.0f} s")
 

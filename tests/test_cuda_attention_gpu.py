@@ -14,6 +14,10 @@
 * KV write: every code, scale and zero bit-identical to ``LayerKV.write`` (CPU), with
   saturating, constant, tiny, sub-ulp and exact-tie rows and padding slots, int64 and int32
   slot mappings.
+* The pointwise kernels through the cuda backend's ops: rotary with the KV write bit for bit
+  ``apply_rotary`` then ``LayerKV.write`` (CPU), the residual add and RMSNorm against torch's
+  add and ``reference.rms_norm``, SiLU-and-mul against torch's (``tests/cuda_lib.py``'s
+  checks, which ``test_cuda_backend.py`` runs emulated).
 
 The library is the cuda backend's: built here with nvcc, or carried prebuilt in
 ``LITESERVE_CACHE`` (`runtime build-kernels`) to a machine without nvcc. Every test is marked
@@ -197,3 +201,26 @@ def test_kv_write_then_decode(lib: ctypes.CDLL, gpu: torch.device) -> None:
     )
     torch.cuda.synchronize()
     cuda_lib.assert_close(out, cuda_lib.reference_decode(q, theirs, tables, ctx, 0.09, None))
+
+
+@pytest.fixture(scope="module")
+def backend(lib: ctypes.CDLL, gpu: torch.device):
+    from runtime.kernels.cuda.backend import CudaBackend
+
+    return CudaBackend(gpu, {}, lib)
+
+
+@pytest.mark.parametrize("case", WRITE_CASES, ids=cuda_lib.write_case_id)
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32], ids=["i64", "i32"])
+def test_rotary_kv_write_bit_identical(backend, gpu: torch.device, case: tuple, slot_dtype):
+    cuda_lib.check_rotary_kv_write(backend, case, slot_dtype, gpu)
+
+
+@pytest.mark.parametrize("case", cuda_lib.POINTWISE_CASES, ids=str)
+def test_add_rms_norm(backend, gpu: torch.device, case: tuple) -> None:
+    cuda_lib.check_add_rms_norm(backend, case, 7, gpu)
+
+
+@pytest.mark.parametrize("case", cuda_lib.POINTWISE_CASES, ids=str)
+def test_silu_mul(backend, gpu: torch.device, case: tuple) -> None:
+    cuda_lib.check_silu_mul(backend, case, 8, gpu)

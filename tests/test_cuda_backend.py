@@ -80,8 +80,9 @@ def test_emulated_cuda_backend_matches_triton(
 ) -> None:
     csrc.calls.clear()
     assert_backends_agree(rtn_artifact_d64, kv_quant, ("triton", "cuda"), 5, TOL)
-    kernels = ("w4a16_gemm", "kv_write", "paged_decode_attention")
-    assert all(csrc.calls[f"lsq_emulate_{k}"] for k in kernels), csrc.calls  # all three ran
+    kernels = ("w4a16_gemm", "rotary_kv_write", "paged_decode_attention", "add_rms_norm")
+    kernels += ("silu_mul",)
+    assert all(csrc.calls[f"lsq_emulate_{k}"] for k in kernels), csrc.calls  # all of them ran
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +186,35 @@ def test_kv_write_bit_identical(backend, case: tuple, slot_dtype) -> None:
     theirs.layer(0).write(k, v, slots)
     cuda_lib.assert_same_pool(ours, theirs)
     assert ours.layer(0).k.any()  # something was written
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("case", cuda_lib.WRITE_CASES[::2], ids=cuda_lib.write_case_id)
+def test_rotary_kv_write_bit_identical(backend, case: tuple, slot_dtype) -> None:
+    cuda_lib.check_rotary_kv_write(backend, case, slot_dtype, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("case", cuda_lib.POINTWISE_CASES, ids=str)
+def test_add_rms_norm(backend, case: tuple) -> None:
+    cuda_lib.check_add_rms_norm(backend, case, 7, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("case", cuda_lib.POINTWISE_CASES, ids=str)
+def test_silu_mul(backend, case: tuple) -> None:
+    cuda_lib.check_silu_mul(backend, case, 8, torch.device("cpu"))
+
+
+def test_unfused_pointwise_ops_are_torchs(csrc: Counting, monkeypatch) -> None:
+    """LITESERVE_CUDA_FUSED=0 (the A/B switch of the GPU check) calls none of the three."""
+    from runtime.kernels.cuda.backend import CudaBackend
+
+    monkeypatch.setenv("LITESERVE_CUDA_FUSED", "0")
+    unfused = CudaBackend(torch.device("cpu"), {}, csrc)
+    assert "LITESERVE_CUDA_FUSED=0" in unfused.detail
+    csrc.calls.clear()
+    cuda_lib.check_add_rms_norm(unfused, cuda_lib.POINTWISE_CASES[0], 7, torch.device("cpu"))
+    cuda_lib.check_silu_mul(unfused, cuda_lib.POINTWISE_CASES[0], 8, torch.device("cpu"))
+    assert not csrc.calls, csrc.calls
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -33,6 +33,7 @@ the GPU-only figures say n/a.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import os
@@ -40,6 +41,7 @@ import statistics
 import sys
 import time
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +80,21 @@ def make_engine(artifact: Path, **fields) -> tuple[Engine, float]:
     engine = Engine(artifact, EngineConfig(**{k: v for k, v in fields.items() if k in known}))
     sync(engine_device(engine))
     return engine, time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def environment(**values: str) -> Iterator[None]:
+    """os.environ with ``values`` set, restored after."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def engine_device(engine: Engine) -> torch.device:
@@ -383,6 +400,10 @@ def cmd_decode(a: argparse.Namespace) -> None:
         ("overlap_schedule", False, "overlapped scheduling against step by step"),
     ):
         compare_decode(a, fields, runs, start_s, field, value, what)
+    if a.backend == "cuda":
+        what = "the csrc pointwise kernels (rotary + KV write, add + RMSNorm, SiLU-and-mul)"
+        with environment(LITESERVE_CUDA_FUSED="0"):
+            compare_decode(a, fields, runs, start_s, "", None, f"{what} against torch's ops")
 
     if a.source:
         hf_baseline(a.source, batches, a.hf_new_tokens, vocab, a.prompt_len, device, runs)
@@ -428,19 +449,21 @@ def compare_decode(
     what: str,
 ) -> None:
     """The default engine's decode steps (``runs``) against an engine with ``field=value``,
-    at batch 1 and 64, where this checkout's EngineConfig has the field."""
-    if field not in config_fields():
+    at batch 1 and 64, where this checkout's EngineConfig has the field; no field (""): the
+    engine as the environment makes it (``environment``), named by ``what``."""
+    if field and field not in config_fields():
         out(f"\nEngineConfig has no {field} field in this checkout: {what} skipped.")
         return
     batches = [b for b in (1, 64) if b in runs] or list(runs)[:1]
-    log(f"the same with {field}={value}")
-    engine, start_other = make_engine(a.artifact, **fields, **{field: value})
+    other_name = f"{field}={value}" if field else "other"
+    log(f"the same with {other_name}: {what}")
+    engine, start_other = make_engine(a.artifact, **fields, **({field: value} if field else {}))
     device = engine_device(engine)
     vocab = engine.arch.vocab_size
-    out(f"\n### {what} ({field}={value})\n")
-    out(f"Engine start {start_other:.1f} s (default engine: {start_s:.1f} s).\n")
+    out(f"\n### {what} ({other_name})\n" if field else f"\n### {what}\n")
+    out(f"Engine: {engine.ops.detail}. Start {start_other:.1f} s (default: {start_s:.1f} s).\n")
     out(
-        f"| batch | default step ms | {field}={value} step ms | its decode tok/s "
+        f"| batch | default step ms | {other_name} step ms | its decode tok/s "
         "| default's speed-up |"
     )
     out("|---:|---:|---:|---:|---:|")

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from runtime.device import make_current, resolve_device
+from runtime.kernels.reference import ACTIVATIONS, apply_rotary
 from runtime.kv.layer import LayerKV
 
 BACKENDS = ("auto", "cpu", "triton", "cuda")
@@ -116,6 +117,37 @@ class Backend(ABC):
 
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def add_rms_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, rms_norm(x + delta)): a sublayer's output added to the residual stream
+        and the sum normalized for the next sublayer; without delta (x, rms_norm(x)). Torch's
+        add and the backend's norm here; one kernel where a backend fuses them."""
+        if delta is not None:
+            x = x + delta
+        return x, self.rms_norm(x, weight, eps)
+
+    def act_mul(self, gate_up: torch.Tensor, hidden_act: str) -> torch.Tensor:
+        """act(gate) * up from the fused gate/up GEMM's output [T, 2I], gate first."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return ACTIVATIONS[hidden_act](gate) * up
+
+    def rotary_kv_write(
+        self,
+        qk: torch.Tensor,
+        v: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv: LayerKV,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """The queries [T, H, D] rotated, after K rotated and V [T, Hkv, D] were written into the
+        layer's pool; qk [T, H + Hkv, D] holds the queries' heads, then K's. rope: cos and sin
+        [T, 1, D/2] of the tokens' positions."""
+        qk = apply_rotary(qk, *rope)
+        heads = qk.shape[1] - v.shape[1]
+        self.kv_write(kv, qk[:, heads:], v, slot_mapping)
+        return qk[:, :heads]
 
     def prepare_logits(self, weight: torch.Tensor) -> Any:
         """The backend's form of the lm_head [V, K] (the dense weight itself by default)."""

@@ -10,6 +10,20 @@ import torch.nn.functional as F
 
 from runtime.kv.layer import LayerKV
 
+# Activations by their Hugging Face names (config.hidden_act).
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim] rotated in its two halves (the rotate-half convention), in x's
+    dtype op by op: what the fused rotary kernels reproduce bit for bit."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / sqrt(mean(x**2) + eps) * weight`` over the last dim, in fp32, cast to ``x.dtype``."""

@@ -15,22 +15,15 @@ runs: no collective, no extra copy.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from runtime.artifact.manifest import Architecture
 from runtime.artifact.reader import Artifact, Span
 from runtime.distributed.group import TPGroup
 from runtime.distributed.shard import Shard
 from runtime.kernels.ops import Backend, LayerParts
+from runtime.kernels.reference import ACTIVATIONS
 from runtime.model.context import get_context
-from runtime.model.rotary import Rotary, apply_rotary
-
-_ACTS = {
-    "silu": F.silu,
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-}
-
+from runtime.model.rotary import Rotary
 
 # The runtime's linears per decoder layer: artifact linears sharing an input run as one GEMM.
 FUSED_LINEARS = {
@@ -102,7 +95,12 @@ class Layer:
         if arch.qk_norm:
             self.q_norm = art.tensor(p + "self_attn.q_norm.weight").to(ops.device, dtype)
             self.k_norm = art.tensor(p + "self_attn.k_norm.weight").to(ops.device, dtype)
-        self.act = _ACTS[arch.hidden_act]
+        if arch.hidden_act not in ACTIVATIONS:
+            raise ValueError(
+                f"hidden_act {arch.hidden_act!r} is not supported (supported: "
+                f"{', '.join(ACTIVATIONS)})"
+            )
+        self.hidden_act = arch.hidden_act
         self.scale = self.head_dim**-0.5
         self.sliding_window = arch.sliding_window
         self.fused = None if group is not None else ops.prepare_layer(self.parts(arch))
@@ -140,24 +138,30 @@ class Layer:
         if self.q_norm is not None:
             q = self.ops.rms_norm(qk[:, :h], self.q_norm, self.eps)
             qk = torch.cat((q, self.ops.rms_norm(qk[:, h:], self.k_norm, self.eps)), dim=1)
-        qk = apply_rotary(qk, *rope)
-        q, k = qk[:, :h], qk[:, h:]
         kv = ctx.cache.layer(self.index)
-        self.ops.kv_write(kv, k, v, ctx.step.slot_mapping)
+        q = self.ops.rotary_kv_write(qk, v, rope, kv, ctx.step.slot_mapping)
         o = self.ops.attention(q, kv, ctx.step.attn, self.scale, self.sliding_window)
         return self.reduce(self.o(o.reshape(t, -1)))
 
-    def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        delta: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(x', delta'): this layer's output is x' + delta'. The input is x + delta (the previous
+        layer's last add, not yet done): each residual add is done by the norm after it, in one
+        kernel where the backend fuses them."""
         if self.fused is not None:
             ctx = get_context()
             kv = ctx.cache.layer(self.index)
-            out = self.ops.decoder_layer(x, self.fused, rope, kv, ctx.step)
+            whole = x if delta is None else x + delta
+            out = self.ops.decoder_layer(whole, self.fused, rope, kv, ctx.step)
             if out is not None:
-                return out
-        norm = self.ops.rms_norm
-        x = x + self.attention(norm(x, self.input_norm, self.eps), rope)
-        gate, up = self.gate_up(norm(x, self.post_norm, self.eps)).chunk(2, dim=-1)
-        return x + self.reduce(self.down(self.act(gate) * up))
+                return out, None
+        x, h = self.ops.add_rms_norm(x, delta, self.input_norm, self.eps)
+        x, h = self.ops.add_rms_norm(x, self.attention(h, rope), self.post_norm, self.eps)
+        return x, self.reduce(self.down(self.ops.act_mul(self.gate_up(h), self.hidden_act)))
 
 
 class LlamaModel:
@@ -220,13 +224,15 @@ class LlamaModel:
         out = None
         if self.fused is not None:
             out = self.ops.decoder_layers(x, self.fused, rope, get_context().cache, step)
+        delta = None
         if out is not None:
             x = out
         else:
             for layer in self.layers:
-                x = layer(x, rope)
-        x = x[step.logits_indices]
-        x = self.ops.rms_norm(x, self.norm, self.arch.rms_norm_eps)
+                x, delta = layer(x, rope, delta)
+        rows = step.logits_indices
+        delta = None if delta is None else delta[rows]
+        _, x = self.ops.add_rms_norm(x[rows], delta, self.norm, self.arch.rms_norm_eps)
         logits = self.ops.logits(x, self.lm_head)
         return (
             logits

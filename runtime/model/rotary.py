@@ -64,9 +64,3 @@ class Rotary:
         """cos, sin [T, 1, head_dim/2] for a step's positions: looked up once, used by every
         layer."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim] rotated in its two halves (the rotate-half convention)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

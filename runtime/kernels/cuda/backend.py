@@ -6,6 +6,12 @@ kernel handles chunked prefill over the paged pool), as is decode attention for 
 csrc kernel is not built for (said once in the log); norms and the lm_head are torch's.
 Every kernel launches on torch's current stream, so the decode CUDA graphs capture them.
 
+The pointwise work between the GEMMs runs as three csrc kernels per sublayer boundary instead
+of torch's several: rotary with the KV write (``lsq_rotary_kv_write``, bit for bit torch's
+result), the residual add with the RMSNorm after it (``lsq_add_rms_norm``) and SiLU-and-mul
+(``lsq_silu_mul``). At batch 1 a decode step's kernels are mostly such small ones, each costing
+its launch and tail. ``LITESERVE_CUDA_FUSED=0`` runs torch's ops instead (to measure the gain).
+
 Prefill-sized GEMMs may run as the weights dequantized plus a dense GEMM (cuBLAS) where the
 planner finds that faster (runtime/kernels/cuda/gemm_plan.py; ``lite tune`` pins either).
 
@@ -20,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,11 +82,13 @@ class CudaBackend(GpuBackend):
             else torch.cuda.get_device_properties(device).multi_processor_count
         )
         self.configs = gemm_plan.configs(lib)
+        self.fused = os.environ.get("LITESERVE_CUDA_FUSED") != "0"
         # Triton's prefill attention compiles per size (nothing to warm up when emulated)
         self.warmup_tokens = () if self.emulated else gemm_plan.M_BUCKETS
         tuned = f"{len(self.pinned)} pinned GEMM configs" if self.pinned else "planned GEMM configs"
         where = ", emulated on the CPU" if self.emulated else ""
-        self.detail = f"{self.arch}: csrc {Path(lib._name).name}{where}, {tuned}"
+        unfused = "" if self.fused else ", torch's pointwise ops (LITESERVE_CUDA_FUSED=0)"
+        self.detail = f"{self.arch}: csrc {Path(lib._name).name}{where}, {tuned}{unfused}"
 
     def _stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream
@@ -116,6 +125,67 @@ class CudaBackend(GpuBackend):
         return gemm_plan.plan(
             self.configs, m, n, k, group_size, self.sm_count, pinned, self.plan_arch
         )
+
+    def _call(self, name: str, *args) -> None:
+        """The library's entry point ``name`` on torch's current stream, or its emulated twin."""
+        if self.emulated:
+            status = getattr(self.lib, f"lsq_emulate_{name[4:]}")(*args)
+        else:
+            status = getattr(self.lib, name)(*args, self._stream())
+        check(status, name)
+
+    def add_rms_norm(self, x, delta, weight, eps):
+        tensors = (x, weight) if delta is None else (x, weight, delta)
+        if not (self.fused and x.dim() == 2 and _rows_of_one_dtype(*tensors)):
+            return super().add_rms_norm(x, delta, weight, eps)
+        given = {"x": x, "weight": weight} | ({} if delta is None else {"delta": delta})
+        check_devices(self.device, owner="the backend", **given)
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        x_out = x if delta is None else torch.empty_like(out)
+        rows, n = x.shape
+        self._call(
+            "lsq_add_rms_norm",
+            x.data_ptr(), x.stride(0),
+            None if delta is None else delta.data_ptr(), 0 if delta is None else delta.stride(0),
+            x_out.data_ptr(), x_out.stride(0),
+            weight.data_ptr(), out.data_ptr(), out.stride(0),
+            rows, n, STORAGE_KINDS[x.dtype], eps,
+        )  # fmt: skip
+        return x_out, out
+
+    def act_mul(self, gate_up, hidden_act):
+        silu = self.fused and hidden_act == "silu" and gate_up.dim() == 2
+        if not (silu and _rows_of_one_dtype(gate_up)):
+            return super().act_mul(gate_up, hidden_act)
+        check_devices(self.device, owner="the backend", gate_up=gate_up)
+        rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(rows, n, dtype=gate_up.dtype, device=gate_up.device)
+        self._call(
+            "lsq_silu_mul",
+            gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0),
+            rows, n, STORAGE_KINDS[gate_up.dtype],
+        )  # fmt: skip
+        return out
+
+    def rotary_kv_write(self, qk, v, rope, kv: LayerKV, slot_mapping):
+        cos, sin = (t.squeeze(1) for t in rope)
+        if not (self.fused and _rows_of_one_dtype(qk, v, cos, sin)) or cos.stride() != sin.stride():
+            return super().rotary_kv_write(qk, v, rope, kv, slot_mapping)
+        s = kv.spec
+        check_devices(kv.device, qk=qk, v=v, cos=cos, sin=sin, slot_mapping=slot_mapping)
+        t, heads = qk.shape[0], qk.shape[1] - v.shape[1]
+        q = torch.empty(t, heads, qk.shape[2], dtype=qk.dtype, device=qk.device)
+        k = qk[:, heads:]
+        self._call(
+            "lsq_rotary_kv_write",
+            qk.data_ptr(), qk.stride(0), qk.stride(1), q.data_ptr(), q.stride(0), q.stride(1),
+            heads, cos.data_ptr(), sin.data_ptr(), cos.stride(0),
+            k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
+            STORAGE_KINDS[qk.dtype], slot_mapping.data_ptr(), slot_mapping.element_size(), t,
+            *(p.data_ptr() if p is not None else None for p in _pool(kv)),
+            s.storage_kind, s.num_kv_heads, s.head_dim, s.block_size,
+        )  # fmt: skip
+        return q
 
     def kv_write(self, kv: LayerKV, k, v, slot_mapping) -> None:
         s = kv.spec
@@ -197,6 +267,13 @@ class CudaBackend(GpuBackend):
             head_dim,
             ", ".join(map(str, HEAD_DIMS)),
         )
+
+
+def _rows_of_one_dtype(*tensors: torch.Tensor) -> bool:
+    """Whether the fused kernels take these as they are: one dtype they compute in, and rows
+    whose last dimension is contiguous (anything else runs torch's ops)."""
+    dtype = tensors[0].dtype
+    return dtype in STORAGE_KINDS and all(t.dtype == dtype and t.stride(-1) == 1 for t in tensors)
 
 
 def _pool(kv: LayerKV) -> tuple[torch.Tensor | None, ...]:

@@ -75,6 +75,14 @@ _KV_WRITE = [
     *[_I64] * 3,  # num_kv_heads, head_dim, block_size
     _P,  # stream
 ]
+# q, its token and head strides, q_out and its strides, num_heads, cos, sin, rope_stride; then
+# lsq_kv_write's arguments with the slots' width (int32 4 or int64 8) after slot_mapping
+_ROTARY_KV_WRITE = [*[_P, _I64, _I64] * 2, _I64, _P, _P, _I64, *_KV_WRITE[:8], _I32, *_KV_WRITE[8:]]
+# x, x_stride, delta, delta_stride, x_out, x_out_stride, weight, out, out_stride, rows, n, dtype,
+# eps, stream
+_ADD_RMS_NORM = [_P, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I32, _F32, _P]
+# gate_up, gate_up_stride, out, out_stride, rows, n, dtype, stream
+_SILU_MUL = [_P, _I64, _P, _I64, _I64, _I64, _I32, _P]
 # The C entry points (csrc/*.cu) and their argument types; each returns an int status (a
 # cudaError_t: 0 launched, 1 invalid arguments, refused before any CUDA call).
 # x, ldx, qweight, qparams, y, ldy, workspace, counters, counters_len, m, n, k, group_size, dtype,
@@ -93,6 +101,9 @@ SIGNATURES: dict[str, tuple[list, type]] = {
     "lsq_paged_decode_partition_size": ([_I64] * 6, ctypes.c_int64),
     "lsq_kv_write": (_KV_WRITE, ctypes.c_int),  # int64 slots (the eager step)
     "lsq_kv_write_i32": (_KV_WRITE, ctypes.c_int),  # int32 slots (the CUDA-graph buffers)
+    "lsq_rotary_kv_write": (_ROTARY_KV_WRITE, ctypes.c_int),
+    "lsq_add_rms_norm": (_ADD_RMS_NORM, ctypes.c_int),
+    "lsq_silu_mul": (_SILU_MUL, ctypes.c_int),
     # Twins that run the same block bodies on the CPU on host pointers (csrc/simt.cuh): how
     # the tests and `evals/bench/cuda_attention.py --quick` check the kernels without a GPU.
     "lsq_emulate_paged_decode_attention": (_DECODE[:-1], ctypes.c_int),
@@ -100,6 +111,9 @@ SIGNATURES: dict[str, tuple[list, type]] = {
     # the stream's place holds when cp.async copies land: 0 at their wait, 1 at issue
     "lsq_emulate_w4a16_gemm": ([*_GEMM[:-1], _I32], ctypes.c_int),
     "lsq_emulate_w4a16_dequantize": (_DEQUANT[:-1], ctypes.c_int),
+    "lsq_emulate_rotary_kv_write": (_ROTARY_KV_WRITE[:-1], ctypes.c_int),
+    "lsq_emulate_add_rms_norm": (_ADD_RMS_NORM[:-1], ctypes.c_int),
+    "lsq_emulate_silu_mul": (_SILU_MUL[:-1], ctypes.c_int),
 }
 
 
