@@ -22,15 +22,23 @@ each shape at those M and prints, per shape and M, the planned launch against th
 measured, the model's estimates of both and the measured top 5: the figures the planner's
 constants (runtime/kernels/cuda/gemm_plan.py) are fit to, and what `lite tune` would pin.
 
+--sweep-json PATH also writes every timed launch of the sweep as one JSON object a line (shape,
+M, N, K, group, the tile's fields, split-K, measured and model ms, whether planned): what
+`evals/bench/fit_gemm_plan.py` fits the planner's issue constants to, on any machine.
+
 --quick runs tiny shapes through the CPU emulation of the kernel (lsq_emulate_w4a16_gemm, no
 GPU, no timing): a check of this script (with --sweep, every candidate of one decode shape).
 
-Usage: python evals/bench/cuda_gemm.py [--ms 1,4,16,64,256,1024,4096] [--sweep 1,16] [--quick]
+Usage: python evals/bench/cuda_gemm.py [--ms 1,4,16,64,256,1024,4096] [--sweep 1,16]
+    [--sweep-json PATH] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+from pathlib import Path
 
 import torch
 
@@ -170,9 +178,12 @@ def targets(rows: list[dict]) -> None:
         print(f"- {what}: {span} (target >= {goal}x: {met if got else 'unknown'})")
 
 
-def sweep(lib, shape: str, w: Weight, m: int, sms: int, arch: str, quick: bool) -> None:
+def sweep(
+    lib, shape: str, w: Weight, m: int, sms: int, arch: str, quick: bool, sink: Path | None
+) -> None:
     """Every fused candidate of one shape and M timed (emulated and checked with --quick): the
-    planned one against the fastest, with the model's estimates."""
+    planned one against the fastest, with the model's estimates; each timing also appended to
+    ``sink`` as a JSON line."""
     x = torch.randn(m, w.k, device=w.qweight.device).to(torch.bfloat16)
     ref = x.double() @ w.exact.double().T
     plans = gemm_plan.ranked(gemm_plan.configs(lib), m, w.n, w.k, w.gs, sms, arch)
@@ -193,6 +204,14 @@ def sweep(lib, shape: str, w: Weight, m: int, sms: int, arch: str, quick: bool) 
     def est(p: gemm_plan.GemmPlan) -> float:
         return gemm_plan.estimate_seconds(p.tile, m, w.n, w.k, w.gs, p.split_k, sms) * 1e3
 
+    if sink is not None:
+        with sink.open("a") as f:
+            for ms, p in timed:
+                record = dict(shape=shape, m=m, n=w.n, k=w.k, group_size=w.gs, sms=sms)
+                record |= dataclasses.asdict(p.tile) | dict(split_k=p.split_k, ms=ms)
+                record |= dict(model_ms=est(p), planned=p is plans[0])
+                f.write(json.dumps(record) + "\n")
+
     top = ", ".join(f"{label(p)} {ms:.4f}" for ms, p in sorted(timed, key=lambda t: t[0])[:5])
     ratio = f"{planned / best_ms:.2f}x" if planned else "-"
     print(
@@ -203,8 +222,18 @@ def sweep(lib, shape: str, w: Weight, m: int, sms: int, arch: str, quick: bool) 
     )
 
 
-def print_sweep(lib, runs: dict, gs: int, sweep_ms: tuple[int, ...], sms: int, arch: str, device):
+def print_sweep(
+    lib,
+    runs: dict,
+    gs: int,
+    sweep_ms: tuple[int, ...],
+    sms: int,
+    arch: str,
+    device,
+    sink: Path | None,
+):
     quick = device.type == "cpu"
+    sink = None if quick else sink  # nothing timed to fit
     print(f"\n## Every fused launch at M = {', '.join(map(str, sweep_ms))}\n")
     if quick:
         print("| shape | M | plan | checked |\n|---|---:|---|---|")
@@ -217,13 +246,14 @@ def print_sweep(lib, runs: dict, gs: int, sweep_ms: tuple[int, ...], sms: int, a
     for name, ((n, k), _) in runs.items():
         w = Weight(n, k, gs, device)
         for m in sweep_ms:
-            sweep(lib, name, w, m, sms, arch, quick)
+            sweep(lib, name, w, m, sms, arch, quick, sink)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ms", default=MS, help="row counts")
     p.add_argument("--sweep", default="", help="row counts at which to time every fused launch")
+    p.add_argument("--sweep-json", type=Path, help="append the sweep's timings here (JSON lines)")
     p.add_argument("--quick", action="store_true", help="CPU emulation, tiny shapes, no timing")
     a = p.parse_args()
     sweep_ms = tuple(int(m) for m in a.sweep.split(",") if m)
@@ -251,7 +281,7 @@ def main() -> None:
         targets(rows)
     if sweep_ms:
         swept = {k: v for k, v in runs.items() if not a.quick or k == SWEEP_QUICK}
-        print_sweep(lib, swept, gs, sweep_ms, sms, arch, device)
+        print_sweep(lib, swept, gs, sweep_ms, sms, arch, device, a.sweep_json)
 
 
 if __name__ == "__main__":

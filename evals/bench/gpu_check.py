@@ -483,7 +483,9 @@ def plan(
         "cuda-gemm",
         "csrc W4A16 GEMM against dense bf16, tinygemm and Triton on Llama-3-8B shapes",
         [PY, str(BENCH / "cuda_gemm.py"), "--sweep", "1" if smoke else "1,16"]
-        + (["--quick"] if smoke else ["--ms", "1,4,16,4096"]),
+        + (["--quick"] if smoke else ["--ms", "1,4,16,4096"])
+        # every timed launch, for evals/bench/fit_gemm_plan.py after the run
+        + ["--sweep-json", str(logs / "cuda-gemm-sweep.jsonl")],
         cap=240 if smoke else 120,  # the library may be built first in a smoke run
         reserve=40,  # 16 s on the H200 without the sweep of every decode launch (issue 12)
     )
