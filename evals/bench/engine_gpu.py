@@ -197,6 +197,8 @@ def run_batch(
 class GpuTime:
     kernel_ms: float  # summed device time of kernels and copies, per step
     ops: float  # device operations (kernels, copies, memsets) per step
+    # (name, calls per step, us per step) of each device operation, most time first
+    by_name: tuple[tuple[str, float, float], ...] = ()
 
 
 def profile_decode(engine: Engine, ps: list[list[int]], steps: int = 10) -> GpuTime:
@@ -219,7 +221,33 @@ def profile_decode(engine: Engine, ps: list[list[int]], steps: int = 10) -> GpuT
         engine.step()
     events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     busy_us = sum(e.time_range.elapsed_us() for e in events)
-    return GpuTime(busy_us / 1000 / steps, len(events) / steps)
+    calls: dict[str, int] = {}
+    times: dict[str, float] = {}
+    for e in events:
+        calls[e.name] = calls.get(e.name, 0) + 1
+        times[e.name] = times.get(e.name, 0.0) + e.time_range.elapsed_us()
+    by_name = tuple(
+        (name, calls[name] / steps, times[name] / steps)
+        for name in sorted(times, key=times.__getitem__, reverse=True)
+    )
+    return GpuTime(busy_us / 1000 / steps, len(events) / steps, by_name)
+
+
+def print_breakdown(g: GpuTime, batch: int, top: int = 15) -> None:
+    """Where a decode step's device time goes: the operations that take most of it, and how
+    many launches the rest are (at batch 1 most kernels are small, and each costs its launch
+    and tail whatever its size)."""
+    out(f"\n### Where a batch-{batch} decode step's GPU time goes (profiler, per step)\n")
+    out("| device operation | calls | us | share | us a call |\n|---|---:|---:|---:|---:|")
+    total = sum(us for _, _, us in g.by_name)
+    for name, n, us in g.by_name[:top]:
+        short = name if len(name) <= 80 else name[:77] + "..."
+        short = short.replace("|", "/")
+        out(f"| `{short}` | {n:.0f} | {us:.1f} | {us / total:.0%} | {us / n:.2f} |")
+    rest = g.by_name[top:]
+    if rest:
+        n, us = sum(r[1] for r in rest), sum(r[2] for r in rest)
+        out(f"| {len(rest)} others | {n:.0f} | {us:.1f} | {us / total:.0%} | {us / n:.2f} |")
 
 
 def sync_sites(
@@ -363,6 +391,9 @@ def cmd_decode(a: argparse.Namespace) -> None:
             f"{run.decode_step_ms:.2f} | {max(cold.step_ms):.1f} | {kernel} | {idle} | {ops} |"
         )
 
+    if gpu:
+        first = next(iter(gpu))  # the smallest batch: where small kernels weigh most
+        print_breakdown(gpu[first], first)
     if on_gpu:
         out("\n### Stream synchronizations inside decode steps (sync debug mode, batch 16)\n")
         out("| rows | syncs per decode step | where, most first (file:line x count) |")
