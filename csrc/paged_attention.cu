@@ -85,6 +85,7 @@ struct Params {
   const int32_t* lens;
   int max_blocks, num_heads, num_kv_heads, group, chunks, block_size, window;
   int partition_size, num_partitions, head_dim;
+  int l2_ahead;      // a warp asks L2 for its tile this many tiles ahead (0: never)
   float scale_log2;  // softmax scale * log2(e)
   float* ws_o;       // [B, H, P, D]
   float* ws_m;       // [B, H, P]
@@ -539,6 +540,24 @@ LSQ_HD void decode_block(const Params& p, unsigned bx, unsigned by, unsigned bz,
       if (what & 2) load_v<C, true>(p, row0, t0, lm, win_lo, p_hi, raw);
     }
   };
+  // tile i's K and V lines (and quantization parameters) into L2, where its register loads
+  // will find them: bytes in flight that cost no registers. Only tiles of the round whose rows
+  // the lanes hold (warp-uniform; a round's first tiles go without).
+  auto prefetch = [&](int i) {
+    if (i >= my_tiles || i / 32 != round) return;
+    const int64_t row0 = static_cast<int64_t>(
+        (static_cast<uint64_t>(shfl_idx(row_hi, i % 32)) << 32) | shfl_idx(row_lo, i % 32));
+    constexpr int kLines = (C::kRowBytes + 127) / 128;  // 128-byte lines a token's row spans
+#pragma unroll
+    for (int idx = lane; idx < 2 * kTile * kLines; idx += 32) {
+      const int token = (idx / kLines) % kTile, line = idx % kLines;
+      const uint8_t* base = idx < kTile * kLines ? p.k : p.v;
+      prefetch_l2(base + (row0 + token * p.num_kv_heads) * C::kRowBytes + line * 128);
+    }
+    if constexpr (C::kQuant) {  // lanes 8a, 8a + 1: array a's (lm.par) tokens 0 and 8
+      if ((lane & 7) < 2) prefetch_l2(lm.par + row0 + (lane & 1) * 8 * p.num_kv_heads);
+    }
+  };
   constexpr int kK = 1, kV = 2, kBoth = 3;
   auto no_early_k = [] {};
 
@@ -549,9 +568,11 @@ LSQ_HD void decode_block(const Params& p, unsigned bx, unsigned by, unsigned bz,
       Raw<C> b;
       for (int i = 0;; i += 2) {
         if (i + 1 < my_tiles) fetch(i + 1, b, kBoth);
+        if (p.l2_ahead) prefetch(i + 1 + p.l2_ahead);
         compute_tile<C>(a, lane, qb, hm, qs, m, l, acc, no_early_k);
         if (i + 1 >= my_tiles) break;
         if (i + 2 < my_tiles) fetch(i + 2, a, kBoth);
+        if (p.l2_ahead) prefetch(i + 2 + p.l2_ahead);
         compute_tile<C>(b, lane, qb, hm, qs, m, l, acc, no_early_k);
         if (i + 2 >= my_tiles) break;
       }
@@ -567,6 +588,7 @@ LSQ_HD void decode_block(const Params& p, unsigned bx, unsigned by, unsigned bz,
         });
         if (!more) break;
         fetch(++i, a, kV);
+        if (p.l2_ahead) prefetch(i + p.l2_ahead);
       }
     }
   }
@@ -657,6 +679,10 @@ __global__ void __launch_bounds__(128) merge_kernel(const Params p) {
   merge_block<OUT_BF16>(p, blockIdx.x, blockIdx.y, threadIdx.x, blockDim.x);
 }
 
+// Tiles ahead a warp prefetches into L2 (Params::l2_ahead), for every launch of this process:
+// lsq_paged_decode_l2_prefetch sets it (benchmarks time the choices against each other).
+static int g_l2_ahead = 2;
+
 struct Plan {
   Params p;
   int kind, d, batch;
@@ -738,6 +764,7 @@ static int plan_decode(const void* q, int64_t q_stride_b, int64_t q_stride_h, vo
   p.partition_size = static_cast<int>(partition_size);
   p.num_partitions = static_cast<int>(parts);
   p.head_dim = static_cast<int>(head_dim);
+  p.l2_ahead = g_l2_ahead;
   p.scale_log2 = scale * kLog2e;
   const int64_t rows = batch * num_heads * parts;
   p.ws_o = parts > 1 ? workspace : nullptr;
@@ -800,10 +827,25 @@ struct Emulator {
     return 0;
 #else
     const Params& p = plan.p;
-    emulate::run_grid(plan.grid_x, plan.grid_y, plan.batch, kThreads, sizeof(Smem<D>),
-                      [&](unsigned x, unsigned y, unsigned z, int tid, void* smem) {
-                        decode_block<KIND, QBF16, D>(p, x, y, z, tid, *static_cast<Smem<D>*>(smem));
-                      });
+    emulate::Options options;  // the prefetches must stay inside the blocks the tables name
+    int32_t top = 0;
+    for (int b = 0; b < plan.batch; ++b)
+      for (int j = 0; j < p.max_blocks; ++j) {
+        const int32_t id = p.tables[b * p.table_stride + j];
+        top = id > top ? id : top;
+      }
+    const int64_t tokens = (static_cast<int64_t>(top) + 1) * p.block_size * p.num_kv_heads;
+    const int64_t bytes = tokens * Cfg<KIND, QBF16, D>::kRowBytes;
+    options.readable = {{p.k, p.k + bytes}, {p.v, p.v + bytes}};
+    for (const uint16_t* par : {p.ks, p.kz, p.vs, p.vz})
+      if (par) options.readable.push_back({reinterpret_cast<const uint8_t*>(par),
+                                           reinterpret_cast<const uint8_t*>(par + tokens)});
+    emulate::run_grid(
+        plan.grid_x, plan.grid_y, plan.batch, kThreads, sizeof(Smem<D>),
+        [&](unsigned x, unsigned y, unsigned z, int tid, void* smem) {
+          decode_block<KIND, QBF16, D>(p, x, y, z, tid, *static_cast<Smem<D>*>(smem));
+        },
+        options);
     if (p.num_partitions > 1)
       emulate::run_grid(p.num_heads, plan.batch, 1, 128, 0,
                         [&](unsigned x, unsigned y, unsigned, int tid, void*) {
@@ -841,6 +883,15 @@ int lsq_paged_decode_attention(const void* q, int64_t q_stride_b, int64_t q_stri
   if (err || batch == 0) return err;
   lsq_pa::Launcher launcher{plan, static_cast<cudaStream_t>(stream)};
   return lsq_pa::dispatch(plan, launcher);
+}
+
+// Sets how many tiles ahead of its register loads each warp prefetches its K and V into L2 (0:
+// no prefetch) for the launches that follow, in this process; tiles < 0 only asks. Returns the
+// setting in force before the call. A tuning knob for benchmarks (default 2).
+int32_t lsq_paged_decode_l2_prefetch(int32_t tiles) {
+  const int32_t before = lsq_pa::g_l2_ahead;
+  if (tiles >= 0) lsq_pa::g_l2_ahead = tiles;
+  return before;
 }
 
 // fp32 floats the workspace needs: batch * num_heads * P * (head_dim + 2) with

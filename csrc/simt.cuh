@@ -584,6 +584,22 @@ LSQ_HD void load_global(const void* p, uint32_t* words) {
 #endif
 }
 
+// A hint to bring the 128-byte line holding p into L2 (prefetch.global.L2): it blocks nothing
+// and fills no register, so a warp can ask for bytes further ahead than its registers hold.
+// The emulator checks that p lies in the tensors the kernel was given (Options::readable, when
+// set): a hint to a wrong address is a bug in the index math that would otherwise never show.
+LSQ_HD void prefetch_l2(const void* p) {
+#ifdef __CUDA_ARCH__
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#else
+  const emulate::Block& b = *emulate::current_block();
+  const uint8_t* u = static_cast<const uint8_t*>(p);
+  bool inside = b.options->readable.empty();
+  for (const emulate::Range& r : b.options->readable) inside |= u >= r.begin && u < r.end;
+  if (!inside) emulate::fail("prefetch: address outside the tensors the kernel was given");
+#endif
+}
+
 LSQ_HD uint16_t load_u16(const uint16_t* p) {
 #ifdef __CUDA_ARCH__
   return __ldg(reinterpret_cast<const unsigned short*>(p));

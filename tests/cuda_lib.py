@@ -11,11 +11,13 @@ the very same block bodies on the CPU (``csrc/simt.cuh``) on host pointers.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -226,7 +228,20 @@ DECODE_CASES = [
     ("int4", F16, 64, 32, 8, 64, [17, 1000, 1], None, 128),
     ("int4", BF16, 16, 12, 1, 96, [1000, 17], 70, 32),  # a 12-head group: chunks of 8 and 4
     ("int4", BF16, 64, 4, 4, 128, [1, 17, 1000], None, 1024),  # no GQA
+    # 41 tiles for a warp: its second round of 32 block-table lookups, and L2 prefetches that
+    # skip the tiles across the round's edge
+    ("int8", F16, 64, 8, 2, 64, [2600, 5], None, 4096),
 ]
+
+
+@contextlib.contextmanager
+def l2_prefetch(lib: ctypes.CDLL, tiles: int) -> Iterator[None]:
+    """The decode attention's L2 prefetch distance set to ``tiles`` (process-wide), restored."""
+    before = lib.lsq_paged_decode_l2_prefetch(tiles)
+    try:
+        yield
+    finally:
+        lib.lsq_paged_decode_l2_prefetch(before)
 
 
 def case_id(case: tuple) -> str:

@@ -168,6 +168,7 @@ def test_sass_uses_tensor_cores_and_wide_loads(build: cuda_lib.Build) -> None:
             width = {16: r"LDG\.E\.128", 8: r"LDG\.E\.64", 4: r"LDG\.E\.CONSTANT"}
             assert re.search(width[k_load_bytes(kind, dim)], body), name
             assert "CALL" not in body and "STL" not in body and "LDL" not in body, name
+            assert "CCTL.E.PF2" in body, name  # the L2 prefetch of tiles ahead
 
 
 def test_library_loads_without_a_gpu(lib: ctypes.CDLL) -> None:
@@ -369,6 +370,27 @@ def test_emulated_decode_matches_reference(lib: ctypes.CDLL, case: tuple) -> Non
     )
     ref = cuda_lib.reference_decode(q, cache, tables, ctx, scale, window)
     cuda_lib.assert_close(out, ref)
+
+
+def test_l2_prefetch_distance_changes_no_result(lib: ctypes.CDLL) -> None:
+    """The prefetch is a hint: any distance gives the same bits. Emulated, each prefetched
+    address must lie in the blocks the tables name (the emulator aborts otherwise), so the
+    distances reaching past a warp's round of 32 tiles and its last tile are checked too."""
+    assert lib.lsq_paged_decode_l2_prefetch(-1) == 2  # the default
+    kv_quant, dtype, bs, heads, kv_heads, dim, ctx, window, partition = DECODE_CASES[-1]
+    cache, tables, gen = cuda_lib.build_pool(kv_quant, dtype, bs, ctx, kv_heads, dim, seed=2)
+    q = torch.randn(len(ctx), heads, dim, generator=gen).to(dtype)
+    lens = torch.tensor(ctx, dtype=torch.int32)
+    outs = []
+    for tiles in (0, 2, 7):
+        with cuda_lib.l2_prefetch(lib, tiles):
+            outs.append(
+                cuda_lib.decode_attention(
+                    lib, q, cache.layer(0), tables, lens, 0.125, window, partition, emulate=True
+                )
+            )
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    assert lib.lsq_paged_decode_l2_prefetch(-1) == 2  # restored
 
 
 def test_emulated_decode_strided_query(lib: ctypes.CDLL) -> None:

@@ -203,6 +203,25 @@ def test_kv_write_then_decode(lib: ctypes.CDLL, gpu: torch.device) -> None:
     cuda_lib.assert_close(out, cuda_lib.reference_decode(q, theirs, tables, ctx, 0.09, None))
 
 
+def test_l2_prefetch_distance_changes_no_result(lib: ctypes.CDLL, gpu: torch.device) -> None:
+    """Compiled, the prefetch must not change a bit either (0, the default 2, and far ahead)."""
+    kv_quant, dtype, bs, heads, kv_heads, dim, ctx, window, partition = DECODE_CASES[-1]
+    cache, tables, gen = cuda_lib.build_pool(kv_quant, dtype, bs, ctx, kv_heads, dim, seed=2)
+    q = torch.randn(len(ctx), heads, dim, generator=gen).to(dtype).to(gpu)
+    layer = cuda_lib.on_device(cache, gpu).layer(0)
+    lens = torch.tensor(ctx, dtype=torch.int32).to(gpu)
+    outs = []
+    for tiles in (0, 2, 7):
+        with cuda_lib.l2_prefetch(lib, tiles):
+            outs.append(
+                cuda_lib.decode_attention(
+                    lib, q, layer, tables.to(gpu), lens, 0.125, window, partition
+                )
+            )
+    torch.cuda.synchronize()
+    assert all(torch.equal(o, outs[0]) for o in outs)
+
+
 @pytest.fixture(scope="module")
 def backend(lib: ctypes.CDLL, gpu: torch.device):
     from runtime.kernels.cuda.backend import CudaBackend

@@ -15,7 +15,10 @@ pool, so it is their rounding difference, ~1e-3 for fp16).
 --sweep times, at the longest context of each batch and KV kind, partition sizes from 256
 tokens to a few thousand against the one lsq_paged_decode_partition_size plans (about 4 blocks
 per SM): the data its rule is to be fit to (issue 12; at batch 1 the fixed cost of each block,
-its Q fragments, the warps' merge and the partials, weighs against the waves of blocks).
+its Q fragments, the warps' merge and the partials, weighs against the waves of blocks), and
+at the planned size how far ahead each warp prefetches its K and V into L2 (0, 1, 2 or 4 tiles;
+`lsq_paged_decode_l2_prefetch`, default 2): bytes in flight without registers, for the
+quantized pools whose register buffers hold little.
 
 The library is the cuda backend's (`runtime build-kernels`; built on first use, or carried
 prebuilt in LITESERVE_CACHE to a machine without nvcc). --quick runs tiny shapes through the
@@ -120,6 +123,7 @@ def graph_ms(fn, iters: int = 50) -> float:
 
 
 SWEEP_PARTITIONS = (256, 512, 768, 1024, 1536, 2048, 4096, 8192)
+L2_AHEAD = (0, 1, 2, 4)  # tiles a warp prefetches ahead into L2, timed at the planned size
 
 
 def sweep(lib, kv_quant: str, batch: int, ctx: int, device: torch.device, sms: int) -> None:
@@ -136,9 +140,20 @@ def sweep(lib, kv_quant: str, batch: int, ctx: int, device: torch.device, sms: i
         timed[part] = graph_ms(csrc_call(lib, q, out, kv, tables, lens, part, workspace, False))
     best = min(timed, key=timed.get)
     cells = ", ".join(f"{p}: {ms:.4f}" for p, ms in timed.items())
+    floats = lib.lsq_paged_decode_workspace_floats(batch, HEADS, DIM, width, BLOCK, planned)
+    workspace = torch.empty(max(floats, 1), dtype=torch.float32, device=device)
+    ahead = []
+    for tiles in L2_AHEAD:  # set before the capture: the launch's parameters are baked in
+        before = lib.lsq_paged_decode_l2_prefetch(tiles)
+        try:
+            call = csrc_call(lib, q, out, kv, tables, lens, planned, workspace, False)
+            ahead.append(f"{graph_ms(call):.4f}")
+        finally:
+            lib.lsq_paged_decode_l2_prefetch(before)
     print(
         f"| {kv_quant} | {batch} | {ctx} | {planned} | {timed[planned]:.4f} | {best} | "
-        f"{timed[best]:.4f} | {timed[planned] / timed[best]:.2f}x | {cells} |"
+        f"{timed[best]:.4f} | {timed[planned] / timed[best]:.2f}x | {' / '.join(ahead)} | "
+        f"{cells} |"
     )
 
 
@@ -217,8 +232,11 @@ def main() -> None:
         print(f"- fp16 KV at batch 1: {rate:.2f} TB/s of KV read (target >= 2.5 TB/s)")
     if a.sweep:
         print(f"\n## Partition sizes at context {longest} (csrc ms)\n")
-        print("| kv | batch | context | planned | ms | fastest | ms | planned / fastest | all |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+        print(
+            "| kv | batch | context | planned | ms | fastest | ms | planned / fastest | "
+            f"planned, L2 prefetch {' / '.join(map(str, L2_AHEAD))} tiles ahead | all |"
+        )
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
         for batch in batches:
             for kv_quant in ("none", "int8", "int4"):
                 sweep(lib, kv_quant, batch, longest, device, sms)
