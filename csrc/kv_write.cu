@@ -243,6 +243,8 @@ LSQ_HD void write_block(const Params& p, unsigned block, int tid) {
 
 template <typename Slot>
 __global__ void __launch_bounds__(kThreads) write_kernel(const Params p) {
+  grid_dependency_wait();  // nothing before it: the grids before this one may still run
+  launch_dependents();
   write_block<Slot>(p, blockIdx.x, threadIdx.x);
 }
 
@@ -337,9 +339,8 @@ int write_entry(const void* k, int64_t k_stride_t, int64_t k_stride_h, const voi
 #endif
     return 0;
   }
-  write_kernel<Slot>
-      <<<static_cast<unsigned>(blocks), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
-  return lsq_launch_status();
+  return lsq_launch(write_kernel<Slot>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0,
+                    static_cast<cudaStream_t>(stream), p);
 }
 
 // lsq_rotary_kv_write and its emulated twin: the slots' width told, as the emulator's entry is.

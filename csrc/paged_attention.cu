@@ -670,12 +670,16 @@ LSQ_HD void merge_block(const Params& p, unsigned head, unsigned b, int tid, int
 
 template <int KIND, bool QBF16, int D>
 __global__ void __launch_bounds__(kThreads, 3) decode_kernel(const Params p) {
+  grid_dependency_wait();  // nothing before it: the grids before this one may still run
+  launch_dependents();
   __shared__ Smem<D> sm;
   decode_block<KIND, QBF16, D>(p, blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x, sm);
 }
 
 template <bool OUT_BF16>
 __global__ void __launch_bounds__(128) merge_kernel(const Params p) {
+  grid_dependency_wait();  // nothing before it: the grids before this one may still run
+  launch_dependents();
   merge_block<OUT_BF16>(p, blockIdx.x, blockIdx.y, threadIdx.x, blockDim.x);
 }
 
@@ -809,13 +813,12 @@ struct Launcher {
   template <int KIND, bool QBF16, int D>
   int run() {
     const dim3 grid(plan.grid_x, plan.grid_y, static_cast<unsigned>(plan.batch));
-    decode_kernel<KIND, QBF16, D><<<grid, kThreads, 0, stream>>>(plan.p);
-    int err = lsq_launch_status();
+    const int err = lsq_launch(decode_kernel<KIND, QBF16, D>, grid, dim3(kThreads), 0, stream,
+                               plan.p);
     if (err || plan.p.num_partitions == 1) return err;
     const dim3 merge_grid(static_cast<unsigned>(plan.p.num_heads),
                           static_cast<unsigned>(plan.batch));
-    merge_kernel<QBF16><<<merge_grid, 128, 0, stream>>>(plan.p);
-    return lsq_launch_status();
+    return lsq_launch(merge_kernel<QBF16>, merge_grid, dim3(128), 0, stream, plan.p);
   }
 };
 

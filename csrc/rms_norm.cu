@@ -111,6 +111,8 @@ LSQ_HD void norm_block(const Params& p, unsigned row, int tid, float* partial) {
 }
 
 __global__ void __launch_bounds__(kThreads) norm_kernel(const Params p) {
+  grid_dependency_wait();  // nothing before it: the grids before this one may still run
+  launch_dependents();
   __shared__ float partial[kWarps];
   norm_block(p, blockIdx.x, threadIdx.x, partial);
 }
@@ -154,8 +156,8 @@ static int entry(const void* x, int64_t x_stride, const void* delta, int64_t del
 #endif
     return 0;
   }
-  norm_kernel<<<static_cast<unsigned>(rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
-  return lsq_launch_status();
+  return lsq_launch(norm_kernel, dim3(static_cast<unsigned>(rows)), dim3(kThreads), 0,
+                    static_cast<cudaStream_t>(stream), p);
 }
 
 }  // namespace lsq_rms

@@ -51,6 +51,8 @@ LSQ_HD void silu_block(const Params& p, unsigned row, unsigned chunk, int tid) {
 }
 
 __global__ void __launch_bounds__(kThreads) silu_kernel(const Params p) {
+  grid_dependency_wait();  // nothing before it: the grids before this one may still run
+  launch_dependents();
   silu_block(p, blockIdx.x, blockIdx.y, threadIdx.x);
 }
 
@@ -84,8 +86,7 @@ static int entry(const void* gate_up, int64_t gate_up_stride, void* out, int64_t
     return 0;
   }
   const dim3 grid(static_cast<unsigned>(rows), chunks);
-  silu_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
-  return lsq_launch_status();
+  return lsq_launch(silu_kernel, grid, dim3(kThreads), 0, static_cast<cudaStream_t>(stream), p);
 }
 
 }  // namespace lsq_silu

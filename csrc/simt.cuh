@@ -724,6 +724,25 @@ LSQ_HD uint32_t atomic_add(uint32_t* address, uint32_t v) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Programmatic dependent launch (common.cuh's lsq_launch). Both are no-ops before sm_90, and on
+// the host, where the emulator runs one grid at a time anyway.
+
+// Waits until the grids this one depends on have completed and their writes are visible.
+LSQ_HD void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Lets the next kernel of the stream (if launched with programmatic serialization) start once
+// every block of this grid has called it or exited; it still waits for this grid's completion.
+LSQ_HD void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
 // Collectives. All lanes of the warp (all threads of the block for block_sync) take part.
 
 LSQ_HD void block_sync() {

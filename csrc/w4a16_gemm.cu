@@ -309,9 +309,29 @@ LSQ_HD int group_log2(const Params& p) {
 // One thread of block (bx, by, bz) of the grid; one_m_tile: the grid has one row of tiles
 // (gridDim.y == 1); split: the grid splits K (gridDim.z > 1). smem: T::SMEM bytes, 128-aligned.
 // GS: the group size the kernel is compiled for, or 0 for any (read from p).
+// The weight lines of the block's first STAGES - 1 k-steps into L2. The weights are constant
+// (no kernel writes them), so this may run before grid_dependency_wait: under programmatic
+// dependent launch it overlaps the kernel before this one, and the pipeline's first copies then
+// find their lines in L2.
+template <class T>
+LSQ_HD void prefetch_weights(const Params& p, unsigned bx, unsigned bz, int tid) {
+  constexpr int kRowLines = T::BN * 8 / 128;  // 128-byte lines of one qweight row of the tile
+  const int n0 = bx * T::BN;
+  const int first = static_cast<int>(bz) * p.steps_per_split * (T::BK / 16);  // qweight row
+  const int split_rows = imin(p.steps_per_split * (T::BK / 16), p.kp / 16 - first);
+  const int rows = imin((T::STAGES - 1) * (T::BK / 16), split_rows);
+  for (int i = tid; i < rows * kRowLines; i += T::THREADS) {
+    const int r = i / kRowLines, word = 2 * n0 + (i % kRowLines) * 32;
+    if (word < 2 * p.np) prefetch_l2(p.qweight + (int64_t)(first + r) * (2 * p.np) + word);
+  }
+}
+
 template <class T, int GS, bool BF16>
 LSQ_HD void gemm_block(const Params p, unsigned bx, unsigned by, unsigned bz, bool one_m_tile,
                        bool split, int tid, uint8_t* smem) {
+  prefetch_weights<T>(p, bx, bz, tid);
+  grid_dependency_wait();  // then nothing else before it: the grids before may still run
+  launch_dependents();
   uint8_t* const a_smem = smem;
   uint8_t* const b_smem = a_smem + T::STAGES * T::A_STAGE;
   uint8_t* const q_smem = b_smem + T::STAGES * T::B_STAGE;
@@ -563,6 +583,8 @@ __global__ void __launch_bounds__(T::THREADS, T::MINB) w4a16_gemm_kernel(const P
 
 template <bool BF16>
 __global__ void __launch_bounds__(256) lsq_reduce_splits(const Reduce r) {
+  grid_dependency_wait();  // nothing before it: the grids before this one may still run
+  launch_dependents();
   reduce_quad<BF16>(r, (int64_t)blockIdx.x * blockDim.x + threadIdx.x);
 }
 
@@ -615,6 +637,8 @@ LSQ_HD void dequant_word(const Dequant& d, int kt, int word) {
 
 template <bool BF16>
 __global__ void __launch_bounds__(256) lsq_dequantize_words(const Dequant d) {
+  grid_dependency_wait();  // nothing before it: the grids before this one may still run
+  launch_dependents();
   dequant_word<BF16>(d, blockIdx.y, blockIdx.x * blockDim.x + threadIdx.x);
 }
 
@@ -757,13 +781,11 @@ struct Launcher {
     cudaError_t err = allow_smem(kernel, T::SMEM, smem_set);
     if (err != cudaSuccess) return static_cast<int>(err);
     const dim3 grid(plan.grid_x, plan.grid_y, static_cast<unsigned>(plan.split_k));
-    kernel<<<grid, T::THREADS, T::SMEM, stream>>>(plan.p);
-    const int status = lsq_launch_status();
+    const int status = lsq_launch(kernel, grid, dim3(T::THREADS), T::SMEM, stream, plan.p);
     if (status || plan.split_k == 1 || plan.p.counters) return status;
     const int64_t quads = (int64_t)plan.p.m * (plan.p.np / 4);
     const unsigned blocks = static_cast<unsigned>(ceil_div(quads, 256));
-    lsq_reduce_splits<BF16><<<blocks, 256, 0, stream>>>(plan.reduce);
-    return lsq_launch_status();
+    return lsq_launch(lsq_reduce_splits<BF16>, dim3(blocks), dim3(256), 0, stream, plan.reduce);
   }
 };
 
@@ -863,10 +885,8 @@ int lsq_w4a16_dequantize(const int32_t* qweight, const void* qparams, void* w, i
   const dim3 grid(static_cast<unsigned>(lsq_gemm::ceil_div(2 * d.np, 256)), d.kp / 16);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (dtype == lsq_gemm::kDtypeBf16)
-    lsq_gemm::lsq_dequantize_words<true><<<grid, 256, 0, s>>>(d);
-  else
-    lsq_gemm::lsq_dequantize_words<false><<<grid, 256, 0, s>>>(d);
-  return lsq_launch_status();
+    return lsq_launch(lsq_gemm::lsq_dequantize_words<true>, grid, dim3(256), 0, s, d);
+  return lsq_launch(lsq_gemm::lsq_dequantize_words<false>, grid, dim3(256), 0, s, d);
 }
 
 // lsq_w4a16_dequantize on the CPU (host pointers), for tests without a GPU.

@@ -171,6 +171,60 @@ def test_sass_uses_tensor_cores_and_wide_loads(build: cuda_lib.Build) -> None:
             assert "CCTL.E.PF2" in body, name  # the L2 prefetch of tiles ahead
 
 
+def sass_functions(build: cuda_lib.Build, arch: str) -> dict[str, list[str]]:
+    """Every kernel of the library's SASS for ``arch``: its instructions' opcodes, in order."""
+    cuobjdump = cuda_lib.find_cuobjdump()
+    if cuobjdump is None:
+        pytest.skip("cuobjdump not found (PATH, nvcc's directory, triton)")
+    sass = subprocess.run(
+        [cuobjdump, "--dump-sass", "--gpu-architecture", arch, str(build.path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    opcode = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
+    return {
+        f.split("\n", 1)[0].strip(): opcode.findall(f)
+        for f in re.split(r"\n\s*Function : ", sass)[1:]
+    }
+
+
+GLOBAL_MEMORY = ("LDG", "STG", "LDGSTS", "ATOMG", "RED", "CCTL", "LD.", "ST.", "ATOM.")
+
+
+def test_every_kernel_waits_for_the_grids_before_it_first(build: cuda_lib.Build) -> None:
+    """Programmatic dependent launch (csrc/common.cuh): on sm_90 a csrc kernel may start while
+    the one before it in the stream still runs, so each must wait (griddepcontrol.wait, ACQBULK
+    in SASS) before any global memory instruction, and signals its own dependents (PREEXIT).
+    Before sm_90 neither instruction exists and the launch attribute is never set. The one
+    thing allowed before the wait is the GEMM's L2 prefetch of its constant weights (CCTL.E.PF2:
+    a hint that reads nothing into the kernel)."""
+    kernels = sass_functions(build, "sm_90")
+    assert len(kernels) >= 40  # the GEMM's, the attention's, the KV write's, the pointwise ones
+    prefetching = 0
+    for name, ops in kernels.items():
+        assert "ACQBULK" in ops and "PREEXIT" in ops, name
+        before = ops[: ops.index("ACQBULK")]
+        hints = [op for op in before if op == "CCTL.E.PF2"]
+        assert not hints or "w4a16_gemm_kernel" in name, name
+        prefetching += bool(hints)
+        memory = [op for op in before if op.startswith(GLOBAL_MEMORY) and op != "CCTL.E.PF2"]
+        assert not memory, (name, before)
+    assert prefetching >= 30  # every GEMM kernel's weight prefetch comes before its wait
+    for name, ops in sass_functions(build, "sm_80").items():
+        assert "ACQBULK" not in ops and "PREEXIT" not in ops, name
+
+
+def test_programmatic_launch_is_a_process_setting(lib: ctypes.CDLL) -> None:
+    assert lib.lsq_programmatic_launch(-1) == 1  # on by default
+    assert lib.lsq_programmatic_launch(0) == 1
+    try:
+        assert lib.lsq_programmatic_launch(7) == 0  # only asks
+    finally:
+        assert lib.lsq_programmatic_launch(1) == 0
+    assert lib.lsq_programmatic_launch(-1) == 1
+
+
 def test_library_loads_without_a_gpu(lib: ctypes.CDLL) -> None:
     for name in cuda_lib.SIGNATURES:
         assert getattr(lib, name) is not None

@@ -435,6 +435,9 @@ def cmd_decode(a: argparse.Namespace) -> None:
         what = "the csrc pointwise kernels (rotary + KV write, add + RMSNorm, SiLU-and-mul)"
         with environment(LITESERVE_CUDA_FUSED="0"):
             compare_decode(a, fields, runs, start_s, "", None, f"{what} against torch's ops")
+        what = "programmatic dependent launch (sm_90) against plain stream order"
+        with environment(LITESERVE_CUDA_PDL="0"):
+            compare_decode(a, fields, runs, start_s, "", None, what)
 
     if a.source:
         hf_baseline(a.source, batches, a.hf_new_tokens, vocab, a.prompt_len, device, runs)

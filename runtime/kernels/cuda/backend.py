@@ -11,6 +11,9 @@ of torch's several: rotary with the KV write (``lsq_rotary_kv_write``, bit for b
 result), the residual add with the RMSNorm after it (``lsq_add_rms_norm``) and SiLU-and-mul
 (``lsq_silu_mul``). At batch 1 a decode step's kernels are mostly such small ones, each costing
 its launch and tail. ``LITESERVE_CUDA_FUSED=0`` runs torch's ops instead (to measure the gain).
+On sm_90 and newer the csrc kernels launch with programmatic dependent launch, each starting
+while the one before it finishes (csrc/common.cuh); ``LITESERVE_CUDA_PDL=0`` turns that off
+for the process.
 
 Prefill-sized GEMMs may run as the weights dequantized plus a dense GEMM (cuBLAS) where the
 planner finds that faster (runtime/kernels/cuda/gemm_plan.py; ``lite tune`` pins either).
@@ -83,12 +86,15 @@ class CudaBackend(GpuBackend):
         )
         self.configs = gemm_plan.configs(lib)
         self.fused = os.environ.get("LITESERVE_CUDA_FUSED") != "0"
+        self.pdl = os.environ.get("LITESERVE_CUDA_PDL") != "0"
+        lib.lsq_programmatic_launch(int(self.pdl))  # process-wide: this engine's choice
         # Triton's prefill attention compiles per size (nothing to warm up when emulated)
         self.warmup_tokens = () if self.emulated else gemm_plan.M_BUCKETS
         tuned = f"{len(self.pinned)} pinned GEMM configs" if self.pinned else "planned GEMM configs"
         where = ", emulated on the CPU" if self.emulated else ""
         unfused = "" if self.fused else ", torch's pointwise ops (LITESERVE_CUDA_FUSED=0)"
-        self.detail = f"{self.arch}: csrc {Path(lib._name).name}{where}, {tuned}{unfused}"
+        serial = "" if self.pdl else ", no programmatic launch (LITESERVE_CUDA_PDL=0)"
+        self.detail = f"{self.arch}: csrc {Path(lib._name).name}{where}, {tuned}{unfused}{serial}"
 
     def _stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream

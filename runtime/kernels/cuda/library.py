@@ -100,6 +100,7 @@ SIGNATURES: dict[str, tuple[list, type]] = {
     "lsq_paged_decode_workspace_floats": ([_I64] * 6, ctypes.c_int64),
     "lsq_paged_decode_partition_size": ([_I64] * 6, ctypes.c_int64),
     "lsq_paged_decode_l2_prefetch": ([_I32], ctypes.c_int32),  # tiles ahead; < 0 asks
+    "lsq_programmatic_launch": ([_I32], ctypes.c_int32),  # 1 on (sm_90+), 0 off; else asks
     "lsq_kv_write": (_KV_WRITE, ctypes.c_int),  # int64 slots (the eager step)
     "lsq_kv_write_i32": (_KV_WRITE, ctypes.c_int),  # int32 slots (the CUDA-graph buffers)
     "lsq_rotary_kv_write": (_ROTARY_KV_WRITE, ctypes.c_int),
