@@ -204,6 +204,33 @@ def test_silu_mul(backend, case: tuple) -> None:
     cuda_lib.check_silu_mul(backend, case, 8, torch.device("cpu"))
 
 
+def test_pointwise_ops_refuse_shapes_that_do_not_fit(backend, csrc: Counting) -> None:
+    """The kernels take raw pointers and the pool's own head counts: a tensor of another shape
+    would be read or written past its end, so it is refused before any call, with the shapes."""
+    from runtime.kv.cache import KVCache
+
+    f16 = torch.float16
+    x, w = torch.randn(2, 8).to(f16), torch.ones(8, dtype=f16)
+    csrc.calls.clear()
+    with pytest.raises(ValueError, match=r"shapes do not match: x \[2, 8\], weight \[8\]"):
+        backend.add_rms_norm(x, torch.randn(2, 7).to(f16), w, 1e-5)
+    with pytest.raises(ValueError, match="shapes do not match"):
+        backend.add_rms_norm(x, None, torch.ones(9, dtype=f16), 1e-5)
+    with pytest.raises(ValueError, match="not gate and up halves"):
+        backend.act_mul(torch.randn(2, 7).to(f16), "silu")
+    spec, qk, v, rope, slots, num_blocks = cuda_lib.rotary_inputs(
+        cuda_lib.WRITE_CASES[0], 1, torch.device("cpu")
+    )
+    layer = KVCache(spec, num_blocks).layer(0)
+    with pytest.raises(ValueError, match="do not fit the pool's 2 KV heads of 128"):
+        backend.rotary_kv_write(qk, v[:, :1], rope, layer, slots)
+    with pytest.raises(ValueError, match="do not fit"):
+        backend.rotary_kv_write(qk, v, rope, layer, slots[:-1])
+    with pytest.raises(ValueError, match="cos"):
+        backend.rotary_kv_write(qk, v, tuple(t[:-1] for t in rope), layer, slots)
+    assert not csrc.calls, csrc.calls
+
+
 def test_unfused_pointwise_ops_are_torchs(csrc: Counting, monkeypatch) -> None:
     """LITESERVE_CUDA_FUSED=0 (the A/B switch of the GPU check) calls none of the three."""
     from runtime.kernels.cuda.backend import CudaBackend

@@ -144,6 +144,10 @@ class CudaBackend(GpuBackend):
         tensors = (x, weight) if delta is None else (x, weight, delta)
         if not (self.fused and x.dim() == 2 and _rows_of_one_dtype(*tensors)):
             return super().add_rms_norm(x, delta, weight, eps)
+        if weight.shape != x.shape[1:] or (delta is not None and delta.shape != x.shape):
+            shapes = f"x {list(x.shape)}, weight {list(weight.shape)}"
+            extra = "" if delta is None else f", delta {list(delta.shape)}"
+            raise ValueError(f"add_rms_norm: shapes do not match: {shapes}{extra}")
         given = {"x": x, "weight": weight} | ({} if delta is None else {"delta": delta})
         check_devices(self.device, owner="the backend", **given)
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -163,6 +167,8 @@ class CudaBackend(GpuBackend):
         silu = self.fused and hidden_act == "silu" and gate_up.dim() == 2
         if not (silu and _rows_of_one_dtype(gate_up)):
             return super().act_mul(gate_up, hidden_act)
+        if gate_up.shape[1] % 2:
+            raise ValueError(f"act_mul: gate_up {list(gate_up.shape)} is not gate and up halves")
         check_devices(self.device, owner="the backend", gate_up=gate_up)
         rows, n = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(rows, n, dtype=gate_up.dtype, device=gate_up.device)
@@ -178,8 +184,17 @@ class CudaBackend(GpuBackend):
         if not (self.fused and _rows_of_one_dtype(qk, v, cos, sin)) or cos.stride() != sin.stride():
             return super().rotary_kv_write(qk, v, rope, kv, slot_mapping)
         s = kv.spec
-        check_devices(kv.device, qk=qk, v=v, cos=cos, sin=sin, slot_mapping=slot_mapping)
         t, heads = qk.shape[0], qk.shape[1] - v.shape[1]
+        want = (t, s.num_kv_heads, s.head_dim)
+        if v.shape != want or qk.shape[2] != s.head_dim or heads < 1 or slot_mapping.shape != (t,):
+            raise ValueError(
+                f"rotary_kv_write: qk {list(qk.shape)}, v {list(v.shape)}, slot_mapping "
+                f"{list(slot_mapping.shape)} do not fit the pool's {s.num_kv_heads} KV heads of "
+                f"{s.head_dim}"
+            )
+        if cos.shape != (t, s.head_dim // 2):
+            raise ValueError(f"rotary_kv_write: cos {list(cos.shape)} for {t} tokens of {s}")
+        check_devices(kv.device, qk=qk, v=v, cos=cos, sin=sin, slot_mapping=slot_mapping)
         q = torch.empty(t, heads, qk.shape[2], dtype=qk.dtype, device=qk.device)
         k = qk[:, heads:]
         self._call(
