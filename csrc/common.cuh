@@ -23,7 +23,6 @@ enum LsqKind : int32_t {
     if (!(cond)) return (int)cudaErrorInvalidValue; \
   } while (0)
 
-
 // Programmatic dependent launch (sm_90+): a kernel launched with it may start while the kernel
 // before it in the stream finishes, so its launch and set-up overlap that kernel's tail; it
 // must not touch memory the earlier kernels write or read before lsq_simt::grid_dependency_wait()

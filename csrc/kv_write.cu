@@ -78,7 +78,6 @@ struct Rope {
   int64_t stride;
 };
 
-
 // x * c - y * s (first half) or x * c + y * s (second half) as apply_rotary's torch ops give it:
 // x1 * cos - x2 * sin and x2 * cos + x1 * sin, each product and the sum rounded to the dtype.
 LSQ_HD float rotate(float x, float y, float c, float s, bool first_half, int dtype) {
@@ -99,7 +98,8 @@ struct Row {
     const bool first = d < half;
     const int i = first ? d : d - half;
     const float partner = load_as_float(x, first ? d + half : d - half, dtype);
-    return rotate(v, partner, load_as_float(cos, i, dtype), load_as_float(sin, i, dtype), first, dtype);
+    const float c = load_as_float(cos, i, dtype), s = load_as_float(sin, i, dtype);
+    return rotate(v, partner, c, s, first, dtype);
   }
 };
 
