@@ -203,7 +203,7 @@ class CudaBackend(GpuBackend):
             heads, cos.data_ptr(), sin.data_ptr(), cos.stride(0),
             k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
             STORAGE_KINDS[qk.dtype], slot_mapping.data_ptr(), slot_mapping.element_size(), t,
-            *(p.data_ptr() if p is not None else None for p in _pool(kv)),
+            *_pool(kv),
             s.storage_kind, s.num_kv_heads, s.head_dim, s.block_size,
         )  # fmt: skip
         return q
@@ -217,7 +217,7 @@ class CudaBackend(GpuBackend):
         inputs += (STORAGE_KINDS[k.dtype], slot_mapping.data_ptr())
         rest = (
             slot_mapping.shape[0],
-            *(t.data_ptr() if t is not None else None for t in _pool(kv)),
+            *_pool(kv),
             s.storage_kind,
             s.num_kv_heads,
             s.head_dim,
@@ -265,7 +265,7 @@ class CudaBackend(GpuBackend):
         args = (
             q.data_ptr(), q.stride(0), q.stride(1),
             out.data_ptr(), out.stride(0), out.stride(1),
-            *(t.data_ptr() if t is not None else None for t in _pool(kv)),
+            *_pool(kv),
             s.storage_kind, STORAGE_KINDS[q.dtype],
             attn.block_tables.data_ptr(), attn.block_tables.stride(0), max_blocks,
             attn.context_lens.data_ptr(),
@@ -297,5 +297,8 @@ def _rows_of_one_dtype(*tensors: torch.Tensor) -> bool:
     return dtype in STORAGE_KINDS and all(t.dtype == dtype and t.stride(-1) == 1 for t in tensors)
 
 
-def _pool(kv: LayerKV) -> tuple[torch.Tensor | None, ...]:
-    return (kv.k, kv.v, kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero)
+def _pool(kv: LayerKV) -> tuple[int | None, ...]:
+    """The layer's pool as the entry points take it: k, v, k_scale, k_zero, v_scale, v_zero
+    (None where an unquantized pool has no scales)."""
+    tensors = (kv.k, kv.v, kv.k_scale, kv.k_zero, kv.v_scale, kv.v_zero)
+    return tuple(None if t is None else t.data_ptr() for t in tensors)
