@@ -33,7 +33,6 @@ the GPU-only figures say n/a.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import os
@@ -41,9 +40,9 @@ import statistics
 import sys
 import time
 import types
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import engine as bench  # this folder's engine.py: prompts(), weight_bytes(), copy_bandwidth()
 import torch
@@ -80,21 +79,6 @@ def make_engine(artifact: Path, **fields) -> tuple[Engine, float]:
     engine = Engine(artifact, EngineConfig(**{k: v for k, v in fields.items() if k in known}))
     sync(engine_device(engine))
     return engine, time.perf_counter() - start
-
-
-@contextlib.contextmanager
-def environment(**values: str) -> Iterator[None]:
-    """os.environ with ``values`` set, restored after."""
-    before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def engine_device(engine: Engine) -> torch.device:
@@ -433,10 +417,10 @@ def cmd_decode(a: argparse.Namespace) -> None:
         compare_decode(a, fields, runs, start_s, field, value, what)
     if a.backend == "cuda":
         what = "the csrc pointwise kernels (rotary + KV write, add + RMSNorm, SiLU-and-mul)"
-        with environment(LITESERVE_CUDA_FUSED="0"):
+        with mock.patch.dict(os.environ, LITESERVE_CUDA_FUSED="0"):
             compare_decode(a, fields, runs, start_s, "", None, f"{what} against torch's ops")
         what = "programmatic dependent launch (sm_90) against plain stream order"
-        with environment(LITESERVE_CUDA_PDL="0"):
+        with mock.patch.dict(os.environ, LITESERVE_CUDA_PDL="0"):
             compare_decode(a, fields, runs, start_s, "", None, what)
 
     if a.source:
@@ -484,7 +468,7 @@ def compare_decode(
 ) -> None:
     """The default engine's decode steps (``runs``) against an engine with ``field=value``,
     at batch 1 and 64, where this checkout's EngineConfig has the field; no field (""): the
-    engine as the environment makes it (``environment``), named by ``what``."""
+    engine as the environment makes it (the caller sets os.environ), named by ``what``."""
     if field and field not in config_fields():
         out(f"\nEngineConfig has no {field} field in this checkout: {what} skipped.")
         return
