@@ -11,6 +11,7 @@ artifact appears at WORK_DIR by a single rename at the end.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -38,6 +39,7 @@ from lite.awq import (
     soften_clip,
 )
 from lite.compute import (
+    PeakBytes,
     cuda_version,
     device_label,
     expandable_segments,
@@ -48,6 +50,7 @@ from lite.compute import (
     peak_tensors_gib,
     pick_device,
     reset_peak,
+    tensor_peak,
 )
 from lite.data import CalibrationSet, build_calibration
 from lite.families import LAYER_GROUPS, NO_CLIP, ScaleGroup
@@ -669,17 +672,39 @@ def quantize_layer(
     """Layer i loaded onto the device, calibrated on x (unless RTN) and packed: its host
     tensors, its outputs (the next layer's inputs) and its fallbacks. Out of device memory
     becomes an error that says what fixes it (`room`: see compute.out_of_memory)."""
-    prefix = f"model.layers.{i}."
+    with memory_errors(device, i, rows if x is not None else 0, room):
+        load_layer(layer, ckpt, f"model.layers.{i}.", device)
+        return calibrate_and_pack(layer, i, x, pos, cfg, config, rows)
+
+
+@contextlib.contextmanager
+def memory_errors(
+    device: torch.device, i: int, rows: int, room: tuple[int, int | None] = (0, None)
+) -> Iterator[None]:
+    """torch's out-of-memory error as compute.out_of_memory's, which names the fix."""
     try:
-        load_layer(layer, ckpt, prefix, device)
-        if x is None:
-            return pack_layer(layer, cfg, prefix, {}), None, []
-        groups = LAYER_GROUPS[config.model_type]
-        result = calibrate_layer(layer, groups, x, pos, cfg, f"model.layers.{i}", rows)
-        tensors = pack_layer(layer, cfg, prefix, result.clip, result.grams)
-        return tensors, result.outputs, result.fallbacks
+        yield
     except torch.OutOfMemoryError as e:
-        raise out_of_memory(device, i, rows if x is not None else 0, room) from e
+        raise out_of_memory(device, i, rows, room) from e
+
+
+def calibrate_and_pack(
+    layer: torch.nn.Module,
+    i: int,
+    x: torch.Tensor | None,
+    pos: tuple | None,
+    cfg: AwqConfig,
+    config,
+    rows: int,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, list[str]]:
+    """quantize_layer's work once the layer's weights are on its device."""
+    prefix = f"model.layers.{i}."
+    if x is None:
+        return pack_layer(layer, cfg, prefix, {}), None, []
+    groups = LAYER_GROUPS[config.model_type]
+    result = calibrate_layer(layer, groups, x, pos, cfg, f"model.layers.{i}", rows)
+    tensors = pack_layer(layer, cfg, prefix, result.clip, result.grams)
+    return tensors, result.outputs, result.fallbacks
 
 
 def quantize_layers(
@@ -746,15 +771,20 @@ def dry_run_plan(model: str, cfg: AwqConfig, compute: Compute = Compute()) -> Pl
         free_bytes(device),
     )
     if source is None:
-        seconds = time_random_layer(config, cfg, device, plan)
-        return dataclasses.replace(plan, layer_seconds=seconds, timed="a layer of random weights")
-    return dataclasses.replace(plan, layer_seconds=time_layer(source, config, cfg, device, plan))
+        seconds, peak = time_random_layer(config, cfg, device, plan)
+        timed = "a layer of random weights"
+    else:
+        (seconds, peak), timed = time_layer(source, config, cfg, device, plan), plan.timed
+    return dataclasses.replace(
+        plan, layer_seconds=seconds, timed=timed, layer_peak=peak.bytes, peak_where=peak.where
+    )
 
 
 def time_layer(
     source: ModelSource, config, cfg: AwqConfig, device: torch.device, plan: Plan
-) -> float:
-    """Seconds to load, calibrate and pack layer 0 on the device, as a run would."""
+) -> tuple[float, PeakBytes]:
+    """Seconds to load, calibrate and pack layer 0 on the device, as a run would, and the
+    peak of its tensors there."""
     from transformers import AutoTokenizer
 
     ckpt = Checkpoint(source.path)
@@ -768,11 +798,21 @@ def time_layer(
     return _time_layer_0(layers[0], ckpt, x, pos, cfg, config, device, plan.rows)
 
 
-def _time_layer_0(layer, weights, x, pos, cfg: AwqConfig, config, device, rows: int) -> float:
+def _time_layer_0(
+    layer, weights, x, pos, cfg: AwqConfig, config, device, rows: int
+) -> tuple[float, PeakBytes]:
+    """The layer's time and its tensors' peak, measured on the one run: the plan's memory
+    figures are an estimate, this is what the code held (and where it peaked, on the CPU).
+    The peak counts from the loaded weights on: on the CPU the shards' file mappings would
+    count as allocations of their whole size while reading (they are not memory), and loading
+    holds at most two copies of the weights, below the calibration's peak."""
     started = time.perf_counter()
-    with full_fp32():
-        quantize_layer(layer, 0, weights, x, pos, cfg, config, device, rows)
-    return time.perf_counter() - started  # pack_layer's copies to the host synchronize
+    with full_fp32(), memory_errors(device, 0, rows if x is not None else 0):
+        load_layer(layer, weights, "model.layers.0.", device)
+        with tensor_peak(device, where=True) as peak:
+            calibrate_and_pack(layer, 0, x, pos, cfg, config, rows)
+    peak.bytes += sum(p.nbytes for p in layer.parameters())
+    return time.perf_counter() - started, peak  # pack_layer's copies to the host synchronize
 
 
 class RandomWeights:
@@ -794,9 +834,12 @@ class RandomWeights:
         return out  # norms about 1, linears of a trained model's scale
 
 
-def time_random_layer(config, cfg: AwqConfig, device: torch.device, plan: Plan) -> float:
+def time_random_layer(
+    config, cfg: AwqConfig, device: torch.device, plan: Plan
+) -> tuple[float, PeakBytes]:
     """Seconds to load, calibrate and pack a layer of random weights on the device, on
-    random activations of the calibration's size, as a run would spend them per layer."""
+    random activations of the calibration's size, as a run would spend them per layer, and
+    the peak of its tensors there."""
     layers, rotary = build_layers(config)
     weights = RandomWeights(layers[0], "model.layers.0.")
     dtype = "bfloat16" if getattr(config, "dtype", None) == torch.bfloat16 else "float16"

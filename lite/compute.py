@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from runtime.device import resolve_device
 
@@ -110,6 +113,67 @@ def peak_tensors_gib(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     return torch.cuda.max_memory_allocated(device) / 2**30
+
+
+@dataclass
+class PeakBytes:
+    """What :func:`tensor_peak` measured: the most bytes tensors held at once above the start,
+    and on the CPU with `where`, the calls the process was in at that moment."""
+
+    bytes: int = 0
+    where: str | None = None
+
+
+@contextlib.contextmanager
+def tensor_peak(device: torch.device, where: bool = False) -> Iterator[PeakBytes]:
+    """The peak of the bytes tensors held on `device` inside the block, above what they held
+    when it began; filled in when the block exits.
+
+    On a GPU torch's allocator keeps the count. On the CPU nothing does, and process RSS would
+    count the allocator's caching and untouched pages, so the profiler's allocation and free
+    events are summed in order: exact at the allocator, at a cost per op that calibration's
+    large ops hide. It sees the frees of the block's own tensors only, so what tensors made
+    before the block give back does not lower the count. `where` also records the project's
+    Python calls at the peak (CPU only)."""
+    result = PeakBytes()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        yield result
+        torch.cuda.synchronize(device)
+        result.bytes = torch.cuda.max_memory_allocated(device) - start
+        return
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=where) as p:
+        entered = time.time_ns()  # the profiler's events are stamped in Unix time too
+        yield result
+    events = p.profiler.kineto_results.events()
+    live, at = 0, None
+    for ts, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
+        live += nbytes
+        if live > result.bytes:
+            result.bytes, at = live, ts
+    if where and at is not None:
+        result.where = _python_calls_at(events, entered, at)
+
+
+def _in_lite(call: str) -> bool:
+    """Whether a profiled call, `path(line): name` with the path as the profiler shortens it
+    (relative to sys.path, or absolute), is a function of this package."""
+    return os.path.basename(os.path.dirname(call.split("(", 1)[0])) == __package__
+
+
+def _python_calls_at(events, since: int, ns: int) -> str:
+    """The package's Python functions called from `since` on and running at `ns`, outermost
+    first: where in the measured block the peak came."""
+    calls = [
+        e
+        for e in events
+        if e.is_python_function() and since <= e.start_ns() <= ns <= e.end_ns()
+        if _in_lite(e.name())
+    ]
+    calls.sort(key=lambda e: e.start_ns())
+    return " > ".join(e.name().rsplit(": ", 1)[-1] for e in calls)
 
 
 def out_of_memory(

@@ -189,6 +189,15 @@ class Plan:
     artifact_bytes: int
     layer_seconds: float | None = None  # measured on one layer
     timed: str = "layer 0"  # which: the model's own, or one of random weights (no weights here)
+    layer_peak: int | None = None  # bytes its tensors held at most, measured on the same run
+    peak_where: str | None = None  # the calls at that peak (measured on the CPU only)
+
+    @property
+    def planned_peak(self) -> int:
+        """What the measured peak is held to: the layer's device memory and, where the device
+        is the host, the layer's outputs too (the host half of the calibration activations)."""
+        host_outputs = self.host_activations // 2 if self.device == "cpu" else 0
+        return self.memory.total + host_outputs
 
 
 def make_plan(
@@ -253,5 +262,12 @@ def render(plan: Plan) -> str:
             f"time: about {total / 60:.1f} min for {plan.layers} layers ({plan.timed} took "
             f"{plan.layer_seconds:.1f} s on {plan.device}, warm-up included), plus reading "
             f"and writing the shards"
+        )
+    if plan.layer_peak is not None:
+        at = f", in {plan.peak_where}" if plan.peak_where else ""
+        outputs = " with the layer's outputs" if plan.device == "cpu" else ""
+        lines.append(
+            f"memory: {plan.timed} held at most {_size(plan.layer_peak)} in tensors on "
+            f"{plan.device}{at} (planned: {_size(plan.planned_peak)}{outputs})"
         )
     return "\n".join(lines)
