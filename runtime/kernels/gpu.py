@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 from array import array
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,6 +201,14 @@ class GpuBackend(Backend):
     def linear_out(self, y: torch.Tensor, w: FusedInt4) -> torch.Tensor:
         """The GEMM's output without the padding columns of fused parts."""
         return y if w.columns is None else y.index_select(1, w.columns)
+
+
+def rows_of_one_dtype(dtypes: Container[torch.dtype], *tensors: torch.Tensor) -> bool:
+    """Whether a backend's fused pointwise kernels take these as they are: one dtype of
+    ``dtypes`` (what they compute in), and rows whose last dimension is contiguous (anything
+    else runs torch's ops)."""
+    dtype = tensors[0].dtype
+    return dtype in dtypes and all(t.dtype == dtype and t.stride(-1) == 1 for t in tensors)
 
 
 def log_pinned(key: str, pinned: dict, kernels: dict, fallback: str) -> None:

@@ -93,6 +93,9 @@ class Backend(ABC):
     detail: str  # what it runs on, for logs, /health and `runtime check`
     graphs: bool = False  # decode steps can run from static buffers (CUDA graphs on a GPU)
     fuses_layers: bool = False  # fp32 steps run a whole decoder layer per call
+    # the environment variable that, set to 0, runs torch's pointwise ops instead of the
+    # backend's fused kernels (add_rms_norm, act_mul, rotary_kv_write), to time the difference
+    fused_env: str | None = None
     # row counts (ascending) that compile kernels of their own: run once at start-up
     # (ModelRunner.warm_up), so that no request waits on a compile
     warmup_tokens: tuple[int, ...] = ()

@@ -46,6 +46,7 @@ from runtime.kernels.gpu import (
     gemm_key,
     gpu_arch,
     log_pinned,
+    rows_of_one_dtype,
 )
 from runtime.kernels.triton.attention import paged_decode_attention, paged_prefill_attention
 from runtime.kv.format import STORAGE_KINDS
@@ -54,6 +55,7 @@ from runtime.kv.layer import LayerKV
 log = logging.getLogger("runtime.kernels")
 HEAD_DIMS = (64, 96, 128)  # what the decode attention kernel is instantiated for
 EMULATED_SMS, EMULATED_ARCH = 132, "sm_90"  # the emulated GPU plans its launches as an H200
+FUSED_ENV = "LITESERVE_CUDA_FUSED"  # "0": torch's pointwise ops instead of the csrc kernels
 
 
 @dataclass
@@ -64,6 +66,7 @@ class CudaInt4Weight(FusedInt4):
 class CudaBackend(GpuBackend):
     name = "cuda"
     dtypes = (torch.float16, torch.bfloat16)
+    fused_env = FUSED_ENV
 
     def __init__(
         self,
@@ -85,14 +88,14 @@ class CudaBackend(GpuBackend):
             else torch.cuda.get_device_properties(device).multi_processor_count
         )
         self.configs = gemm_plan.configs(lib)
-        self.fused = os.environ.get("LITESERVE_CUDA_FUSED") != "0"
+        self.fused = os.environ.get(FUSED_ENV) != "0"
         self.pdl = os.environ.get("LITESERVE_CUDA_PDL") != "0"
         lib.lsq_programmatic_launch(int(self.pdl))  # process-wide: this engine's choice
         # Triton's prefill attention compiles per size (nothing to warm up when emulated)
         self.warmup_tokens = () if self.emulated else gemm_plan.M_BUCKETS
         tuned = f"{len(self.pinned)} pinned GEMM configs" if self.pinned else "planned GEMM configs"
         where = ", emulated on the CPU" if self.emulated else ""
-        unfused = "" if self.fused else ", torch's pointwise ops (LITESERVE_CUDA_FUSED=0)"
+        unfused = "" if self.fused else f", torch's pointwise ops ({FUSED_ENV}=0)"
         serial = "" if self.pdl else ", no programmatic launch (LITESERVE_CUDA_PDL=0)"
         self.detail = f"{self.arch}: csrc {Path(lib._name).name}{where}, {tuned}{unfused}{serial}"
 
@@ -142,7 +145,7 @@ class CudaBackend(GpuBackend):
 
     def add_rms_norm(self, x, delta, weight, eps):
         tensors = (x, weight) if delta is None else (x, weight, delta)
-        if not (self.fused and x.dim() == 2 and _rows_of_one_dtype(*tensors)):
+        if not (self.fused and x.dim() == 2 and rows_of_one_dtype(STORAGE_KINDS, *tensors)):
             return super().add_rms_norm(x, delta, weight, eps)
         if weight.shape != x.shape[1:] or (delta is not None and delta.shape != x.shape):
             shapes = f"x {list(x.shape)}, weight {list(weight.shape)}"
@@ -165,7 +168,7 @@ class CudaBackend(GpuBackend):
 
     def act_mul(self, gate_up, hidden_act):
         silu = self.fused and hidden_act == "silu" and gate_up.dim() == 2
-        if not (silu and _rows_of_one_dtype(gate_up)):
+        if not (silu and rows_of_one_dtype(STORAGE_KINDS, gate_up)):
             return super().act_mul(gate_up, hidden_act)
         if gate_up.shape[1] % 2:
             raise ValueError(f"act_mul: gate_up {list(gate_up.shape)} is not gate and up halves")
@@ -181,7 +184,10 @@ class CudaBackend(GpuBackend):
 
     def rotary_kv_write(self, qk, v, rope, kv: LayerKV, slot_mapping):
         cos, sin = (t.squeeze(1) for t in rope)
-        if not (self.fused and _rows_of_one_dtype(qk, v, cos, sin)) or cos.stride() != sin.stride():
+        if (
+            not (self.fused and rows_of_one_dtype(STORAGE_KINDS, qk, v, cos, sin))
+            or cos.stride() != sin.stride()
+        ):
             return super().rotary_kv_write(qk, v, rope, kv, slot_mapping)
         s = kv.spec
         t, heads = qk.shape[0], qk.shape[1] - v.shape[1]
@@ -288,13 +294,6 @@ class CudaBackend(GpuBackend):
             head_dim,
             ", ".join(map(str, HEAD_DIMS)),
         )
-
-
-def _rows_of_one_dtype(*tensors: torch.Tensor) -> bool:
-    """Whether the fused kernels take these as they are: one dtype they compute in, and rows
-    whose last dimension is contiguous (anything else runs torch's ops)."""
-    dtype = tensors[0].dtype
-    return dtype in STORAGE_KINDS and all(t.dtype == dtype and t.stride(-1) == 1 for t in tensors)
 
 
 def _pool(kv: LayerKV) -> tuple[int | None, ...]:
