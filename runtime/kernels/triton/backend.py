@@ -6,10 +6,19 @@ by ``lite tune``), so a server starts without autotuning and always runs the sam
 an architecture the artifact was not tuned for, the GEMM's heuristic picks them, with a warning,
 and prefill-sized steps (256+ rows) dequantize the weights for torch's dense GEMM
 (``triton/gemm.py``'s DequantConfig), which a pin may also choose or overrule.
+
+The pointwise work between the GEMMs runs as three Triton kernels instead of torch's several
+per sublayer (at batch 1 a decode step's device time is mostly such small kernels, each costing
+its launch and tail): rotary fused into the KV write (``triton/kv_write.py``, bit for bit
+torch's result), the residual add with the RMSNorm after it and SiLU-and-mul
+(``triton/pointwise.py``). As in the cuda backend, anything those kernels do not take (another
+activation, mixed dtypes, rows whose last dimension is not contiguous) runs torch's ops, and
+``LITESERVE_TRITON_FUSED=0`` runs torch's ops throughout (to measure the gain).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -22,9 +31,12 @@ from runtime.kernels.gpu import (
     gemm_key,
     gpu_arch,
     log_pinned,
+    rows_of_one_dtype,
 )
+from runtime.kernels.triton import pointwise
 from runtime.kernels.triton.attention import paged_decode_attention, paged_prefill_attention
 from runtime.kernels.triton.gemm import (
+    ACTIVATION_DTYPES,
     M_BUCKETS,
     WARMUP_ROWS,
     LinearConfig,
@@ -33,8 +45,10 @@ from runtime.kernels.triton.gemm import (
     m_bucket,
     w4a16_linear,
 )
-from runtime.kernels.triton.kv_write import kv_write
+from runtime.kernels.triton.kv_write import kv_write, rotary_kv_write
 from runtime.kv.layer import LayerKV
+
+FUSED_ENV = "LITESERVE_TRITON_FUSED"  # "0": torch's pointwise ops instead of the Triton kernels
 
 
 @dataclass
@@ -66,7 +80,8 @@ class TritonBackend(GpuBackend):
     """The Triton kernels on a GPU (under TRITON_INTERPRET=1 also on the CPU, for tests)."""
 
     name = "triton"
-    dtypes = (torch.float16, torch.bfloat16)
+    dtypes = ACTIVATION_DTYPES
+    fused_env = FUSED_ENV
 
     def __init__(self, device: torch.device, kernels: dict[str, dict[str, dict[str, int]]]) -> None:
         super().__init__(device)
@@ -75,11 +90,10 @@ class TritonBackend(GpuBackend):
         self.pinned = kernels.get(arch, {})
         if device.type == "cuda":
             log_pinned(arch, self.pinned, kernels, "heuristic configs")
-        self.detail = (
-            f"{arch}: {len(self.pinned)} pinned GEMM configs"
-            if self.pinned
-            else f"{arch}: heuristics"
-        )
+        self.fused = os.environ.get(FUSED_ENV) != "0"
+        tuned = f"{len(self.pinned)} pinned GEMM configs" if self.pinned else "heuristics"
+        unfused = "" if self.fused else f", torch's pointwise ops ({FUSED_ENV}=0)"
+        self.detail = f"{arch}: {tuned}{unfused}"
 
     def prepare_int4(self, parts, k, group_size, dtype) -> TritonInt4Weight:  # noqa: ARG002
         return prepare_weight(parts, k, group_size, self.device, self.pinned)  # x sets dtype
@@ -88,6 +102,23 @@ class TritonBackend(GpuBackend):
         x = x.contiguous()
         y = w4a16_linear(x, w.qweight, w.qparams, w.n, w.k, w.group_size, w.config(x.shape[0]))
         return self.linear_out(y, w)
+
+    def add_rms_norm(self, x, delta, weight, eps):
+        tensors = (x, weight) if delta is None else (x, weight, delta)
+        if not (self.fused and x.dim() == 2 and rows_of_one_dtype(self.dtypes, *tensors)):
+            return super().add_rms_norm(x, delta, weight, eps)
+        return pointwise.add_rms_norm(x, delta, weight, eps)
+
+    def act_mul(self, gate_up, hidden_act):
+        silu = self.fused and hidden_act == "silu" and gate_up.dim() == 2
+        if not (silu and rows_of_one_dtype(self.dtypes, gate_up)):
+            return super().act_mul(gate_up, hidden_act)
+        return pointwise.silu_mul(gate_up)
+
+    def rotary_kv_write(self, qk, v, rope, kv: LayerKV, slot_mapping):
+        if not (self.fused and rows_of_one_dtype(self.dtypes, qk, v, *rope)):
+            return super().rotary_kv_write(qk, v, rope, kv, slot_mapping)
+        return rotary_kv_write(kv, qk, v, rope, slot_mapping)
 
     def kv_write(self, kv: LayerKV, k, v, slot_mapping) -> None:
         kv_write(kv, k, v, slot_mapping)
