@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.kernels.triton import attention, gemm, kv_write
+from runtime.kernels.triton import attention, gemm, kv_write, pointwise
 from tests import triton_compile
 from tests.cuda_lib import find_cuobjdump
 from tests.triton_compile import ARCHS, SHARED_LIMIT, Launch
@@ -56,7 +56,7 @@ def test_every_kernel_is_compiled(launches: dict[int, list[Launch]]) -> None:
     """The cases reach every kernel the modules launch: a new kernel cannot go unchecked."""
     kernels = {
         name
-        for module in (gemm, attention, kv_write)
+        for module in (gemm, attention, kv_write, pointwise)
         for name in vars(module)
         if name.endswith("_kernel") and hasattr(getattr(module, name), "fn")
     }

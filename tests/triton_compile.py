@@ -7,11 +7,12 @@ and the interpreter neither runs the compiled branches (``INTERPRETED`` is a con
 attention kernels) nor applies the compiler's rules (types, layouts, register and shared-memory
 budgets). The Triton backend as first landed failed on its first step on a GPU. Triton's
 compiler runs without a driver once it is told the target, so this runs the product's own
-launch wrappers (``w4a16_gemm``, ``w4a16_dequantize``, the paged attention and the KV write)
-on CPU tensors with every ``kernel[grid](...)`` turned into a compile-only warm-up
-(``JITFunction.run(warmup=True)``): the launches, their specializations and their constexprs
-are the ones a GPU would get. Each compiled kernel's cubin is then read with cuobjdump for its
-registers, stack (spills) and whether its SASS issues tensor-core instructions.
+launch wrappers (``w4a16_gemm``, ``w4a16_dequantize``, the paged attention, the KV write and
+the pointwise kernels) on CPU tensors with every ``kernel[grid](...)`` turned into a
+compile-only warm-up (``JITFunction.run(warmup=True)``): the launches, their specializations
+and their constexprs are the ones a GPU would get. Each compiled kernel's cubin is then read
+with cuobjdump for its registers, stack (spills) and whether its SASS issues tensor-core
+instructions.
 
 One architecture per process: a JIT function keeps its compiled kernels per device, and the
 stand-in driver has one device. Run by ``tests/test_offline_compile.py``; outputs of the
@@ -49,6 +50,8 @@ TENSOR_CORE_OPS = ("HMMA", "HGMMA")  # SASS of mma.sync and wgmma
 GEMM_SHAPES = ((6144, 4096), (4096, 14336), (40, 256))
 # (heads, KV heads, head_dim): Llama-3-8B, SmolLM2, and a 256-wide head (wider than a tile)
 ATTENTION_SHAPES = ((32, 8, 128), (9, 3, 64), (8, 2, 256))
+# (hidden, intermediate): SmolLM2, Llama-3.2-1B, Llama-3-8B, Llama-3-70B
+POINTWISE_WIDTHS = ((576, 1536), (2048, 8192), (4096, 14336), (8192, 28672))
 
 
 @dataclass
@@ -166,12 +169,13 @@ def _pool(kv_quant: str, dtype: torch.dtype, kv_heads: int, head_dim: int, lens:
 
 
 def attention_cases(quick: bool) -> Iterator[tuple[str, Callable[[], object]]]:
-    """Decode (one partition, and several with the merge), prefill and the KV write, for every
-    head shape, KV format and activation dtype, with and without a sliding window; ``quick``:
-    one activation dtype per KV format, and the window on the first head shape only."""
+    """Decode (one partition, and several with the merge), prefill and the KV write (with
+    rotary and without), for every head shape, KV format and activation dtype, with and
+    without a sliding window; ``quick``: one activation dtype per KV format, and the window on
+    the first head shape only."""
     from runtime.kernels.triton.attention import paged_decode_attention, paged_prefill_attention
     from runtime.kernels.triton.gemm import ACTIVATION_DTYPES
-    from runtime.kernels.triton.kv_write import kv_write
+    from runtime.kernels.triton.kv_write import kv_write, rotary_kv_write
     from runtime.kv.format import KV_QUANT
 
     lens = [700, 33]
@@ -204,6 +208,30 @@ def attention_cases(quick: bool) -> Iterator[tuple[str, Callable[[], object]]]:
                     f"kv_write {kv_heads}x{head_dim} kv={kv_quant} {dtype}",
                     lambda kv=kv, k=kvs, s=slots: kv_write(kv, k, k, s),
                 )
+                qk = torch.randn(5, heads + kv_heads, head_dim).to(dtype)
+                rope = tuple(torch.randn(5, 1, head_dim // 2).to(dtype) for _ in range(2))
+                yield (
+                    f"rotary_kv_write {heads}/{kv_heads}x{head_dim} kv={kv_quant} {dtype}",
+                    lambda kv=kv, qk=qk, v=kvs, r=rope, s=slots: rotary_kv_write(kv, qk, v, r, s),
+                )
+
+
+def pointwise_cases(quick: bool) -> Iterator[tuple[str, Callable[[], object]]]:
+    """Add + RMSNorm (with a residual and without) and SiLU-and-mul at every width, for each
+    activation dtype; ``quick``: one dtype per width."""
+    from runtime.kernels.triton.gemm import ACTIVATION_DTYPES
+    from runtime.kernels.triton.pointwise import add_rms_norm, silu_mul
+
+    for i, (hidden, intermediate) in enumerate(POINTWISE_WIDTHS):
+        for dtype in [ACTIVATION_DTYPES[i % 2]] if quick else ACTIVATION_DTYPES:
+            x, w = torch.randn(3, hidden).to(dtype), torch.ones(hidden, dtype=dtype)
+            for delta in (x, None):
+                yield (
+                    f"add_rms_norm {hidden} {dtype} residual={delta is not None}",
+                    lambda x=x, d=delta, w=w: add_rms_norm(x, d, w, 1e-5),
+                )
+            gate_up = torch.randn(3, 2 * intermediate).to(dtype)
+            yield f"silu_mul {intermediate} {dtype}", lambda g=gate_up: silu_mul(g)
 
 
 def compile_all(arch: int, cuobjdump: str, quick: bool) -> list[Launch]:
@@ -215,7 +243,8 @@ def compile_all(arch: int, cuobjdump: str, quick: bool) -> list[Launch]:
     _compile_only(compiled)
     launches: list[Launch] = []
     seen: set[str] = set()
-    for case, call in itertools.chain(gemm_cases(quick), attention_cases(quick)):
+    cases = itertools.chain(gemm_cases(quick), attention_cases(quick), pointwise_cases(quick))
+    for case, call in cases:
         compiled.clear()
         start = time.perf_counter()
         try:
