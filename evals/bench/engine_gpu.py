@@ -407,6 +407,7 @@ def cmd_decode(a: argparse.Namespace) -> None:
         f"The batch-{b0} step ({runs[b0].decode_step_ms:.2f} ms) is "
         f"{runs[b0].decode_step_ms / floor_ms:.1f}x the floor."
     )
+    backend, fused_env = engine.backend, engine.ops.fused_env
     del engine
     free(device)
 
@@ -415,10 +416,12 @@ def cmd_decode(a: argparse.Namespace) -> None:
         ("overlap_schedule", False, "overlapped scheduling against step by step"),
     ):
         compare_decode(a, fields, runs, start_s, field, value, what)
-    if a.backend == "cuda":
-        what = "the csrc pointwise kernels (rotary + KV write, add + RMSNorm, SiLU-and-mul)"
-        with mock.patch.dict(os.environ, LITESERVE_CUDA_FUSED="0"):
-            compare_decode(a, fields, runs, start_s, "", None, f"{what} against torch's ops")
+    if fused_env:  # the backend's switch (cuda, triton): its pointwise kernels or torch's ops
+        what = f"backend {backend}'s pointwise kernels (rotary + KV write, add + RMSNorm, "
+        what += f"SiLU-and-mul) against torch's ops ({fused_env}=0)"
+        with mock.patch.dict(os.environ, {fused_env: "0"}):
+            compare_decode(a, fields, runs, start_s, "", None, what)
+    if backend == "cuda":
         what = "programmatic dependent launch (sm_90) against plain stream order"
         with mock.patch.dict(os.environ, LITESERVE_CUDA_PDL="0"):
             compare_decode(a, fields, runs, start_s, "", None, what)
