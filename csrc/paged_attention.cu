@@ -9,8 +9,11 @@
 // take more head chunks). The number of partitions comes from the block-table width, never
 // from context_lens, so the launch needs no host sync and a CUDA graph can replay it: blocks
 // past a sequence's end (or wholly before its sliding window) exit at once, and the merge
-// kernel reads only the partitions that hold tokens. With one partition the block normalizes
-// and writes the output itself and there is no merge launch.
+// reads only the partitions that hold tokens. With one partition the block normalizes and
+// writes the output itself. With several, each block leaves its partial in the workspace and
+// counts itself in on its (sequence, head group)'s counter; the last to arrive merges them
+// and writes the output (one launch, the GEMM's one-launch split-K pattern). Without counters
+// a second kernel merges.
 //
 // Inside a block each warp walks 16-token tiles (tiles w, w + 4, ...; a pool block holds whole
 // tiles since block_size is a multiple of 16) with its own online softmax; the four warps are
@@ -90,6 +93,7 @@ struct Params {
   float* ws_o;       // [B, H, P, D]
   float* ws_m;       // [B, H, P]
   float* ws_l;       // [B, H, P]
+  uint32_t* counters;  // [B, KV heads x chunks]: partitions done (null: the merge kernel)
 };
 
 template <bool B>
@@ -153,6 +157,7 @@ struct Smem {
   float l[kWarps][kHeads];
   float hm[kHeads];    // per head: scale * log2(e) * 2^shift (shift: the bf16 query's scaling)
   float qsum[kHeads];  // per head: the sum of the query as the mma sees it
+  uint32_t last;       // this block is the last of its (sequence, head group) to finish
 };
 
 // One tile's raw bytes for one lane. The tile's 4 x 16 fp16 parameters are loaded by the
@@ -426,6 +431,71 @@ LSQ_HD void compute_tile(Raw<C>& raw, int lane, const uint32_t (&qb)[C::KT][2],
   }
 }
 
+// The partitions [first, used) of a sequence of len tokens that hold valid tokens: those whose
+// blocks write a partial (decode_block returns early for the others).
+struct Valid {
+  int first, used;
+};
+
+LSQ_HD Valid valid_partitions(const Params& p, int len) {
+  if (len <= 0) return {0, 0};
+  const int ps = p.partition_size;
+  const int win_lo = p.window > 0 && len > p.window ? len - p.window : 0;
+  const int used = (len + ps - 1) / ps;
+  return {win_lo / ps, used < p.num_partitions ? used : p.num_partitions};
+}
+
+LSQ_HD int context_len(const Params& p, unsigned b) {
+  const int64_t capacity = static_cast<int64_t>(p.max_blocks) * p.block_size;
+  const int64_t len64 = p.lens[b];
+  return static_cast<int>(len64 < capacity ? len64 : capacity);
+}
+
+// Whether this block is the last of its (sequence, head group)'s valid partitions to finish:
+// it counts itself in on the group's counter, which the last sets back to 0 for the next
+// launch. The fences order every block's partials before its count and the last block's reads
+// after it (the GEMM's finish_split; CUDA's threadFenceReduction sample).
+LSQ_HD bool last_to_finish(const Params& p, int len, int b, unsigned by, int tid, uint32_t& last) {
+  thread_fence();  // this thread's partials are visible to the GPU before the block counts in
+  block_sync();    // and every thread's are
+  if (tid == 0) {
+    thread_fence();
+    const Valid v = valid_partitions(p, len);
+    uint32_t* const counter = p.counters + static_cast<int64_t>(b) * p.num_kv_heads * p.chunks + by;
+    const bool done = atomic_add(counter, 1u) == static_cast<uint32_t>(v.used - v.first - 1);
+    if (done) *counter = 0u;  // no other block of this launch touches it again
+    last = done;
+  }
+  block_sync();
+  if (!last) return false;
+  thread_fence();
+  return true;
+}
+
+// Log-sum-exp merge of one (head, sequence)'s partitions; only those holding valid tokens.
+// The partials are read from L2 (ld.global.cg): in the one-launch path other blocks wrote them
+// during this kernel.
+template <bool OUT_BF16>
+LSQ_HD void merge_block(const Params& p, unsigned head, unsigned b, int tid, int threads) {
+  const Valid v = valid_partitions(p, context_len(p, b));
+  const int D = p.head_dim;
+  const int64_t base = (static_cast<int64_t>(b) * p.num_heads + head) * p.num_partitions;
+  float mx = -INFINITY;
+  for (int q = v.first; q < v.used; ++q) mx = fmaxf(mx, load_cg_f32(p.ws_m + base + q));
+  for (int d = tid; d < D; d += threads) {
+    float sum = 0.f, o = 0.f;
+    if (mx != -INFINITY)
+      for (int q = v.first; q < v.used; ++q) {
+        const float mq = load_cg_f32(p.ws_m + base + q);
+        if (mq == -INFINITY) continue;
+        const float f = ex2(mq - mx);
+        sum += f * load_cg_f32(p.ws_l + base + q);
+        o += f * load_cg_f32(p.ws_o + (base + q) * D + d);
+      }
+    store_act(p.out, b * p.o_sb + head * p.o_sh + d, sum > 0.f ? fdiv_fast(o, sum) : 0.f, OUT_BF16);
+  }
+}
+
 // The whole block: stage the query rows, walk this warp's tiles, merge the warps, write.
 template <int KIND, bool QBF16, int D>
 LSQ_HD void decode_block(const Params& p, unsigned bx, unsigned by, unsigned bz, int tid,
@@ -438,11 +508,9 @@ LSQ_HD void decode_block(const Params& p, unsigned bx, unsigned by, unsigned bz,
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const bool single = p.num_partitions == 1;
 
-  const int64_t capacity = static_cast<int64_t>(p.max_blocks) * p.block_size;
-  const int64_t len64 = p.lens[b];
-  const int len = static_cast<int>(len64 < capacity ? len64 : capacity);
+  const int len = context_len(p, bz);
   if (len <= 0) {  // an empty sequence (not a valid input): zeros rather than garbage
-    if (single)
+    if (single || (part == 0 && p.counters))  // else the merge kernel writes them
       for (int i = tid; i < rows * D; i += kThreads)
         store_act(p.out, b * p.o_sb + (head0 + i / D) * p.o_sh + i % D, 0.f, C::kOutBf16);
     return;
@@ -635,37 +703,8 @@ LSQ_HD void decode_block(const Params& p, unsigned bx, unsigned by, unsigned bz,
       if (d == 0) p.ws_m[r] = mx, p.ws_l[r] = sum;
     }
   }
-}
-
-// Log-sum-exp merge of one (head, sequence)'s partitions; only those holding valid tokens.
-template <bool OUT_BF16>
-LSQ_HD void merge_block(const Params& p, unsigned head, unsigned b, int tid, int threads) {
-  const int64_t capacity = static_cast<int64_t>(p.max_blocks) * p.block_size;
-  const int64_t len64 = p.lens[b];
-  const int len = static_cast<int>(len64 < capacity ? len64 : capacity);
-  const int ps = p.partition_size, D = p.head_dim;
-  int first = 0, used = 0;
-  if (len > 0) {
-    const int win_lo = p.window > 0 && len > p.window ? len - p.window : 0;
-    first = win_lo / ps;
-    used = (len + ps - 1) / ps;
-    if (used > p.num_partitions) used = p.num_partitions;
-  }
-  const int64_t base = (static_cast<int64_t>(b) * p.num_heads + head) * p.num_partitions;
-  float mx = -INFINITY;
-  for (int q = first; q < used; ++q) mx = fmaxf(mx, p.ws_m[base + q]);
-  for (int d = tid; d < D; d += threads) {
-    float sum = 0.f, o = 0.f;
-    if (mx != -INFINITY)
-      for (int q = first; q < used; ++q) {
-        const float mq = p.ws_m[base + q];
-        if (mq == -INFINITY) continue;
-        const float f = ex2(mq - mx);
-        sum += f * p.ws_l[base + q];
-        o += f * p.ws_o[(base + q) * D + d];
-      }
-    store_act(p.out, b * p.o_sb + head * p.o_sh + d, sum > 0.f ? fdiv_fast(o, sum) : 0.f, OUT_BF16);
-  }
+  if (!single && p.counters && last_to_finish(p, len, b, by, tid, sm.last))
+    for (int row = 0; row < rows; ++row) merge_block<C::kOutBf16>(p, head0 + row, b, tid, kThreads);
 }
 
 template <int KIND, bool QBF16, int D>
@@ -712,7 +751,8 @@ static int plan_decode(const void* q, int64_t q_stride_b, int64_t q_stride_h, vo
                        int64_t max_blocks, const int32_t* context_lens, int64_t batch,
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                        int64_t block_size, int32_t sliding_window, float scale,
-                       int64_t partition_size, float* workspace, Plan* plan) {
+                       int64_t partition_size, float* workspace, uint32_t* counters,
+                       int64_t counters_len, Plan* plan) {
   constexpr int64_t kIntMax = 0x7fffffff;
   LSQ_REQUIRE(kv_kind >= LSQ_KIND_BF16 && kv_kind <= LSQ_KIND_INT4);
   LSQ_REQUIRE(q_dtype == LSQ_KIND_BF16 || q_dtype == LSQ_KIND_FP16);
@@ -743,6 +783,7 @@ static int plan_decode(const void* q, int64_t q_stride_b, int64_t q_stride_h, vo
   }
   const int64_t parts = num_partitions(max_blocks, block_size, partition_size);
   if (parts > 1) LSQ_REQUIRE(workspace && aligned(workspace, 4));
+  LSQ_REQUIRE(counters_len >= 0 && (!counters || aligned(counters, 4)));
 
   Params& p = plan->p;
   p.q = static_cast<const uint8_t*>(q);
@@ -774,6 +815,9 @@ static int plan_decode(const void* q, int64_t q_stride_b, int64_t q_stride_h, vo
   p.ws_o = parts > 1 ? workspace : nullptr;
   p.ws_m = parts > 1 ? workspace + rows * head_dim : nullptr;
   p.ws_l = parts > 1 ? workspace + rows * (head_dim + 1) : nullptr;
+  // one launch when the counters cover every (sequence, head group); else the merge kernel
+  const bool one_launch = parts > 1 && counters && batch * num_kv_heads * chunks <= counters_len;
+  p.counters = one_launch ? counters : nullptr;
   plan->kind = kv_kind;
   plan->d = static_cast<int>(head_dim);
   plan->batch = static_cast<int>(batch);
@@ -815,7 +859,7 @@ struct Launcher {
     const dim3 grid(plan.grid_x, plan.grid_y, static_cast<unsigned>(plan.batch));
     const int err = lsq_launch(decode_kernel<KIND, QBF16, D>, grid, dim3(kThreads), 0, stream,
                                plan.p);
-    if (err || plan.p.num_partitions == 1) return err;
+    if (err || plan.p.num_partitions == 1 || plan.p.counters) return err;
     const dim3 merge_grid(static_cast<unsigned>(plan.p.num_heads),
                           static_cast<unsigned>(plan.batch));
     return lsq_launch(merge_kernel<QBF16>, merge_grid, dim3(128), 0, stream, plan.p);
@@ -849,7 +893,7 @@ struct Emulator {
           decode_block<KIND, QBF16, D>(p, x, y, z, tid, *static_cast<Smem<D>*>(smem));
         },
         options);
-    if (p.num_partitions > 1)
+    if (p.num_partitions > 1 && !p.counters)
       emulate::run_grid(p.num_heads, plan.batch, 1, 128, 0,
                         [&](unsigned x, unsigned y, unsigned, int tid, void*) {
                           merge_block<QBF16>(p, x, y, tid, 128);
@@ -866,7 +910,10 @@ extern "C" {
 // Attention of one new token per sequence over its paged context; see the top of this file and
 // csrc/README.md. Returns 0 when launched, cudaErrorInvalidValue (1) for bad arguments (checked
 // before any CUDA call), else the launch's cudaError_t. Launches on the calling thread's
-// current device, on `stream`.
+// current device, on `stream`. With several partitions and `counters` (zeros, at least one per
+// sequence and group of up to 8 query heads of a KV head, counters_len of them, used by one
+// stream at a time) the partitions are merged in the same launch, by the last block of each
+// group, which leaves its counter 0 again; without, or with too few, a second kernel merges.
 int lsq_paged_decode_attention(const void* q, int64_t q_stride_b, int64_t q_stride_h, void* out,
                                int64_t out_stride_b, int64_t out_stride_h, const void* k_cache,
                                const void* v_cache, const void* k_scale, const void* k_zero,
@@ -876,13 +923,14 @@ int lsq_paged_decode_attention(const void* q, int64_t q_stride_b, int64_t q_stri
                                const int32_t* context_lens, int64_t batch, int64_t num_heads,
                                int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                                int32_t sliding_window, float scale, int64_t partition_size,
-                               float* workspace, void* stream) {
+                               float* workspace, uint32_t* counters, int64_t counters_len,
+                               void* stream) {
   lsq_pa::Plan plan;
   const int err = lsq_pa::plan_decode(
       q, q_stride_b, q_stride_h, out, out_stride_b, out_stride_h, k_cache, v_cache, k_scale,
       k_zero, v_scale, v_zero, kv_kind, q_dtype, block_tables, table_stride, max_blocks,
       context_lens, batch, num_heads, num_kv_heads, head_dim, block_size, sliding_window, scale,
-      partition_size, workspace, &plan);
+      partition_size, workspace, counters, counters_len, &plan);
   if (err || batch == 0) return err;
   lsq_pa::Launcher launcher{plan, static_cast<cudaStream_t>(stream)};
   return lsq_pa::dispatch(plan, launcher);
@@ -941,13 +989,13 @@ int lsq_emulate_paged_decode_attention(
     int32_t q_dtype, const int32_t* block_tables, int64_t table_stride, int64_t max_blocks,
     const int32_t* context_lens, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, int64_t block_size, int32_t sliding_window, float scale,
-    int64_t partition_size, float* workspace) {
+    int64_t partition_size, float* workspace, uint32_t* counters, int64_t counters_len) {
   lsq_pa::Plan plan;
   const int err = lsq_pa::plan_decode(
       q, q_stride_b, q_stride_h, out, out_stride_b, out_stride_h, k_cache, v_cache, k_scale,
       k_zero, v_scale, v_zero, kv_kind, q_dtype, block_tables, table_stride, max_blocks,
       context_lens, batch, num_heads, num_kv_heads, head_dim, block_size, sliding_window, scale,
-      partition_size, workspace, &plan);
+      partition_size, workspace, counters, counters_len, &plan);
   if (err || batch == 0) return err;
   lsq_pa::Emulator emulator{plan};
   return lsq_pa::dispatch(plan, emulator);

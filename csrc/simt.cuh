@@ -712,6 +712,15 @@ LSQ_HD float4 load_cg(const float* address) {
 #endif
 }
 
+// The scalar form of load_cg.
+LSQ_HD float load_cg_f32(const float* address) {
+#ifdef __CUDA_ARCH__
+  return __ldcg(address);
+#else
+  return *address;
+#endif
+}
+
 // *address += v, atomically over the GPU; returns the old value.
 LSQ_HD uint32_t atomic_add(uint32_t* address, uint32_t v) {
 #ifdef __CUDA_ARCH__

@@ -140,9 +140,12 @@ def decode_attention(
     sliding_window: int | None,
     partition_size: int,
     emulate: bool = False,
+    one_launch: bool = True,
 ) -> torch.Tensor:
     """The kernel's output ``[B, H, D]`` in q's dtype; ``emulate`` runs it on the CPU (all tensors
-    on the CPU), else on q's GPU on torch's current stream. int32 tables and lengths."""
+    on the CPU), else on q's GPU on torch's current stream. int32 tables and lengths.
+    ``one_launch``: the partitions merge in the decode launch (zeroed counters, checked to be
+    zeros again after it), else in the second kernel."""
     s = kv.spec
     batch, heads, dim = q.shape
     assert q.stride(-1) == 1 and block_tables.dtype == torch.int32
@@ -163,11 +166,15 @@ def decode_attention(
         batch, heads, s.num_kv_heads, dim, s.block_size,
         sliding_window or 0, scale, partition_size, _ptr(workspace),
     ]  # fmt: skip
+    groups = batch * s.num_kv_heads * -(-(heads // s.num_kv_heads) // 8)  # query heads by 8
+    counters = torch.zeros(groups if one_launch else 0, dtype=torch.int32, device=q.device)
+    args += [_ptr(counters) if one_launch else None, counters.numel()]
     if emulate:
         rc = lib.lsq_emulate_paged_decode_attention(*args)
     else:
         rc = lib.lsq_paged_decode_attention(*args, torch.cuda.current_stream().cuda_stream)
     assert rc == 0, f"lsq_paged_decode_attention returned {rc}"
+    assert not counters.any(), "the last block of each group sets its counter back to 0"
     return out
 
 

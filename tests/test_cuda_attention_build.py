@@ -247,6 +247,7 @@ def attention_args(**change) -> list:
         "tables": FAKE, "table_stride": 64, "max_blocks": 64, "lens": FAKE,
         "batch": 2, "heads": 32, "kv_heads": 8, "head_dim": 128, "block_size": 16,
         "window": 0, "scale": 0.088, "partition_size": 256, "workspace": FAKE,
+        "counters": None, "counters_len": 0,
     }  # fmt: skip
     a.update(change)
     return list(a.values())
@@ -277,6 +278,8 @@ ATTENTION_BAD = [
     {"scale": float("nan")},
     {"q": None},
     {"tables": None},
+    {"counters": FAKE + 2, "counters_len": 64},  # 32-bit counters, 4-byte aligned
+    {"counters_len": -1},
 ]
 
 
@@ -295,7 +298,8 @@ def test_attention_valid_arguments_reach_cuda(lib: ctypes.CDLL) -> None:
         pytest.skip("would launch on fake pointers")
     unquantized = {"kv_kind": 2, "k_scale": None, "k_zero": None, "v_scale": None, "v_zero": None}
     one_partition = {"partition_size": 1024, "workspace": None}
-    for change in ({}, unquantized, one_partition):
+    one_launch = {"counters": FAKE, "counters_len": 16}
+    for change in ({}, unquantized, one_partition, one_launch):
         assert lib.lsq_paged_decode_attention(*attention_args(**change), None) not in (0, INVALID)
     assert lib.lsq_paged_decode_attention(*attention_args(batch=0), None) == 0  # nothing to do
 
@@ -426,6 +430,27 @@ def test_emulated_decode_matches_reference(lib: ctypes.CDLL, case: tuple) -> Non
     cuda_lib.assert_close(out, ref)
 
 
+@pytest.mark.parametrize(
+    "case", [c for c in DECODE_CASES if c[8] < max(c[6])], ids=cuda_lib.case_id
+)
+def test_emulated_one_launch_merge_gives_the_merge_kernels_bits(lib: ctypes.CDLL, case) -> None:
+    """Several partitions: merged by the last block of each head group in the decode launch,
+    or by the second kernel, the same partials are summed in the same order (windows that leave
+    partitions without tokens, head groups in chunks, empty partitions past a short sequence)."""
+    kv_quant, dtype, bs, heads, kv_heads, dim, ctx, window, partition = case
+    cache, tables, gen = cuda_lib.build_pool(kv_quant, dtype, bs, ctx, kv_heads, dim, seed=5)
+    q = torch.randn(len(ctx), heads, dim, generator=gen).to(dtype)
+    lens, scale = torch.tensor(ctx, dtype=torch.int32), dim**-0.5
+    outs = [
+        cuda_lib.decode_attention(
+            lib, q, cache.layer(0), tables, lens, scale, window, partition, True, one_launch
+        )
+        for one_launch in (True, False)
+    ]
+    assert torch.equal(*outs)
+    cuda_lib.assert_close(outs[0], cuda_lib.reference_decode(q, cache, tables, ctx, scale, window))
+
+
 def test_l2_prefetch_distance_changes_no_result(lib: ctypes.CDLL) -> None:
     """The prefetch is a hint: any distance gives the same bits. Emulated, each prefetched
     address must lie in the blocks the tables name (the emulator aborts otherwise), so the
@@ -478,9 +503,9 @@ def test_emulated_decode_empty_sequence_gives_zeros(lib: ctypes.CDLL) -> None:
     cache, tables, gen = cuda_lib.build_pool("none", BF16, 16, [20, 5], 1, 64, seed=1)
     q = torch.randn(2, 2, 64, generator=gen).to(BF16)
     lens = torch.tensor([20, 0], dtype=torch.int32)
-    for partition in (16, 1024):
+    for partition, one_launch in ((16, True), (16, False), (1024, True)):
         out = cuda_lib.decode_attention(
-            lib, q, cache.layer(0), tables, lens, 0.1, None, partition, True
+            lib, q, cache.layer(0), tables, lens, 0.1, None, partition, True, one_launch
         )
         assert torch.equal(out[1], torch.zeros_like(out[1]))
         ref = cuda_lib.reference_decode(q[:1], cache, tables[:1], [20], 0.1, None)

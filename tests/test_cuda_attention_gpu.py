@@ -134,6 +134,7 @@ def test_decode_replays_in_a_cuda_graph(lib: ctypes.CDLL, gpu: torch.device, kv_
     layer = big.layer(0)
     floats = lib.lsq_paged_decode_workspace_floats(3, heads, dim, width, bs, partition)
     workspace = torch.empty(floats, dtype=torch.float32, device=gpu)
+    counters = torch.zeros(3 * kv_heads, dtype=torch.int32, device=gpu)  # one launch
     out = torch.empty_like(static_q)
 
     def launch() -> None:
@@ -145,7 +146,7 @@ def test_decode_replays_in_a_cuda_graph(lib: ctypes.CDLL, gpu: torch.device, kv_
             *(cuda_lib._ptr(t) for t in (layer.k_scale, layer.k_zero, layer.v_scale, layer.v_zero)),
             s.storage_kind, 2, static_tables.data_ptr(), width, width, static_lens.data_ptr(),
             3, heads, kv_heads, dim, bs, 0, dim**-0.5, partition, workspace.data_ptr(),
-            torch.cuda.current_stream().cuda_stream,
+            counters.data_ptr(), counters.numel(), torch.cuda.current_stream().cuda_stream,
         )  # fmt: skip
         assert rc == 0
 
@@ -165,6 +166,7 @@ def test_decode_replays_in_a_cuda_graph(lib: ctypes.CDLL, gpu: torch.device, kv_
         torch.cuda.synchronize()
         ref = cuda_lib.reference_decode(q, cache, tables, ctx, dim**-0.5, None)
         cuda_lib.assert_close(out, ref)
+        assert not counters.any()  # each replay leaves them for the next
 
 
 @pytest.mark.parametrize("case", WRITE_CASES, ids=cuda_lib.write_case_id)

@@ -18,7 +18,9 @@ per SM): the data its rule is to be fit to (issue 12; at batch 1 the fixed cost 
 its Q fragments, the warps' merge and the partials, weighs against the waves of blocks), and
 at the planned size how far ahead each warp prefetches its K and V into L2 (0, 1, 2 or 4 tiles;
 `lsq_paged_decode_l2_prefetch`, default 2): bytes in flight without registers, for the
-quantized pools whose register buffers hold little.
+quantized pools whose register buffers hold little; and the partitions merged by a second
+kernel against the one-launch merge the backend runs (the last block of each head group merges,
+counting in on zeroed counters).
 
 The library is the cuda backend's (`runtime build-kernels`; built on first use, or carried
 prebuilt in LITESERVE_CACHE to a machine without nvcc). --quick runs tiny shapes through the
@@ -80,7 +82,13 @@ def make_pool(kv_quant: str, batch: int, ctx: int, device: torch.device):
     return spec, kv, tables, lens
 
 
-def csrc_call(lib, q, out, kv, tables, lens, partition, workspace, emulate: bool):
+def counters_for(batch: int, device: torch.device) -> torch.Tensor:
+    """Zeros for the one-launch merge: one per sequence and KV head (4 query heads a group)."""
+    return torch.zeros(batch * KV_HEADS, dtype=torch.int32, device=device)
+
+
+def csrc_call(lib, q, out, kv, tables, lens, partition, workspace, emulate: bool, counters=None):
+    """The launch as a closure; `counters` (counters_for) merges in one launch, None in two."""
     s = kv.spec
     ptr = [None if t is None else t.data_ptr() for t in kv.tensors()[:2]]
     ptr += [None if t is None else t.data_ptr() for t in (kv.k_scale, kv.k_zero)]
@@ -91,6 +99,8 @@ def csrc_call(lib, q, out, kv, tables, lens, partition, workspace, emulate: bool
         tables.data_ptr(), tables.stride(0), tables.shape[1], lens.data_ptr(),
         q.shape[0], q.shape[1], s.num_kv_heads, s.head_dim, s.block_size, 0, DIM**-0.5,
         partition, workspace.data_ptr(),
+        None if counters is None else counters.data_ptr(),
+        0 if counters is None else counters.numel(),
     ]  # fmt: skip
 
     def run() -> None:
@@ -133,11 +143,13 @@ def sweep(lib, kv_quant: str, batch: int, ctx: int, device: torch.device, sms: i
     out = torch.empty_like(q)
     width = tables.shape[1]
     planned = lib.lsq_paged_decode_partition_size(batch, HEADS, KV_HEADS, width, BLOCK, sms)
+    counters = counters_for(batch, device)
     timed = {}
     for part in sorted({planned, *(p for p in SWEEP_PARTITIONS if p <= width * BLOCK)}):
         floats = lib.lsq_paged_decode_workspace_floats(batch, HEADS, DIM, width, BLOCK, part)
         workspace = torch.empty(max(floats, 1), dtype=torch.float32, device=device)
-        timed[part] = graph_ms(csrc_call(lib, q, out, kv, tables, lens, part, workspace, False))
+        call = csrc_call(lib, q, out, kv, tables, lens, part, workspace, False, counters)
+        timed[part] = graph_ms(call)
     best = min(timed, key=timed.get)
     cells = ", ".join(f"{p}: {ms:.4f}" for p, ms in timed.items())
     floats = lib.lsq_paged_decode_workspace_floats(batch, HEADS, DIM, width, BLOCK, planned)
@@ -146,14 +158,15 @@ def sweep(lib, kv_quant: str, batch: int, ctx: int, device: torch.device, sms: i
     for tiles in L2_AHEAD:  # set before the capture: the launch's parameters are baked in
         before = lib.lsq_paged_decode_l2_prefetch(tiles)
         try:
-            call = csrc_call(lib, q, out, kv, tables, lens, planned, workspace, False)
+            call = csrc_call(lib, q, out, kv, tables, lens, planned, workspace, False, counters)
             ahead.append(f"{graph_ms(call):.4f}")
         finally:
             lib.lsq_paged_decode_l2_prefetch(before)
+    two = graph_ms(csrc_call(lib, q, out, kv, tables, lens, planned, workspace, False))
     print(
         f"| {kv_quant} | {batch} | {ctx} | {planned} | {timed[planned]:.4f} | {best} | "
         f"{timed[best]:.4f} | {timed[planned] / timed[best]:.2f}x | {' / '.join(ahead)} | "
-        f"{cells} |"
+        f"{two:.4f} ({two / timed[planned]:.2f}x) | {cells} |"
     )
 
 
@@ -167,7 +180,9 @@ def measure(lib, kv_quant: str, batch: int, ctx: int, device: torch.device, sms:
     part = lib.lsq_paged_decode_partition_size(batch, HEADS, KV_HEADS, width, BLOCK, sms)
     floats = lib.lsq_paged_decode_workspace_floats(batch, HEADS, DIM, width, BLOCK, part)
     workspace = torch.empty(max(floats, 1), dtype=torch.float32, device=device)
-    run = csrc_call(lib, q, out, kv, tables, lens, part, workspace, quick)
+    run = csrc_call(
+        lib, q, out, kv, tables, lens, part, workspace, quick, counters_for(batch, device)
+    )
     kv_bytes = batch * ctx * spec.bytes_per_token()
     if quick:
         run()
@@ -234,9 +249,10 @@ def main() -> None:
         print(f"\n## Partition sizes at context {longest} (csrc ms)\n")
         print(
             "| kv | batch | context | planned | ms | fastest | ms | planned / fastest | "
-            f"planned, L2 prefetch {' / '.join(map(str, L2_AHEAD))} tiles ahead | all |"
+            f"planned, L2 prefetch {' / '.join(map(str, L2_AHEAD))} tiles ahead | "
+            "planned, merged by a second kernel (vs one launch) | all |"
         )
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|")
         for batch in batches:
             for kv_quant in ("none", "int8", "int4"):
                 sweep(lib, kv_quant, batch, longest, device, sms)

@@ -268,6 +268,9 @@ class CudaBackend(GpuBackend):
         if partition < 0 or floats < 0:
             raise ValueError(f"the cuda decode attention refused {batch}x{heads} heads, {s}")
         workspace = torch.empty(floats, dtype=torch.float32, device=q.device) if floats else None
+        # the partitions merge in the decode launch itself, counting in on these
+        stream = 0 if self.emulated else self._stream()
+        counters = w4a16.arrival_counters(q.device, stream)
         args = (
             q.data_ptr(), q.stride(0), q.stride(1),
             out.data_ptr(), out.stride(0), out.stride(1),
@@ -278,11 +281,12 @@ class CudaBackend(GpuBackend):
             batch, q.shape[1], s.num_kv_heads, s.head_dim, s.block_size,
             sliding_window or 0, scale, partition,
             None if workspace is None else workspace.data_ptr(),
+            counters.data_ptr(), counters.numel(),
         )  # fmt: skip
         if self.emulated:
             status = self.lib.lsq_emulate_paged_decode_attention(*args)
         else:
-            status = self.lib.lsq_paged_decode_attention(*args, self._stream())
+            status = self.lib.lsq_paged_decode_attention(*args, stream)
         check(status, "lsq_paged_decode_attention")
         return out
 

@@ -63,6 +63,8 @@ _DECODE = [
     _F32,  # scale
     _I64,  # partition_size
     _P,  # workspace
+    _P,  # counters: the partitions merged in the same launch (null: a second kernel)
+    _I64,  # counters_len
     _P,  # stream
 ]
 _KV_WRITE = [

@@ -25,10 +25,11 @@ def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
-def split_counters(device: torch.device, stream: int) -> torch.Tensor:
-    """The zeros split-K launches on ``stream`` count their finished splits in, one buffer per
-    device and stream: launches on one stream run in order and each leaves its counters 0 again
-    (a buffer shared by two streams could see two launches count into one tile at once)."""
+def arrival_counters(device: torch.device, stream: int) -> torch.Tensor:
+    """The zeros that one-launch reductions on ``stream`` count their finished blocks in (the
+    GEMM's split-K tiles, the decode attention's partitions), one buffer per device and stream:
+    launches on one stream run in order and each leaves its counters 0 again (a buffer shared by
+    two streams could see two launches count into one tile at once)."""
     key = (device.type, device.index, stream)
     found = _counters.get(key)
     if found is None:
@@ -85,7 +86,7 @@ def linear(
         else None
     )
     stream = 0 if emulated else _stream(x.device)
-    counters = split_counters(x.device, stream) if workspace is not None else None
+    counters = arrival_counters(x.device, stream) if workspace is not None else None
     args = (x.data_ptr(), x.stride(0), qweight.data_ptr(), qparams.data_ptr(), y.data_ptr())
     args += (y.stride(0), None if workspace is None else workspace.data_ptr())
     args += (None, 0) if counters is None else (counters.data_ptr(), counters.numel())
