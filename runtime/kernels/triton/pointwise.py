@@ -97,8 +97,8 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_g, stride_o, n, BLOCK: tl.cons
 
 
 def _check_rows(op: str, **tensors: torch.Tensor) -> None:
-    """2-D rows of one activation dtype, their last dimension contiguous, on one device: what
-    the kernels index (the backend sends anything else to torch's ops)."""
+    """One activation dtype, each last dimension contiguous, one device: what the kernels
+    index (the backend sends anything else to torch's ops)."""
     first = next(iter(tensors.values()))
     for name, t in tensors.items():
         if t.dtype not in ACTIVATION_DTYPES or t.dtype != first.dtype:
