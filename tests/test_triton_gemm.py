@@ -20,14 +20,18 @@ from runtime.kernels.triton.gemm import (
     M_BUCKETS,
     DequantConfig,
     GemmConfig,
+    GemvConfig,
     choose_config,
     config_from_dict,
     config_space,
+    gemv_config,
+    gemv_space,
     heuristic_config,
     m_bucket,
     tune_space,
     w4a16_dequantize,
     w4a16_gemm,
+    w4a16_gemv,
     w4a16_linear,
 )
 from tests.conftest import spread
@@ -223,6 +227,102 @@ def test_m_bucket(m: int, bucket: int) -> None:
     assert m_bucket(m) == bucket
 
 
+# The one-row kernel: the default (split where K allows), a split of 3 that leaves a short last
+# slice, the smallest tiles, and wide ones on 4 warps.
+GEMV_CONFIGS = {
+    "default": None,
+    "split3": GemvConfig(block_n=64, block_k=32, split_k=3, num_warps=2),
+    "small": GemvConfig(block_n=16, block_k=16, split_k=1, num_warps=1),
+    "wide": GemvConfig(block_n=128, block_k=32, split_k=2, num_warps=4),
+}
+
+
+@pytest.mark.parametrize(("case", "config_name"), spread(CASES, list(GEMV_CONFIGS)), ids=case_id)
+def test_gemv_matches_reference(case: tuple, config_name: str, device: torch.device) -> None:
+    """The one-row kernel applies each group's (s, b) to its sums of x_k q_kn instead of to
+    every weight, so it rounds less than the tile kernel: the same bound holds (seen: 2.2e-4
+    fp16, 3.4e-3 bf16). Rows past the first (M = 3, 17) run as programs of their own."""
+    m, n, k, gs, dtype = case
+    torch.manual_seed(1000 * m + 10 * n + k + 1)
+    qweight, qparams = make_weight(n, k, gs, device)
+    x = torch.randn(m, k, dtype=dtype, device=device)
+    cfg = GEMV_CONFIGS[config_name] or gemv_config(n, k, gs)  # block_k 16 or 32: any group
+    y = w4a16_gemv(x, qweight, qparams, n, k, gs, cfg)
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert rel_error(y, x, qweight, qparams, gs) < TOL[dtype]
+    assert torch.equal(y, w4a16_linear(x, qweight, qparams, n, k, gs, cfg))  # the same launch
+
+
+def test_gemv_split_is_deterministic_and_strided(device: torch.device) -> None:
+    """Partials summed in split order: the same bits twice. A column slice of x and an N-shard
+    of the packed tensors (views) are read as they are."""
+    torch.manual_seed(10)
+    n, k, gs = 136, 200, 64
+    qweight, qparams = make_weight(n, k, gs, device)
+    wide = torch.randn(1, k + 24, dtype=BF16, device=device)
+    x = wide[:, 5 : 5 + k]
+    shard_w, shard_p = qweight[:, 128:], qparams[:, 64:]  # columns 64..135: N = 72
+    cfg = GEMV_CONFIGS["split3"]
+    y1 = w4a16_gemv(x, shard_w, shard_p, 72, k, gs, cfg)
+    assert torch.equal(y1, w4a16_gemv(x, shard_w, shard_p, 72, k, gs, cfg))
+    ref = x.double() @ dequantize(qweight, qparams, n, k, gs)[64:].double().T
+    assert ((y1.double() - ref).norm() / ref.norm()).item() < TOL[BF16]
+
+
+def test_one_row_runs_the_gemv(device: torch.device) -> None:
+    """Without a pin a single row takes the one-row kernel; two rows the tile kernel."""
+    assert isinstance(choose_config(1, 4096, 4096, 128), GemvConfig)
+    assert isinstance(choose_config(2, 4096, 4096, 128), GemmConfig)
+    torch.manual_seed(11)
+    qweight, qparams = make_weight(72, 130, 128, device)
+    x = torch.randn(1, 130, dtype=F16, device=device)
+    y = w4a16_linear(x, qweight, qparams, 72, 130, 128, choose_config(1, 72, 130, 128))
+    assert rel_error(y, x, qweight, qparams, 128) < TOL[F16]
+    assert w4a16_gemv(x[:0], qweight, qparams, 72, 130, 128, gemv_config(72, 130, 128)).shape == (
+        0,
+        72,
+    )
+
+
+@pytest.mark.parametrize("gs", [32, 64, 128])
+def test_gemv_space_is_valid(gs: int) -> None:
+    for n, k in [(40, 80), (72, 200), (4096, 14336)]:
+        space = gemv_space(n, k, gs)
+        assert space[0] == gemv_config(n, k, gs) and len(set(space)) == len(space)
+        for cfg in space:
+            cfg.check_group_size(gs)
+            assert config_from_dict(cfg.to_dict()) == cfg
+            assert cfg.split_k <= -(-k // cfg.block_k)
+        assert space[0] in tune_space(1, n, k, gs, None)
+    assert not any(isinstance(c, GemvConfig) for c in tune_space(2, 72, 200, 64, None))
+
+
+def test_gemv_space_configs_run(device: torch.device) -> None:
+    """Every fourth config of the one-row space, interpreted (all of them compile offline)."""
+    torch.manual_seed(12)
+    n, k, gs = 72, 200, 64
+    qweight, qparams = make_weight(n, k, gs, device)
+    x = torch.randn(1, k, dtype=F16, device=device)
+    for cfg in gemv_space(n, k, gs)[::4]:
+        y = w4a16_gemv(x, qweight, qparams, n, k, gs, cfg)
+        assert rel_error(y, x, qweight, qparams, gs) < TOL[F16], cfg
+
+
+@pytest.mark.parametrize(
+    ("d", "key"),
+    [
+        ({"gemv": 1, "block_n": 64, "block_k": 64, "split_k": 2}, "num_warps"),
+        ({"gemv": 2, "block_n": 64, "block_k": 64, "split_k": 2, "num_warps": 2}, "gemv"),
+        ({"gemv": 1, "block_n": 48, "block_k": 64, "split_k": 2, "num_warps": 2}, "block_n"),
+        ({"gemv": 1, "block_n": 64, "block_k": 64, "split_k": 0, "num_warps": 2}, "split_k"),
+        ({"gemv": 1, "block_n": 64, "block_k": 64, "split_k": 1, "num_warps": 3}, "num_warps"),
+    ],
+)
+def test_gemv_config_from_dict_errors(d: dict, key: str) -> None:
+    with pytest.raises(ValueError, match=key):
+        config_from_dict(d)
+
+
 def test_m_bucket_rejects_zero() -> None:
     with pytest.raises(ValueError, match="row count"):
         m_bucket(0)
@@ -329,7 +429,8 @@ def corner_configs(m: int, n: int, k: int, gs: int) -> list[GemmConfig | None]:
 )
 def test_gpu_real_sizes(n: int, k: int, gs: int, dtype: torch.dtype, device: torch.device) -> None:
     """Compiled kernels at real sizes, every row bucket family (decode, mid, large) with odd M:
-    the heuristic and the corner configs of the tune space."""
+    the heuristic and the corner configs of the tune space; for one row also the one-row
+    kernel's default and its space's first and last configs."""
     torch.manual_seed(n + k)
     qweight, qparams = make_weight(n, k, gs, device)
     for m in (1, 7, 40, 300):
@@ -337,3 +438,8 @@ def test_gpu_real_sizes(n: int, k: int, gs: int, dtype: torch.dtype, device: tor
         for cfg in corner_configs(m, n, k, gs):
             y = w4a16_gemm(x, qweight, qparams, n, k, gs, cfg)
             assert rel_error(y, x, qweight, qparams, gs) < TOL[dtype], (m, cfg)
+    x = torch.randn(1, k, dtype=dtype, device=device)
+    space = gemv_space(n, k, gs)
+    for cfg in dict.fromkeys([space[0], space[1], space[-1]]):
+        y = w4a16_gemv(x, qweight, qparams, n, k, gs, cfg)
+        assert rel_error(y, x, qweight, qparams, gs) < TOL[dtype], cfg

@@ -119,17 +119,19 @@ def _resources(cuobjdump: str, cubin: bytes) -> tuple[dict[str, int], str]:
 
 
 def gemm_cases(quick: bool) -> Iterator[tuple[str, Callable[[], object]]]:
-    """Each row bucket's default launch (a decode split-K tile, a prefill tile, or the
-    dequantization) for every group size and activation dtype, on real and padded shapes;
+    """Each row bucket's default launch (the one-row kernel, a decode split-K tile, a prefill
+    tile, or the dequantization) for every group size and activation dtype, on real and padded shapes;
     ``quick``: the smallest and largest group size."""
     from runtime.artifact.layout import GROUP_SIZES, TILE, padded_shape
     from runtime.kernels.triton.gemm import (
         ACTIVATION_DTYPES,
         M_BUCKETS,
         DequantConfig,
+        GemvConfig,
         choose_config,
         w4a16_dequantize,
         w4a16_gemm,
+        w4a16_gemv,
     )
 
     for n, k in GEMM_SHAPES:
@@ -144,11 +146,11 @@ def gemm_cases(quick: bool) -> Iterator[tuple[str, Callable[[], object]]]:
                     config = choose_config(m, n, k, gs)
                     x = torch.randn(m, k).to(dtype)
                     # the dequantized path's launch is the dequantization (its matmul is torch's)
-                    call = (
-                        partial(w4a16_dequantize, qweight, qparams, n, k, gs, dtype)
-                        if isinstance(config, DequantConfig)
-                        else partial(w4a16_gemm, x, qweight, qparams, n, k, gs, config)
-                    )
+                    if isinstance(config, DequantConfig):
+                        call = partial(w4a16_dequantize, qweight, qparams, n, k, gs, dtype)
+                    else:
+                        gemm = w4a16_gemv if isinstance(config, GemvConfig) else w4a16_gemm
+                        call = partial(gemm, x, qweight, qparams, n, k, gs, config)
                     yield f"gemm n={n} k={k} gs={gs} {dtype} m={m} {config}", call
 
 

@@ -2,8 +2,9 @@
 measured in the same run (the device's copy bandwidth, torch's fp16 matmul on the same shapes).
 
 GEMM: Llama-3-8B's linear shapes (N x K = 4096x4096, 14336x4096 gate/up, 4096x14336 down) at
-M = 1 .. 4096, as the backend runs them (the heuristic config; from 256 rows the weights
-dequantized and torch's matmul) or, with --tune, the best of `lite tune`'s candidates; prints
+M = 1 .. 4096, as the backend runs them (the heuristic config: at one row the one-row kernel,
+also timed against the tile kernel's default; from 256 rows the weights dequantized and torch's
+matmul) or, with --tune, the best of `lite tune`'s candidates; prints
 time, achieved GB/s (weights + activations + output read/written once) and TFLOP/s, and ratios
 to the copy bandwidth and to torch.matmul in fp16 on dense weights of the same shape.
 Decode attention: one token per sequence over 1k..32k cached tokens, fp16/int8/int4 KV, Llama-3-8B
@@ -25,7 +26,15 @@ import torch
 
 from runtime.artifact.layout import pack_qparams, pack_qweight
 from runtime.kernels.triton.attention import paged_decode_attention
-from runtime.kernels.triton.gemm import DequantConfig, choose_config, tune_space, w4a16_linear
+from runtime.kernels.triton.gemm import (
+    DequantConfig,
+    GemvConfig,
+    LinearConfig,
+    choose_config,
+    heuristic_config,
+    tune_space,
+    w4a16_linear,
+)
 from runtime.kv.cache import KVCache
 from runtime.kv.format import KVSpec
 
@@ -74,30 +83,44 @@ def gemm_rows(device: torch.device, tune: bool, shapes: dict, ms: tuple[int, ...
         for m in ms:
             x = torch.randn(m, k, device=device, dtype=torch.float16)
             if tune:
-                candidates = tune_space(m, n, k, GROUP, None)
+                groups = [tune_space(m, n, k, GROUP, None)]
             else:
-                candidates = [choose_config(m, n, k, GROUP)]
-            timed = []
-            for cfg in candidates:
-                run = partial(w4a16_linear, x, qweight, qparams, n, k, GROUP, cfg)
-                try:
-                    timed.append((bench(run, device), cfg))
-                except Exception:  # a config the compiler rejects here
-                    continue
-            t, cfg = min(timed, key=lambda p: p[0])
-            t_ref = bench(partial(torch.matmul, x, dense.T), device)
-            nbytes = qweight.numel() * 4 + qparams.numel() * 2 + (m * k + m * n) * 2
-            gbs = nbytes / t / 1e6
-            tflops = 2 * m * n * k / t / 1e9
-            c = (
-                "dequant"
-                if isinstance(cfg, DequantConfig)
-                else f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}/s{cfg.split_k}/w{cfg.num_warps}"
-            )
-            print(
-                f"| {label} | {m} | {c} | {t:.4f} | {gbs:.0f} | {gbs / copy_bw:.2f} | "
-                f"{tflops:.1f} | {t_ref:.4f} | {t_ref / t:.2f}x |"
-            )
+                groups = [[choose_config(m, n, k, GROUP)]]
+                if m == 1:  # the one-row kernel's default against the tile kernel's
+                    groups.append([heuristic_config(m, n, k, GROUP)])
+            for candidates in groups:
+                gemm_row(label, x, qweight, qparams, dense, candidates, device, copy_bw)
+
+
+def config_label(cfg: LinearConfig) -> str:
+    """How a table row names a launch."""
+    if isinstance(cfg, DequantConfig):
+        return "dequant"
+    if isinstance(cfg, GemvConfig):
+        return f"gemv {cfg.block_n}x{cfg.block_k}/s{cfg.split_k}/w{cfg.num_warps}"
+    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}/s{cfg.split_k}/w{cfg.num_warps}"
+
+
+def gemm_row(label, x, qweight, qparams, dense, candidates, device, copy_bw: float) -> None:
+    """One table row: the fastest of `candidates` on x, against torch's dense matmul."""
+    m, k = x.shape
+    n = dense.shape[0]
+    timed = []
+    for cfg in candidates:
+        run = partial(w4a16_linear, x, qweight, qparams, n, k, GROUP, cfg)
+        try:
+            timed.append((bench(run, device), cfg))
+        except Exception:  # a config the compiler rejects here
+            continue
+    t, cfg = min(timed, key=lambda p: p[0])
+    t_ref = bench(partial(torch.matmul, x, dense.T), device)
+    nbytes = qweight.numel() * 4 + qparams.numel() * 2 + (m * k + m * n) * 2
+    gbs = nbytes / t / 1e6
+    tflops = 2 * m * n * k / t / 1e9
+    print(
+        f"| {label} | {m} | {config_label(cfg)} | {t:.4f} | {gbs:.0f} | {gbs / copy_bw:.2f} | "
+        f"{tflops:.1f} | {t_ref:.4f} | {t_ref / t:.2f}x |"
+    )
 
 
 def attention_rows(device: torch.device, contexts: tuple[int, ...], batch: int, heads: tuple):

@@ -143,30 +143,117 @@ class DequantConfig:
         return {"dequant": 1}
 
 
-LinearConfig = GemmConfig | DequantConfig
+@dataclass(frozen=True)
+class GemvConfig:
+    """Launch configuration of :func:`w4a16_gemv`, the one-row kernel: each program owns
+    ``block_n`` outputs of one row and a slice of K (``split_k`` slices), unpacks each weight
+    word once and multiplies its 8 codes by the activations on the CUDA cores, with no tensor
+    core. At M = 1 :func:`w4a16_gemm` pads the row to a 16-row ``tl.dot`` tile and converts the
+    dequantized tile into the dot's operand layout; on an H200 it ran 0.2-0.6x torch's dense
+    matmul at M = 1 (2026-12-04), where the weights' bytes alone allow about 3.5x."""
+
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"{f.name} must be an int, got {v!r}")
+        for name in ("block_n", "block_k"):
+            v = getattr(self, name)
+            if not (_is_pow2(v) and TILE <= v <= _MAX_BLOCK[name]):
+                raise ValueError(f"{name} must be a power of two in {TILE}..{_MAX_BLOCK[name]}")
+        if not 1 <= self.split_k <= _MAX_SPLIT_K:
+            raise ValueError(f"split_k must be in 1..{_MAX_SPLIT_K}, got {self.split_k}")
+        if self.num_warps not in _NUM_WARPS:
+            raise ValueError(f"num_warps must be one of {_NUM_WARPS}, got {self.num_warps}")
+
+    def to_dict(self) -> dict[str, int]:
+        return {"gemv": 1, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, object]) -> GemvConfig:
+        names = {f.name for f in fields(cls)}
+        if set(d) != names | {"gemv"} or d["gemv"] != 1:
+            raise ValueError(f"GemvConfig takes gemv: 1 and {sorted(names)}, got {sorted(d)}")
+        return cls(**{name: d[name] for name in names})
+
+    check_group_size = GemmConfig.check_group_size
+
+
+LinearConfig = GemmConfig | DequantConfig | GemvConfig
 DEQUANT_FROM_BUCKET = 256  # row buckets from this one dequantize unless a pin says otherwise
 
 
 def config_from_dict(d: Mapping[str, object]) -> LinearConfig:
-    """A pinned entry: ``{"dequant": 1}`` or a :class:`GemmConfig`'s dict."""
+    """A pinned entry: ``{"dequant": 1}``, a :class:`GemvConfig`'s dict (``gemv: 1``) or a
+    :class:`GemmConfig`'s."""
     if isinstance(d, Mapping) and dict(d) == DequantConfig().to_dict():
         return DequantConfig()
+    if isinstance(d, Mapping) and "gemv" in d:
+        return GemvConfig.from_dict(d)
     return GemmConfig.from_dict(d)
 
 
 def choose_config(m: int, n: int, k: int, group_size: int) -> LinearConfig:
-    """Without a pinned entry: the dequantized path from DEQUANT_FROM_BUCKET rows, else
-    :func:`heuristic_config`."""
+    """Without a pinned entry: one row by :func:`gemv_config`, the dequantized path from
+    DEQUANT_FROM_BUCKET rows, else :func:`heuristic_config`."""
+    if m_bucket(m) == 1:
+        return gemv_config(n, k, group_size)
     if m_bucket(m) >= DEQUANT_FROM_BUCKET:
         return DequantConfig()
     return heuristic_config(m, n, k, group_size)
 
 
 def tune_space(m: int, n: int, k: int, group_size: int, limit: int | None) -> list[LinearConfig]:
-    """What `lite tune` times: the first ``limit`` of :func:`config_space`, and past the decode
-    rows the dequantized path."""
+    """What `lite tune` times: the first ``limit`` of :func:`config_space`, for one row also
+    :func:`gemv_space`, and past the decode rows the dequantized path."""
     space: list[LinearConfig] = list(config_space(m, n, k, group_size)[:limit])
+    if m_bucket(m) == 1:
+        space = list(gemv_space(n, k, group_size)[:limit]) + space
     return space + [DequantConfig()] if m_bucket(m) > 16 else space
+
+
+# One-row programs are light (2-4 warps, few registers): many are resident per SM, which is
+# how the kernel keeps enough weight bytes in flight; 8 per SM of an H200 (132 SMs).
+_GEMV_TARGET_PROGRAMS = 1024
+_GEMV_MAX_LIVE_PER_THREAD = 128  # codes a thread holds per k-step (fp32): 152 registers at 128
+
+
+def gemv_config(n: int, k: int, group_size: int) -> GemvConfig:
+    """The one-row launch without a pin: 64-output, 64-deep steps (a group of 32: 32) on two
+    warps, split-K doubled until about _GEMV_TARGET_PROGRAMS programs while every slice keeps
+    two steps. Compiled for sm_90 without a GPU: 84 registers, no spills, no int-to-float
+    conversion; not yet timed on a GPU."""
+    block_k = min(group_size, 64)
+    blocks = triton.cdiv(n, 64)
+    steps = triton.cdiv(k, block_k)
+    split = 1
+    while split < 16 and blocks * split < _GEMV_TARGET_PROGRAMS and steps >= 4 * split:
+        split *= 2
+    return GemvConfig(64, block_k, split, 2)
+
+
+def gemv_space(n: int, k: int, group_size: int) -> list[GemvConfig]:
+    """The one-row configs `lite tune` times: the default first, then tiles of 32-128 outputs
+    and 32-128 deep (within the group) on 2 or 4 warps, unsplit or split 4 or 16 ways, where a
+    thread holds at most _GEMV_MAX_LIVE_PER_THREAD codes and no slice is empty."""
+    np_, _ = padded_shape(n, k, group_size)
+    configs = [gemv_config(n, k, group_size)]
+    for block_n, block_k, warps, split in product((32, 64, 128), (32, 64, 128), (2, 4), (1, 4, 16)):
+        cfg = GemvConfig(block_n, block_k, split, warps)
+        if (
+            group_size % block_k == 0
+            and block_n <= np_
+            and split <= triton.cdiv(k, block_k)
+            and block_n * block_k <= _GEMV_MAX_LIVE_PER_THREAD * 32 * warps
+            and cfg not in configs
+        ):
+            configs.append(cfg)
+    return configs
 
 
 def m_bucket(m: int) -> int:
@@ -382,6 +469,76 @@ def _w4a16_kernel(
 
 
 @triton.jit
+def _w4a16_gemv_kernel(
+    x_ptr,
+    qw_ptr,
+    qp_ptr,
+    out_ptr,
+    N,
+    K,
+    steps_per_split,
+    stride_xm,
+    stride_xk,
+    stride_qwk,
+    stride_qwn,
+    stride_qpg,
+    stride_qpn,
+    stride_qpc,
+    stride_os,
+    stride_om,
+    stride_on,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One row of y: BLOCK_N outputs over one slice of K.
+
+    A weight word (r, c) of the [BLOCK_K / 4, BLOCK_N / 2] grid (``_tile_layout``) holds the
+    codes of inputs k = 16 kt + 2 (k2 k1) + {0, 1, 8, 9} (the word row's k0 and k3) for outputs
+    n and n + 8 (n3). Broadcast against the nibble shifts of those 4 x 2 (input, output) pairs,
+    the words give a [BLOCK_K / 4, 4, BLOCK_N / 2, 2] code tile; times the matching inputs and
+    summed over its first two axes, it is the step's sum of x_k q_kn per output, whose
+    [BLOCK_N / 2, 2] order is the tile column order offs_n names. A step lies in one group, so
+    its dequantization is applied to the sums: y_n += s_n sum_k x_k q_kn + b_n sum_k x_k
+    (the algebra of sum_k x_k (s_n q_kn + b_n)), once per step and output instead of per weight.
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    row = tl.program_id(2).to(tl.int64)
+    _, _, offs_n, _, word_ptrs, word_mask = _tile_layout(
+        qw_ptr, stride_qwk, stride_qwn, N, pid_n, BLOCK_K, BLOCK_N
+    )
+    n_mask = offs_n < N
+    r = tl.arange(0, BLOCK_K // 4)
+    pair = tl.arange(0, 4)  # (k3, k0) = (pair // 2, pair % 2)
+    x_k = (r // 4 * 16 + r % 4 * 2)[:, None] + (pair // 2 * 8 + pair % 2)[None, :]
+    n3 = tl.arange(0, 2)
+    shift = 4 * (4 * (pair % 2)[:, None] + 2 * n3[None, :] + (pair // 2)[:, None])  # [4, 2]
+    x_row = x_ptr + row * stride_xm
+
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    step_begin = pid_k * steps_per_split
+    step_end = tl.minimum(step_begin + steps_per_split, tl.cdiv(K, BLOCK_K))
+    for step in range(step_begin, step_end):
+        k0 = step * BLOCK_K
+        xv = tl.load(x_row + (k0 + x_k) * stride_xk, mask=k0 + x_k < K, other=0.0).to(tl.float32)
+        words = tl.load(word_ptrs + step * (BLOCK_K // 16) * stride_qwk, mask=word_mask, other=0)
+        # each nibble into the low bits of 2^23's mantissa: as fp32 that is 2^23 + q exactly,
+        # so one subtraction gives q, where an int-to-float conversion runs at a quarter rate
+        codes = (words[:, None, :, None] >> shift[None, :, None, :]) & 0xF | 0x4B000000
+        q = codes.to(tl.float32, bitcast=True) - 8388608.0
+        prod = q * xv[:, :, None, None]
+        dots = tl.reshape(tl.sum(tl.sum(prod, axis=0), axis=0), (BLOCK_N,))
+        qp = qp_ptr + (k0 // GROUP_SIZE) * stride_qpg + offs_n * stride_qpn
+        s = tl.load(qp, mask=n_mask, other=0.0).to(tl.float32)
+        b = tl.load(qp + stride_qpc, mask=n_mask, other=0.0).to(tl.float32)
+        acc += s * dots + b * tl.sum(tl.sum(xv, axis=1), axis=0)
+
+    out = out_ptr + pid_k.to(tl.int64) * stride_os + row * stride_om + offs_n * stride_on
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
 def _dequant_kernel(
     qw_ptr,
     qp_ptr,
@@ -489,13 +646,8 @@ def w4a16_gemm(
     if m == 0:
         return x.new_empty((0, n))
     cfg = config if config is not None else heuristic_config(m, n, k, group_size)
-    k_steps = triton.cdiv(k, cfg.block_k)
-    steps_per_split = triton.cdiv(k_steps, cfg.split_k)
-    splits = triton.cdiv(k_steps, steps_per_split)  # no slice is left empty
-    if splits == 1:
-        out = torch.empty((1, m, n), dtype=x.dtype, device=x.device)
-    else:
-        out = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+    steps_per_split, out = _split_output(x, n, k, cfg)
+    splits = out.shape[0]
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), splits)
     _w4a16_kernel[grid](
         x,
@@ -519,9 +671,64 @@ def w4a16_gemm(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if splits == 1:
+    return _sum_splits(out, x.dtype)
+
+
+def _split_output(
+    x: torch.Tensor, n: int, k: int, cfg: GemmConfig | GemvConfig
+) -> tuple[int, torch.Tensor]:
+    """k-steps per split and the output: y itself ([1, M, N] in x's dtype) without split-K,
+    else fp32 partials [splits, M, N] for :func:`_sum_splits` (no slice is left empty)."""
+    k_steps = triton.cdiv(k, cfg.block_k)
+    steps_per_split = triton.cdiv(k_steps, cfg.split_k)
+    splits = triton.cdiv(k_steps, steps_per_split)
+    dtype = x.dtype if splits == 1 else torch.float32
+    return steps_per_split, torch.empty((splits, x.shape[0], n), dtype=dtype, device=x.device)
+
+
+def _sum_splits(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The partials summed in split order (reproducible, unlike atomics) into ``dtype``."""
+    if out.shape[0] == 1:
         return out[0]
-    return out.sum(dim=0).to(x.dtype)
+    return out.sum(dim=0).to(dtype)
+
+
+def w4a16_gemv(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qparams: torch.Tensor,
+    n: int,
+    k: int,
+    group_size: int,
+    config: GemvConfig,
+) -> torch.Tensor:
+    """x [M, K] -> y [M, N] in x.dtype, one program per row and block of outputs
+    (:class:`GemvConfig`): for the decode rows where a 16-row dot tile would be mostly padding.
+    Each row unpacks the weights again, so past a few rows :func:`w4a16_gemm` is the kernel."""
+    _check_inputs(x, qweight, qparams, n, k, group_size)
+    config.check_group_size(group_size)
+    m = x.shape[0]
+    if m == 0:
+        return x.new_empty((0, n))
+    steps_per_split, out = _split_output(x, n, k, config)
+    _w4a16_gemv_kernel[(triton.cdiv(n, config.block_n), out.shape[0], m)](
+        x,
+        qweight,
+        qparams,
+        out,
+        n,
+        k,
+        steps_per_split,
+        *x.stride(),
+        *qweight.stride(),
+        *qparams.stride(),
+        *out.stride(),
+        GROUP_SIZE=group_size,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        num_warps=config.num_warps,
+    )
+    return _sum_splits(out, x.dtype)
 
 
 def w4a16_dequantize(
@@ -567,11 +774,13 @@ def w4a16_linear(
     group_size: int,
     config: LinearConfig,
 ) -> torch.Tensor:
-    """x [M, K] -> y [M, N] in x.dtype, by :func:`w4a16_gemm` or, for a DequantConfig, the
-    dequantized weights and torch's matmul."""
+    """x [M, K] -> y [M, N] in x.dtype, by :func:`w4a16_gemm`, :func:`w4a16_gemv` for a
+    GemvConfig or, for a DequantConfig, the dequantized weights and torch's matmul."""
     if isinstance(config, DequantConfig):
         _check_inputs(x, qweight, qparams, n, k, group_size)
         return torch.nn.functional.linear(
             x, w4a16_dequantize(qweight, qparams, n, k, group_size, x.dtype)
         )
+    if isinstance(config, GemvConfig):
+        return w4a16_gemv(x, qweight, qparams, n, k, group_size, config)
     return w4a16_gemm(x, qweight, qparams, n, k, group_size, config)
