@@ -382,6 +382,17 @@ def _tile_layout(
 
 
 @triton.jit
+def _group_params(
+    qp_ptr, k0, offs_n, n_mask, stride_qpg, stride_qpn, stride_qpc, GROUP_SIZE: tl.constexpr
+):
+    """The fp16 (s, b) of the group holding input k0, for the columns offs_n, widened to fp32."""
+    qp = qp_ptr + (k0 // GROUP_SIZE) * stride_qpg + offs_n * stride_qpn
+    s = tl.load(qp, mask=n_mask, other=0.0).to(tl.float32)
+    b = tl.load(qp + stride_qpc, mask=n_mask, other=0.0).to(tl.float32)
+    return s, b
+
+
+@triton.jit
 def _codes(words, row_shift, col_shift, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """The [BLOCK_K / 4, BLOCK_N / 2] word grid -> the [BLOCK_K, BLOCK_N] int4 code tile."""
     rep = tl.broadcast_to(words[:, None, :, None], (BLOCK_K // 4, 4, BLOCK_N // 2, 2))
@@ -450,9 +461,9 @@ def _w4a16_kernel(
         )
         words = tl.load(word_ptrs + step * (BLOCK_K // 16) * stride_qwk, mask=word_mask, other=0)
         codes = _codes(words, row_shift, col_shift, BLOCK_K, BLOCK_N)
-        qp = qp_ptr + (k0 // GROUP_SIZE) * stride_qpg + offs_n * stride_qpn
-        s = tl.load(qp, mask=n_mask, other=0.0).to(tl.float32)
-        b = tl.load(qp + stride_qpc, mask=n_mask, other=0.0).to(tl.float32)
+        s, b = _group_params(
+            qp_ptr, k0, offs_n, n_mask, stride_qpg, stride_qpn, stride_qpc, GROUP_SIZE
+        )
         w = tl.fma(codes.to(tl.float32), s[None, :], b[None, :]).to(xt.dtype)
         if DOT_FP32:
             acc = tl.dot(xt.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
@@ -529,9 +540,9 @@ def _w4a16_gemv_kernel(
         q = codes.to(tl.float32, bitcast=True) - 8388608.0
         prod = q * xv[:, :, None, None]
         dots = tl.reshape(tl.sum(tl.sum(prod, axis=0), axis=0), (BLOCK_N,))
-        qp = qp_ptr + (k0 // GROUP_SIZE) * stride_qpg + offs_n * stride_qpn
-        s = tl.load(qp, mask=n_mask, other=0.0).to(tl.float32)
-        b = tl.load(qp + stride_qpc, mask=n_mask, other=0.0).to(tl.float32)
+        s, b = _group_params(
+            qp_ptr, k0, offs_n, n_mask, stride_qpg, stride_qpn, stride_qpc, GROUP_SIZE
+        )
         acc += s * dots + b * tl.sum(tl.sum(xv, axis=1), axis=0)
 
     out = out_ptr + pid_k.to(tl.int64) * stride_os + row * stride_om + offs_n * stride_on
@@ -567,9 +578,7 @@ def _dequant_kernel(
     words = tl.load(word_ptrs + pid_k * (BLOCK_K // 16) * stride_qwk, mask=word_mask, other=0)
     codes = _codes(words, row_shift, col_shift, BLOCK_K, BLOCK_N)
     k0 = pid_k * BLOCK_K
-    qp = qp_ptr + (k0 // GROUP_SIZE) * stride_qpg + offs_n * stride_qpn
-    s = tl.load(qp, mask=n_mask, other=0.0).to(tl.float32)
-    b = tl.load(qp + stride_qpc, mask=n_mask, other=0.0).to(tl.float32)
+    s, b = _group_params(qp_ptr, k0, offs_n, n_mask, stride_qpg, stride_qpn, stride_qpc, GROUP_SIZE)
     w = tl.fma(codes.to(tl.float32), s[None, :], b[None, :]).to(w_ptr.dtype.element_ty)
     offs_k = k0 + k_perm
     out = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk
