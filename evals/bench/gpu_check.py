@@ -26,11 +26,11 @@ call of `bash evals/bench/gpu_check.sh` (which sets up the carried wheels, then 
 
 The model stages run in the background while the GPU tests run; nothing runs beside the
 measuring stages but cpu-isa, on its own cores. Each stage is a subprocess with its own
-timeout, taken from one budget (--budget, 8 minutes in all with the set-up) so that a slow stage
-leaves time for the ones after it: each keeps a reserve, its time on an H200 (2026-12-04, where
-the stages took 371 s together, the GPU tests 97 s of it on 12 pytest-xdist workers) plus a
-margin. A stage that fails or times out is recorded with its
-error and the check goes on; the exit status is non-zero if any stage did not pass. The
+timeout, taken from one budget (--budget, about 9 minutes in all with the set-up) so that a
+slow stage leaves time for the ones after it: each keeps a reserve, its time on an H200
+(2026-12-04, where the stages took 371 s together, the GPU tests 97 s of it on 12 pytest-xdist
+workers) plus a margin. A stage that fails or times out is recorded with its error and the
+check goes on; the exit status is non-zero if any stage did not pass. The
 report is rewritten after every stage, so an interrupted run still leaves its figures.
 
 --smoke runs the same pipeline on a CPU with a tiny model in a minute or two (backend cpu;
@@ -379,6 +379,9 @@ def plan(
         + ["--durations=10", "--continue-on-collection-errors", *test_workers(smoke)],
         cap=240,
         render=render_pytest,
+        # 97 s on the H200 (2026-12-04) with fewer tests: without a reserve of its own it would
+        # get what the measuring stages' 410 s of reserves leave of the budget
+        reserve=120,
     )
     # The whole suite on the GPU host (issue 11 asks `make test` green there too): the CPU
     # modules run their CPU path with the GPU hidden (conftest). Minutes even on 16 cores, so
@@ -719,12 +722,12 @@ def main() -> int:
     )
     p.add_argument("--tokenizer", type=Path, default=ROOT / ".tok")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU: check the check")
-    p.add_argument("--budget", type=float, help="seconds for all stages (default 480; smoke 900)")
+    p.add_argument("--budget", type=float, help="seconds for all stages (default 520; smoke 900)")
     p.add_argument("--layers-8b", type=int, default=4, help="layers of the 8B shape to build")
     p.add_argument("--only", help="run only these stages (comma-separated names)")
     p.add_argument("--keep-work", action="store_true", help="leave --work in place at the end")
     a = p.parse_args()
-    a.budget = a.budget or (900.0 if a.smoke else 480.0)
+    a.budget = a.budget or (900.0 if a.smoke else 520.0)
     a.command = os.environ.get("GPU_CHECK_COMMAND") or shlex.join(
         ["python3", "evals/bench/gpu_check.py", *sys.argv[1:]]
     )
