@@ -54,6 +54,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from runtime.artifact.layout import GROUP_SIZES, N_ALIGN, TILE, padded_shape
 from runtime.device import same_device
+from runtime.kernels.triton.rounding import round_to
 
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # 512 means 512+
 # Row counts that compile every GEMM kernel a step can launch. Triton compiles the row count
@@ -696,10 +697,30 @@ def _split_output(
 
 
 def _sum_splits(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The partials summed in split order (reproducible, unlike atomics) into ``dtype``."""
-    if out.shape[0] == 1:
+    """The partials summed in split order (reproducible, unlike atomics) into ``dtype``, in one
+    kernel: torch's sum and cast took two, which at batch 1 cost about what a GEMM does."""
+    splits, m, n = out.shape
+    if splits == 1:
         return out[0]
-    return out.sum(dim=0).to(dtype)
+    y = torch.empty((m, n), dtype=dtype, device=out.device)
+    size = m * n
+    _sum_splits_kernel[(triton.cdiv(size, _SUM_BLOCK),)](out, y, splits, size, BLOCK=_SUM_BLOCK)
+    return y
+
+
+_SUM_BLOCK = 1024
+
+
+@triton.jit
+def _sum_splits_kernel(parts_ptr, y_ptr, splits, size, BLOCK: tl.constexpr):
+    """y[i] = sum over s of parts[s, i], s = 0, 1, ... in order, for contiguous [S, size]
+    fp32 partials and a contiguous y."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < size
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(splits):
+        acc += tl.load(parts_ptr + s * size + offs, mask=mask, other=0.0)
+    tl.store(y_ptr + offs, round_to(acc, y_ptr.dtype.element_ty), mask=mask)
 
 
 def w4a16_gemv(

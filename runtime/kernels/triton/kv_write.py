@@ -19,7 +19,7 @@ operation whose result does not depend on the backend:
 
 The codes, scales and zeros therefore equal the reference bit for bit (the tests compare them
 exactly). For ``kv_quant="none"`` the kernel stores the values converted to the pool's dtype
-by ``pointwise.round_to``, torch's conversion bit for bit (the interpreter's own fp32 -> bf16
+by ``rounding.round_to``, torch's conversion bit for bit (the interpreter's own fp32 -> bf16
 cast truncates).
 
 int4 packs codes ``2i`` and ``2i + 1`` into one byte: the head vector is loaded as a
@@ -45,7 +45,7 @@ import triton.language as tl
 
 from runtime.device import check_devices
 from runtime.kernels.triton.gemm import ACTIVATION_DTYPES
-from runtime.kernels.triton.pointwise import round_to
+from runtime.kernels.triton.rounding import round_to
 from runtime.kv.format import FP16_MAX, FP16_TINY, QMAX
 from runtime.kv.layer import LayerKV
 
