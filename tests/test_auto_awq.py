@@ -517,8 +517,9 @@ def test_the_plan_bounds_what_a_layer_holds_in_llama_3_8b_proportions(tmp_path: 
     (plus the layer's outputs, on the CPU), and the plan is not so loose that it would shrink
     the activation chunks for nothing. Measured at 0.72 of it (2026-12-05); the peak is GPTQ's
     inverse Cholesky factor of the down projection, whose K x K terms grow fastest with the
-    width: at full width the same measurement gave 0.84 (6.26 of 7.47 GiB, 24 minutes here). `--calib-batch-size 2`: the 8B run's chunk of 8
-    samples of 512 in the same proportion to the weights as at full width."""
+    width: at full width the same measurement gave 0.84 (6.26 of 7.47 GiB, 24 minutes here).
+    `--calib-batch-size 2`: the 8B run's chunk of 8 samples of 512 in the same proportion to the
+    weights as at full width."""
     config = dict(LLAMA3_8B, hidden_size=512, intermediate_size=1792, num_attention_heads=4)
     config.update(num_key_value_heads=1, head_dim=128, vocab_size=1024, num_hidden_layers=2)
     src = tmp_path / "llama-3-8b-eighth"

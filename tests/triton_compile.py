@@ -120,8 +120,8 @@ def _resources(cuobjdump: str, cubin: bytes) -> tuple[dict[str, int], str]:
 
 def gemm_cases(quick: bool) -> Iterator[tuple[str, Callable[[], object]]]:
     """Each row bucket's default launch (the one-row kernel, a decode split-K tile, a prefill
-    tile, or the dequantization) for every group size and activation dtype, on real and padded shapes;
-    ``quick``: the smallest and largest group size."""
+    tile, or the dequantization) for every group size and activation dtype, on real and padded
+    shapes; ``quick``: the smallest and largest group size."""
     from runtime.artifact.layout import GROUP_SIZES, TILE, padded_shape
     from runtime.kernels.triton.gemm import (
         ACTIVATION_DTYPES,
