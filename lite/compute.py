@@ -144,9 +144,15 @@ def tensor_peak(device: torch.device, where: bool = False) -> Iterator[PeakBytes
         torch.cuda.synchronize(device)
         result.bytes = torch.cuda.max_memory_allocated(device) - start
         return
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=where) as p:
+    p = profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=where)
+    with _quiet_stderr():  # the profiler's library logs its start and stop there
+        p.start()
+    try:
         entered = time.time_ns()  # the profiler's events are stamped in Unix time too
         yield result
+    finally:
+        with _quiet_stderr():
+            p.stop()
     events = p.profiler.kineto_results.events()
     live, at = 0, None
     for ts, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
@@ -155,6 +161,20 @@ def tensor_peak(device: torch.device, where: bool = False) -> Iterator[PeakBytes
             result.bytes, at = live, ts
     if where and at is not None:
         result.where = _python_calls_at(events, entered, at)
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """File descriptor 2 to /dev/null for the block: C++ libraries write there directly."""
+    saved = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(null)
+        os.close(saved)
 
 
 def _in_lite(call: str) -> bool:

@@ -511,23 +511,32 @@ def _bytes(number: str, unit: str) -> float:
     return float(number) * {"MiB": 2**20, "GiB": 2**30}[unit]
 
 
-def test_the_plan_bounds_what_a_layer_holds_in_llama_3_8b_proportions(tmp_path: Path) -> None:
-    """A Llama-3-8B layer with every width an eighth (heads of 128 kept), calibrated on random
+@pytest.mark.parametrize(
+    ("fraction", "samples", "seqlen", "rows"),
+    [(8, 4, 512, 2), (4, 1, 128, 1)],
+    ids=["eighth-chunk-of-2x512", "quarter-chunk-of-1x128"],
+)
+def test_the_plan_bounds_what_a_layer_holds_in_llama_3_8b_proportions(
+    tmp_path: Path, fraction: int, samples: int, seqlen: int, rows: int
+) -> None:
+    """A Llama-3-8B layer with every width a fraction (heads of 128 kept), calibrated on random
     weights by the dry run: the code's measured peak stays within the plan's per-layer memory
     (plus the layer's outputs, on the CPU), and the plan is not so loose that it would shrink
-    the activation chunks for nothing. Measured at 0.72 of it (2026-12-05); the peak is GPTQ's
-    inverse Cholesky factor of the down projection, whose K x K terms grow fastest with the
-    width: at full width the same measurement gave 0.84 (6.26 of 7.47 GiB, 24 minutes here).
-    `--calib-batch-size 2`: the 8B run's chunk of 8 samples of 512 in the same proportion to the
-    weights as at full width."""
-    config = dict(LLAMA3_8B, hidden_size=512, intermediate_size=1792, num_attention_heads=4)
-    config.update(num_key_value_heads=1, head_dim=128, vocab_size=1024, num_hidden_layers=2)
-    src = tmp_path / "llama-3-8b-eighth"
+    the activation chunks for nothing. The peak is GPTQ's inverse Cholesky factor of the down
+    projection, whose K x K terms grow fastest with the width: measured 0.72 of the plan at an
+    eighth, 0.84 at full width (6.26 of 7.47 GiB, 24 minutes here; 2026-12-05). The eighth's
+    chunk of 2 samples of 512 is the 8B run's 8 in proportion to the weights; the quarter's
+    chunk of one 128-token sample leaves the chunk term no slack to hide a missing one (the
+    rounded codes that wait for packing were: 397.6 MiB held, 396.6 planned without them)."""
+    config = dict(LLAMA3_8B, num_hidden_layers=2, vocab_size=1024, head_dim=128)
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads"):
+        config[key] = LLAMA3_8B[key] // fraction
+    src = tmp_path / f"llama-3-8b-1-{fraction}"
     src.mkdir()
     (src / "config.json").write_text(json.dumps(config))
     code, out = lite(
-        "auto_awq", str(src), "--dry-run", "--device", "cpu", "--calib-samples", "4",
-        "--calib-seqlen", "512", "--calib-batch-size", "2",
+        "auto_awq", str(src), "--dry-run", "--device", "cpu", "--calib-samples", str(samples),
+        "--calib-seqlen", str(seqlen), "--calib-batch-size", str(rows),
     )  # fmt: skip
     assert code == 0, out
     held, planned = _measured_and_planned(out)
