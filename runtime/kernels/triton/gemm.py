@@ -28,13 +28,16 @@ Config rules (:class:`GemmConfig`):
   ``(s, b)`` of a step is one ``[BLOCK_N]`` vector per column instead of a full tile;
 * ``split_k`` (1..64) cuts the k-steps into that many contiguous slices, one program each
   (fewer when there are fewer k-steps: no slice is left empty).
-  Partial sums go to an fp32 buffer ``[split_k, M, N]`` that torch sums over the first axis
-  afterwards: results are bit-for-bit reproducible, unlike ``tl.atomic_add``, whose order of
-  arrival varies, and the extra traffic is negligible at the decode-sized M where split-K pays;
+  Partial sums go to an fp32 buffer ``[split_k, M, N]`` that one small kernel adds in split
+  order afterwards: results are bit-for-bit reproducible, unlike ``tl.atomic_add``, whose order
+  of arrival varies, and the extra traffic is negligible at the decode-sized M where split-K
+  pays;
 * ``num_warps`` in {1, 2, 4, 8, 16}, ``num_stages`` 1..8 (software pipelining depth).
 
 :func:`config_space` lists, per M bucket, the configs worth autotuning for a weight shape;
-:func:`heuristic_config` picks one of them when the manifest pins none.
+:func:`heuristic_config` picks one of them when the manifest pins none. One row runs
+:func:`w4a16_gemv` instead (:class:`GemvConfig`, :func:`gemv_config`, :func:`gemv_space`): a
+16-row dot tile would be 15 rows of padding there.
 
 Under ``TRITON_INTERPRET=1`` (triton 3.6) ``tl.dot`` multiplies bf16 operands as their raw
 uint16 storage, so there bf16 tiles are widened to fp32 for the dot: exact, since a product of
