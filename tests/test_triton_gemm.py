@@ -21,6 +21,7 @@ from runtime.kernels.triton.gemm import (
     DequantConfig,
     GemmConfig,
     GemvConfig,
+    _activation_pairs,
     choose_config,
     config_from_dict,
     config_space,
@@ -254,8 +255,9 @@ def test_gemv_matches_reference(case: tuple, config_name: str, device: torch.dev
 
 
 def test_gemv_split_is_deterministic_and_strided(device: torch.device) -> None:
-    """Partials summed in split order: the same bits twice. A column slice of x and an N-shard
-    of the packed tensors (views) are read as they are."""
+    """Partials summed in split order: the same bits twice. A column slice of x at an odd
+    offset (copied: its pairs are not 4-byte words) and an N-shard of the packed tensors (read
+    as they are) give the reference's product."""
     torch.manual_seed(10)
     n, k, gs = 136, 200, 64
     qweight, qparams = make_weight(n, k, gs, device)
@@ -267,6 +269,25 @@ def test_gemv_split_is_deterministic_and_strided(device: torch.device) -> None:
     assert torch.equal(y1, w4a16_gemv(x, shard_w, shard_p, 72, k, gs, cfg))
     ref = x.double() @ dequantize(qweight, qparams, n, k, gs)[64:].double().T
     assert ((y1.double() - ref).norm() / ref.norm()).item() < TOL[BF16]
+
+
+@pytest.mark.parametrize("layout", ["odd-width", "transposed", "view"])
+def test_gemv_reads_activations_of_any_layout(layout: str, device: torch.device) -> None:
+    """The one-row kernel reads x as int32 pairs of adjacent activations: a row of odd length
+    is padded with a zero and a transposed x copied, while a view whose pairs are 4-byte words
+    (the engine's activations) is read in place, with no copy."""
+    torch.manual_seed(12)
+    k = 81 if layout == "odd-width" else 96
+    qweight, qparams = make_weight(40, k, 32, device)
+    if layout == "transposed":
+        x = torch.randn(k, 2, dtype=F16, device=device).T
+    elif layout == "view":
+        x = torch.randn(2, k + 6, dtype=F16, device=device)[:, 4 : 4 + k]
+        assert _activation_pairs(x).data_ptr() == x.data_ptr()
+    else:
+        x = torch.randn(2, k, dtype=F16, device=device)
+    y = w4a16_gemv(x, qweight, qparams, 40, k, 32, gemv_config(40, k, 32))
+    assert rel_error(y, x, qweight, qparams, 32) < TOL[F16]
 
 
 def test_one_row_runs_the_gemv(device: torch.device) -> None:

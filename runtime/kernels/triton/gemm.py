@@ -224,14 +224,14 @@ def tune_space(m: int, n: int, k: int, group_size: int, limit: int | None) -> li
 # One-row programs are light (2-4 warps, few registers): many are resident per SM, which is
 # how the kernel keeps enough weight bytes in flight; 8 per SM of an H200 (132 SMs).
 _GEMV_TARGET_PROGRAMS = 1024
-_GEMV_MAX_LIVE_PER_THREAD = 128  # codes a thread holds per k-step (fp32): 152 registers at 128
+_GEMV_MAX_LIVE_PER_THREAD = 128  # codes a thread holds per k-step: 166 registers at 128 (sm_90)
 
 
 def gemv_config(n: int, k: int, group_size: int) -> GemvConfig:
     """The one-row launch without a pin: 64-output, 64-deep steps (a group of 32: 32) on two
     warps, split-K doubled until about _GEMV_TARGET_PROGRAMS programs while every slice keeps
-    two steps. Compiled for sm_90 without a GPU: 84 registers, no spills, no int-to-float
-    conversion; not yet timed on a GPU."""
+    two steps. Compiled for sm_90 without a GPU: 85 registers, no spills, no barrier or
+    shared memory in the loop, about 45 instructions a weight word; not yet timed on a GPU."""
     block_k = min(group_size, 64)
     blocks = triton.cdiv(n, 64)
     steps = triton.cdiv(k, block_k)
@@ -353,6 +353,9 @@ def heuristic_config(m: int, n: int, k: int, group_size: int) -> GemmConfig:
     return GemmConfig(block_m, block_n, min(group_size, 64), 1, warps, 3)
 
 
+_TWO23 = 0x4B000000  # the fp32 bits of 2^23
+
+
 @triton.jit
 def _tile_layout(
     qw_ptr, stride_qwk, stride_qwn, N, pid_n, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr
@@ -397,12 +400,18 @@ def _group_params(
 
 
 @triton.jit
-def _codes(words, row_shift, col_shift, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The [BLOCK_K / 4, BLOCK_N / 2] word grid -> the [BLOCK_K, BLOCK_N] int4 code tile."""
+def _codes(words, row_shift, col_shift, two23, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The [BLOCK_K / 4, BLOCK_N / 2] word grid -> the [BLOCK_K, BLOCK_N] int4 codes as fp32.
+
+    Each code goes into the low bits of 2^23's mantissa (fp32 2^23 + q, exact) and 2^23 is
+    subtracted: the values of an int-to-float conversion, which runs at a quarter rate. The
+    bits of 2^23 come as a run-time argument (_TWO23): as a constant, the compiler recognizes
+    the pattern and emits the conversion."""
     rep = tl.broadcast_to(words[:, None, :, None], (BLOCK_K // 4, 4, BLOCK_N // 2, 2))
     rep = tl.reshape(rep, (BLOCK_K, BLOCK_N))
     # Arithmetic >> sign-extends negative words, but & 0xF keeps exactly the nibble.
-    return (rep >> (row_shift[:, None] + col_shift[None, :])) & 0xF
+    bits = (rep >> (row_shift[:, None] + col_shift[None, :])) & 0xF | two23
+    return bits.to(tl.float32, bitcast=True) - 8388608.0
 
 
 @triton.jit
@@ -425,6 +434,7 @@ def _w4a16_kernel(
     stride_os,
     stride_om,
     stride_on,
+    two23,
     GROUP_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -464,11 +474,11 @@ def _w4a16_kernel(
             other=0.0,
         )
         words = tl.load(word_ptrs + step * (BLOCK_K // 16) * stride_qwk, mask=word_mask, other=0)
-        codes = _codes(words, row_shift, col_shift, BLOCK_K, BLOCK_N)
+        codes = _codes(words, row_shift, col_shift, two23, BLOCK_K, BLOCK_N)
         s, b = _group_params(
             qp_ptr, k0, offs_n, n_mask, stride_qpg, stride_qpn, stride_qpc, GROUP_SIZE
         )
-        w = tl.fma(codes.to(tl.float32), s[None, :], b[None, :]).to(xt.dtype)
+        w = tl.fma(codes, s[None, :], b[None, :]).to(xt.dtype)
         if DOT_FP32:
             acc = tl.dot(xt.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         else:
@@ -484,16 +494,39 @@ def _w4a16_kernel(
 
 
 @triton.jit
+def _scaled_code(marked, pos: tl.constexpr):
+    """q * 16^pos for the code q in bits 4 pos .. 4 pos + 3 of each word (pos <= 4), from the
+    words OR'ed with 2^23's fp32 bits (0x4B000000): keeping those bits and the code's, one AND
+    gives the fp32 2^23 + q 16^pos exactly (below 2^24), and one subtraction q 16^pos. The
+    caller multiplies by x 16^-pos, the same rounding as q x (powers of two). An
+    int-to-float conversion would run at a quarter rate, and a shift per code is saved."""
+    keep: tl.constexpr = (0xF << (4 * pos)) | 0x4B000000
+    return (marked & keep).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _halves(pairs, X_BF16: tl.constexpr):
+    """The two 16-bit activations in each int32 word (the lower address in the low half), as
+    fp32. bf16 widens by placing its bits in the high half, with no conversion."""
+    if X_BF16:
+        lo = (pairs << 16).to(tl.float32, bitcast=True)
+        hi = (pairs & -65536).to(tl.float32, bitcast=True)
+    else:
+        lo = (pairs & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (pairs >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
 def _w4a16_gemv_kernel(
-    x_ptr,
+    xp_ptr,
     qw_ptr,
     qp_ptr,
     out_ptr,
     N,
-    K,
+    K2,
     steps_per_split,
     stride_xm,
-    stride_xk,
     stride_qwk,
     stride_qwn,
     stride_qpg,
@@ -502,55 +535,81 @@ def _w4a16_gemv_kernel(
     stride_os,
     stride_om,
     stride_on,
+    two23,
     GROUP_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    X_BF16: tl.constexpr,
 ):
-    """One row of y: BLOCK_N outputs over one slice of K.
+    """One row of y: BLOCK_N outputs over one slice of K, x read as int32 pairs (K2 a row).
 
-    A weight word (r, c) of the [BLOCK_K / 4, BLOCK_N / 2] grid (``_tile_layout``) holds the
-    codes of inputs k = 16 kt + 2 (k2 k1) + {0, 1, 8, 9} (the word row's k0 and k3) for outputs
-    n and n + 8 (n3). Broadcast against the nibble shifts of those 4 x 2 (input, output) pairs,
-    the words give a [BLOCK_K / 4, 4, BLOCK_N / 2, 2] code tile; times the matching inputs and
-    summed over its first two axes, it is the step's sum of x_k q_kn per output, whose
-    [BLOCK_N / 2, 2] order is the tile column order offs_n names. A step lies in one group, so
-    its dequantization is applied to the sums: y_n += s_n sum_k x_k q_kn + b_n sum_k x_k
-    (the algebra of sum_k x_k (s_n q_kn + b_n)), once per step and output instead of per weight.
+    The weight word (r, c) of the [BLOCK_K / 4, BLOCK_N / 2] grid (``_tile_layout``) holds the
+    codes of inputs k = 16 kt + 2 (k2 k1) + 8 k3 + k0 (r = (kt, k2 k1)) for outputs n and n + 8
+    (n3): nibble 4 k0 + 2 n3 + k3. So the x pair (k0 = 0, 1) at k3 = 0 and the one at k3 = 1
+    are the two activation pairs a word row needs, and every step is elementwise work on
+    tensors of the word grid's shape: the words stay in the layout they were loaded in, where
+    a layout change goes through shared memory with barriers (the first version of this kernel
+    made ten a step). A step lies in one group, so its (s, b) is applied to each word row's
+    sums, s * sum(x q) + b * sum(x) (the algebra of sum_k x_k (s q_kn + b)), and the word rows
+    are summed once, after the loop.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     row = tl.program_id(2).to(tl.int64)
-    _, _, offs_n, _, word_ptrs, word_mask = _tile_layout(
-        qw_ptr, stride_qwk, stride_qwn, N, pid_n, BLOCK_K, BLOCK_N
-    )
-    n_mask = offs_n < N
     r = tl.arange(0, BLOCK_K // 4)
-    pair = tl.arange(0, 4)  # (k3, k0) = (pair // 2, pair % 2)
-    x_k = (r // 4 * 16 + r % 4 * 2)[:, None] + (pair // 2 * 8 + pair % 2)[None, :]
-    n3 = tl.arange(0, 2)
-    shift = 4 * (4 * (pair % 2)[:, None] + 2 * n3[None, :] + (pair // 2)[:, None])  # [4, 2]
-    x_row = x_ptr + row * stride_xm
+    c = tl.arange(0, BLOCK_N // 2)
+    n0 = pid_n * BLOCK_N + (c // 8) * 16 + c % 8  # the output of nibbles with n3 = 0
+    word_cols = (pid_n * (BLOCK_N // 16) + c // 8) * 32 + (c % 8) * 4
+    word_ptrs = (
+        qw_ptr
+        + (r // 4)[:, None] * stride_qwk
+        + ((r % 4)[:, None] + word_cols[None, :]) * stride_qwn
+    )
+    word_mask = (n0 < N)[None, :]
+    pair = (r // 4) * 8 + r % 4  # the pair of inputs k and k + 1 at k3 = 0
+    x_row = xp_ptr + row * stride_xm
 
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc0 = tl.zeros((BLOCK_K // 4, BLOCK_N // 2), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_K // 4, BLOCK_N // 2), dtype=tl.float32)
     step_begin = pid_k * steps_per_split
-    step_end = tl.minimum(step_begin + steps_per_split, tl.cdiv(K, BLOCK_K))
+    step_end = tl.minimum(step_begin + steps_per_split, tl.cdiv(2 * K2, BLOCK_K))
     for step in range(step_begin, step_end):
-        k0 = step * BLOCK_K
-        xv = tl.load(x_row + (k0 + x_k) * stride_xk, mask=k0 + x_k < K, other=0.0).to(tl.float32)
+        at = step * (BLOCK_K // 2) + pair
+        x00, x10 = _halves(tl.load(x_row + at, mask=at < K2, other=0), X_BF16)
+        x01, x11 = _halves(tl.load(x_row + at + 4, mask=at + 4 < K2, other=0), X_BF16)
         words = tl.load(word_ptrs + step * (BLOCK_K // 16) * stride_qwk, mask=word_mask, other=0)
-        # each nibble into the low bits of 2^23's mantissa: as fp32 that is 2^23 + q exactly,
-        # so one subtraction gives q, where an int-to-float conversion runs at a quarter rate
-        codes = (words[:, None, :, None] >> shift[None, :, None, :]) & 0xF | 0x4B000000
-        q = codes.to(tl.float32, bitcast=True) - 8388608.0
-        prod = q * xv[:, :, None, None]
-        dots = tl.reshape(tl.sum(tl.sum(prod, axis=0), axis=0), (BLOCK_N,))
-        s, b = _group_params(
-            qp_ptr, k0, offs_n, n_mask, stride_qpg, stride_qpn, stride_qpc, GROUP_SIZE
+        # 2^23's bits on each word once (a run-time argument: as a constant the compiler folds
+        # it into every code's mask, which then costs a register move per code)
+        high = (words >> 12) | two23  # nibbles 5, 6, 7 at positions 2, 3, 4 (<= 4)
+        words = words | two23
+        # nibble 4 k0 + 2 n3 + k3 is x_{k0 k3}'s code for output n + 8 n3
+        d0 = (
+            _scaled_code(words, 0) * x00[:, None]
+            + _scaled_code(words, 1) * (x01 * 0.0625)[:, None]
+            + _scaled_code(words, 4) * (x10 * 1.52587890625e-05)[:, None]
+            + _scaled_code(high, 2) * (x11 * 0.00390625)[:, None]
         )
-        acc += s * dots + b * tl.sum(tl.sum(xv, axis=1), axis=0)
+        d1 = (
+            _scaled_code(words, 2) * (x00 * 0.00390625)[:, None]
+            + _scaled_code(words, 3) * (x01 * 0.000244140625)[:, None]
+            + _scaled_code(high, 3) * (x10 * 0.000244140625)[:, None]
+            + _scaled_code(high, 4) * (x11 * 1.52587890625e-05)[:, None]
+        )
+        xs = (x00 + x01 + x10 + x11)[:, None]
+        k0 = step * BLOCK_K
+        s0, b0 = _group_params(
+            qp_ptr, k0, n0, n0 < N, stride_qpg, stride_qpn, stride_qpc, GROUP_SIZE
+        )
+        s1, b1 = _group_params(
+            qp_ptr, k0, n0 + 8, n0 + 8 < N, stride_qpg, stride_qpn, stride_qpc, GROUP_SIZE
+        )
+        acc0 = tl.fma(d0, s0[None, :], tl.fma(xs, b0[None, :], acc0))
+        acc1 = tl.fma(d1, s1[None, :], tl.fma(xs, b1[None, :], acc1))
 
-    out = out_ptr + pid_k.to(tl.int64) * stride_os + row * stride_om + offs_n * stride_on
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+    out = out_ptr + pid_k.to(tl.int64) * stride_os + row * stride_om
+    elem = out_ptr.dtype.element_ty
+    tl.store(out + n0 * stride_on, round_to(tl.sum(acc0, axis=0), elem), mask=n0 < N)
+    tl.store(out + (n0 + 8) * stride_on, round_to(tl.sum(acc1, axis=0), elem), mask=n0 + 8 < N)
 
 
 @triton.jit
@@ -567,6 +626,7 @@ def _dequant_kernel(
     stride_qpc,
     stride_wn,
     stride_wk,
+    two23,
     GROUP_SIZE: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -580,10 +640,10 @@ def _dequant_kernel(
     )
     n_mask = offs_n < N
     words = tl.load(word_ptrs + pid_k * (BLOCK_K // 16) * stride_qwk, mask=word_mask, other=0)
-    codes = _codes(words, row_shift, col_shift, BLOCK_K, BLOCK_N)
+    codes = _codes(words, row_shift, col_shift, two23, BLOCK_K, BLOCK_N)
     k0 = pid_k * BLOCK_K
     s, b = _group_params(qp_ptr, k0, offs_n, n_mask, stride_qpg, stride_qpn, stride_qpc, GROUP_SIZE)
-    w = tl.fma(codes.to(tl.float32), s[None, :], b[None, :]).to(w_ptr.dtype.element_ty)
+    w = tl.fma(codes, s[None, :], b[None, :]).to(w_ptr.dtype.element_ty)
     offs_k = k0 + k_perm
     out = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk
     tl.store(out, w, mask=(offs_k < K)[:, None] & n_mask[None, :])
@@ -675,6 +735,7 @@ def w4a16_gemm(
         *qweight.stride(),
         *qparams.stride(),
         *out.stride(),
+        _TWO23,
         GROUP_SIZE=group_size,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
@@ -744,24 +805,38 @@ def w4a16_gemv(
     if m == 0:
         return x.new_empty((0, n))
     steps_per_split, out = _split_output(x, n, k, config)
+    pairs = _activation_pairs(x)
     _w4a16_gemv_kernel[(triton.cdiv(n, config.block_n), out.shape[0], m)](
-        x,
+        pairs,
         qweight,
         qparams,
         out,
         n,
-        k,
+        pairs.shape[1],
         steps_per_split,
-        *x.stride(),
+        pairs.stride(0),
         *qweight.stride(),
         *qparams.stride(),
         *out.stride(),
+        _TWO23,
         GROUP_SIZE=group_size,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
+        X_BF16=x.dtype == torch.bfloat16,
         num_warps=config.num_warps,
     )
     return _sum_splits(out, x.dtype)
+
+
+def _activation_pairs(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] viewed as int32 [M, K / 2], two adjacent activations a word: the one-row
+    kernel loads the pairs a weight word row needs as 16-byte vectors. A row of odd length is
+    zero-padded, and a view whose pairs are not 4-byte words is copied first."""
+    if x.shape[1] % 2:
+        x = torch.nn.functional.pad(x, (0, 1))
+    if x.stride(1) != 1 or x.stride(0) % 2 or x.storage_offset() % 2:
+        x = x.clone(memory_format=torch.contiguous_format)
+    return x.view(torch.int32)
 
 
 def w4a16_dequantize(
@@ -791,6 +866,7 @@ def w4a16_dequantize(
         *qweight.stride(),
         *qparams.stride(),
         *w.stride(),
+        _TWO23,
         GROUP_SIZE=group_size,
         BLOCK_K=_DEQUANT_BLOCK_K,
         BLOCK_N=_DEQUANT_BLOCK_N,
