@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from runtime.artifact.layout import dequantize, pack_qparams, pack_qweight
+from runtime.kernels.counters import arrival_counters
 from runtime.kernels.triton.gemm import (
     DEQUANT_FROM_BUCKET,
     M_BUCKETS,
@@ -124,13 +125,23 @@ def test_space_configs_agree(dtype: torch.dtype, device: torch.device) -> None:
     assert rel_error(y2, x, qweight, qparams, gs) < TOL[dtype]
 
 
+def stream_counters(device: torch.device) -> torch.Tensor:
+    """The counters split-K launches on the current stream count their tiles' slices in."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    return arrival_counters(device, stream)
+
+
 def test_split_k_is_deterministic(device: torch.device) -> None:
+    """The last slice of a tile to finish sums the partials in split order in the same launch
+    and sets the tile's counter back to 0: a second launch finds its counters at 0 (else its
+    last slice would never see itself last, leaving y unwritten) and gives the same bits."""
     torch.manual_seed(8)
     n, k, gs = 40, 200, 64
     qweight, qparams = make_weight(n, k, gs, device)
     x = torch.randn(2, k, dtype=BF16, device=device)
     cfg = CONFIGS["split3"]
     y1 = w4a16_gemm(x, qweight, qparams, n, k, gs, cfg)
+    assert not stream_counters(device).any()
     y2 = w4a16_gemm(x, qweight, qparams, n, k, gs, cfg)
     assert torch.equal(y1, y2)
 
@@ -255,7 +266,8 @@ def test_gemv_matches_reference(case: tuple, config_name: str, device: torch.dev
 
 
 def test_gemv_split_is_deterministic_and_strided(device: torch.device) -> None:
-    """Partials summed in split order: the same bits twice. A column slice of x at an odd
+    """Partials summed in split order in the launch: the same bits twice, the counters back
+    at 0 (test_split_k_is_deterministic). A column slice of x at an odd
     offset (copied: its pairs are not 4-byte words) and an N-shard of the packed tensors (read
     as they are) give the reference's product."""
     torch.manual_seed(10)
@@ -266,6 +278,7 @@ def test_gemv_split_is_deterministic_and_strided(device: torch.device) -> None:
     shard_w, shard_p = qweight[:, 128:], qparams[:, 64:]  # columns 64..135: N = 72
     cfg = GEMV_CONFIGS["split3"]
     y1 = w4a16_gemv(x, shard_w, shard_p, 72, k, gs, cfg)
+    assert not stream_counters(device).any()
     assert torch.equal(y1, w4a16_gemv(x, shard_w, shard_p, 72, k, gs, cfg))
     ref = x.double() @ dequantize(qweight, qparams, n, k, gs)[64:].double().T
     assert ((y1.double() - ref).norm() / ref.norm()).item() < TOL[BF16]

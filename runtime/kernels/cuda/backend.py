@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from runtime.device import check_devices
+from runtime.kernels.counters import arrival_counters
 from runtime.kernels.cuda import gemm_plan, w4a16
 from runtime.kernels.cuda.library import check
 from runtime.kernels.gpu import (
@@ -270,7 +271,7 @@ class CudaBackend(GpuBackend):
         workspace = torch.empty(floats, dtype=torch.float32, device=q.device) if floats else None
         # the partitions merge in the decode launch itself, counting in on these
         stream = 0 if self.emulated else self._stream()
-        counters = w4a16.arrival_counters(q.device, stream)
+        counters = arrival_counters(q.device, stream)
         args = (
             q.data_ptr(), q.stride(0), q.stride(1),
             out.data_ptr(), out.stride(0), out.stride(1),

@@ -52,16 +52,18 @@ import ctypes
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from runtime.kernels.counters import COUNTERS
+
 N_ALIGN = 64  # the layout's N padding
 GROUP_SIZES = (32, 64, 128)
 # Row buckets and pinned-config keys, the same as the Triton backend's (runtime.kernels.triton).
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # 512 means 512+
 DECODE_ROWS = 16  # m up to this runs the 16-row (decode) configs
 MAX_SPLIT_K = 32
-# Output tiles a split-K launch can count in its per-tile counters and so sum in the same launch
-# (runtime/kernels/cuda/w4a16.py holds that many per device and stream); more take a second
-# kernel, the reduction.
-SPLIT_COUNTERS = 1 << 14
+# Output tiles a split-K launch can count in its per-tile counters (runtime/kernels/counters.py
+# holds COUNTERS per device and stream) and so sum in the same launch; more take a second kernel,
+# the reduction.
+SPLIT_COUNTERS = COUNTERS
 # a tile's pinned form (TileConfig.shape), split_k aside
 TILE_FIELDS = ("block_m", "block_n", "block_k", "warps", "warps_m", "warps_k", "stages")
 

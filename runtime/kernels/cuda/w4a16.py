@@ -14,27 +14,14 @@ import ctypes
 import torch
 
 from runtime.device import check_devices
-from runtime.kernels.cuda.gemm_plan import SPLIT_COUNTERS, DequantPlan, Plan
+from runtime.kernels.counters import arrival_counters
+from runtime.kernels.cuda.gemm_plan import DequantPlan, Plan
 from runtime.kernels.cuda.library import check
 from runtime.kv.format import STORAGE_KINDS
-
-_counters: dict[tuple[str, int | None, int], torch.Tensor] = {}
 
 
 def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
-
-
-def arrival_counters(device: torch.device, stream: int) -> torch.Tensor:
-    """The zeros that one-launch reductions on ``stream`` count their finished blocks in (the
-    GEMM's split-K tiles, the decode attention's partitions), one buffer per device and stream:
-    launches on one stream run in order and each leaves its counters 0 again (a buffer shared by
-    two streams could see two launches count into one tile at once)."""
-    key = (device.type, device.index, stream)
-    found = _counters.get(key)
-    if found is None:
-        found = _counters[key] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
-    return found
 
 
 def dequantize(

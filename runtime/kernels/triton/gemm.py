@@ -28,10 +28,10 @@ Config rules (:class:`GemmConfig`):
   ``(s, b)`` of a step is one ``[BLOCK_N]`` vector per column instead of a full tile;
 * ``split_k`` (1..64) cuts the k-steps into that many contiguous slices, one program each
   (fewer when there are fewer k-steps: no slice is left empty).
-  Partial sums go to an fp32 buffer ``[split_k, M, N]`` that one small kernel adds in split
-  order afterwards: results are bit-for-bit reproducible, unlike ``tl.atomic_add``, whose order
-  of arrival varies, and the extra traffic is negligible at the decode-sized M where split-K
-  pays;
+  Partial sums go to an fp32 buffer ``[split_k, M, N]``, and the last slice of a tile to
+  finish (counted per tile, ``_write_sums``) adds them in split order in the same launch: the
+  bits are reproducible, unlike ``tl.atomic_add`` on y, whose order of arrival varies, and the
+  extra traffic is negligible at the decode-sized M where split-K pays;
 * ``num_warps`` in {1, 2, 4, 8, 16}, ``num_stages`` 1..8 (software pipelining depth).
 
 :func:`config_space` lists, per M bucket, the configs worth autotuning for a weight shape;
@@ -57,6 +57,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from runtime.artifact.layout import GROUP_SIZES, N_ALIGN, TILE, padded_shape
 from runtime.device import same_device
+from runtime.kernels.counters import arrival_counters
 from runtime.kernels.triton.rounding import round_to
 
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # 512 means 512+
@@ -415,15 +416,42 @@ def _codes(words, row_shift, col_shift, two23, BLOCK_K: tl.constexpr, BLOCK_N: t
 
 
 @triton.jit
+def _write_sums(sums, y_ptrs, part_offs, mask, parts_ptr, part_size, counter_ptr, pid_k, splits):
+    """A program's fp32 sums to y: as they are without split-K; else stored as its split's
+    partial (``parts_ptr``: [splits, M, N] contiguous), and the tile's last split to arrive,
+    counted on ``counter_ptr`` (runtime/kernels/counters.py), adds the partials in split order,
+    writes y and sets the counter back to 0. The sum's bits do not depend on which split came
+    last, and no second kernel runs: at batch 1 a launch costs about what a GEMM does."""
+    if splits == 1:
+        tl.store(y_ptrs, round_to(sums, y_ptrs.dtype.element_ty), mask=mask)
+    else:
+        size = part_size.to(tl.int64)
+        tl.store(parts_ptr + pid_k * size + part_offs, sums, mask=mask)
+        tl.debug_barrier()  # every thread's partial is stored before the count releases them
+        arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+        if arrived == splits - 1:
+            total = tl.zeros_like(sums)
+            for split in range(splits):
+                # .cg: from L2, where the other splits' partials are, never a stale L1 line
+                part = parts_ptr + split * size + part_offs
+                total += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptrs, round_to(total, y_ptrs.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _w4a16_kernel(
     x_ptr,
     qw_ptr,
     qp_ptr,
-    out_ptr,
+    y_ptr,
+    parts_ptr,
+    counters_ptr,
     M,
     N,
     K,
     steps_per_split,
+    splits,
     stride_xm,
     stride_xk,
     stride_qwk,
@@ -431,9 +459,7 @@ def _w4a16_kernel(
     stride_qpg,
     stride_qpn,
     stride_qpc,
-    stride_os,
-    stride_om,
-    stride_on,
+    stride_ym,
     two23,
     GROUP_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -484,13 +510,18 @@ def _w4a16_kernel(
         else:
             acc = tl.dot(xt, w, acc)
 
-    out = (
-        out_ptr
-        + pid_k.to(tl.int64) * stride_os
-        + offs_m.to(tl.int64)[:, None] * stride_om
-        + offs_n[None, :] * stride_on
+    rows = offs_m.to(tl.int64)[:, None]
+    _write_sums(
+        acc,
+        y_ptr + rows * stride_ym + offs_n[None, :],
+        rows * N + offs_n[None, :],
+        m_mask[:, None] & n_mask[None, :],
+        parts_ptr,
+        M * N,
+        counters_ptr + pid,
+        pid_k,
+        splits,
     )
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -522,19 +553,20 @@ def _w4a16_gemv_kernel(
     xp_ptr,
     qw_ptr,
     qp_ptr,
-    out_ptr,
+    y_ptr,
+    parts_ptr,
+    counters_ptr,
     N,
     K2,
     steps_per_split,
+    splits,
     stride_xm,
     stride_qwk,
     stride_qwn,
     stride_qpg,
     stride_qpn,
     stride_qpc,
-    stride_os,
-    stride_om,
-    stride_on,
+    stride_ym,
     two23,
     GROUP_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -606,10 +638,18 @@ def _w4a16_gemv_kernel(
         acc0 = tl.fma(d0, s0[None, :], tl.fma(xs, b0[None, :], acc0))
         acc1 = tl.fma(d1, s1[None, :], tl.fma(xs, b1[None, :], acc1))
 
-    out = out_ptr + pid_k.to(tl.int64) * stride_os + row * stride_om
-    elem = out_ptr.dtype.element_ty
-    tl.store(out + n0 * stride_on, round_to(tl.sum(acc0, axis=0), elem), mask=n0 < N)
-    tl.store(out + (n0 + 8) * stride_on, round_to(tl.sum(acc1, axis=0), elem), mask=n0 + 8 < N)
+    cols = n0[:, None] + 8 * tl.arange(0, 2)[None, :]  # [BLOCK_N / 2, 2]: n and n + 8
+    _write_sums(
+        tl.join(tl.sum(acc0, axis=0), tl.sum(acc1, axis=0)),
+        y_ptr + row * stride_ym + cols,
+        row * N + cols,
+        cols < N,
+        parts_ptr,
+        tl.num_programs(2) * N,
+        counters_ptr + row * tl.num_programs(0) + pid_n,
+        pid_k,
+        splits,
+    )
 
 
 @triton.jit
@@ -719,22 +759,24 @@ def w4a16_gemm(
     if m == 0:
         return x.new_empty((0, n))
     cfg = config if config is not None else heuristic_config(m, n, k, group_size)
-    steps_per_split, out = _split_output(x, n, k, cfg)
-    splits = out.shape[0]
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), splits)
-    _w4a16_kernel[grid](
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    steps_per_split, y, parts, counters = _split_outputs(x, n, k, cfg, grid[0])
+    _w4a16_kernel[(grid[0], parts.shape[0])](
         x,
         qweight,
         qparams,
-        out,
+        y,
+        parts,
+        counters,
         m,
         n,
         k,
         steps_per_split,
+        parts.shape[0],
         *x.stride(),
         *qweight.stride(),
         *qparams.stride(),
-        *out.stride(),
+        y.stride(0),
         _TWO23,
         GROUP_SIZE=group_size,
         BLOCK_M=cfg.block_m,
@@ -745,46 +787,24 @@ def w4a16_gemm(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    return _sum_splits(out, x.dtype)
-
-
-def _split_output(
-    x: torch.Tensor, n: int, k: int, cfg: GemmConfig | GemvConfig
-) -> tuple[int, torch.Tensor]:
-    """k-steps per split and the output: y itself ([1, M, N] in x's dtype) without split-K,
-    else fp32 partials [splits, M, N] for :func:`_sum_splits` (no slice is left empty)."""
-    k_steps = triton.cdiv(k, cfg.block_k)
-    steps_per_split = triton.cdiv(k_steps, cfg.split_k)
-    splits = triton.cdiv(k_steps, steps_per_split)
-    dtype = x.dtype if splits == 1 else torch.float32
-    return steps_per_split, torch.empty((splits, x.shape[0], n), dtype=dtype, device=x.device)
-
-
-def _sum_splits(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The partials summed in split order (reproducible, unlike atomics) into ``dtype``, in one
-    kernel: torch's sum and cast took two, which at batch 1 cost about what a GEMM does."""
-    splits, m, n = out.shape
-    if splits == 1:
-        return out[0]
-    y = torch.empty((m, n), dtype=dtype, device=out.device)
-    size = m * n
-    _sum_splits_kernel[(triton.cdiv(size, _SUM_BLOCK),)](out, y, splits, size, BLOCK=_SUM_BLOCK)
     return y
 
 
-_SUM_BLOCK = 1024
-
-
-@triton.jit
-def _sum_splits_kernel(parts_ptr, y_ptr, splits, size, BLOCK: tl.constexpr):
-    """y[i] = sum over s of parts[s, i], s = 0, 1, ... in order, for contiguous [S, size]
-    fp32 partials and a contiguous y."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < size
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(splits):
-        acc += tl.load(parts_ptr + s * size + offs, mask=mask, other=0.0)
-    tl.store(y_ptr + offs, round_to(acc, y_ptr.dtype.element_ty), mask=mask)
+def _split_outputs(
+    x: torch.Tensor, n: int, k: int, cfg: GemmConfig | GemvConfig, tiles: int
+) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """k-steps per split, y [M, N] in x's dtype, the fp32 partials [splits, M, N] (y itself
+    without split-K; no slice is left empty) and the stream's counters for ``tiles`` tiles."""
+    k_steps = triton.cdiv(k, cfg.block_k)
+    steps_per_split = triton.cdiv(k_steps, cfg.split_k)
+    splits = triton.cdiv(k_steps, steps_per_split)
+    m = x.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if splits == 1:
+        return steps_per_split, y, y[None], y
+    parts = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+    stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
+    return steps_per_split, y, parts, arrival_counters(x.device, stream, tiles)
 
 
 def w4a16_gemv(
@@ -804,20 +824,24 @@ def w4a16_gemv(
     m = x.shape[0]
     if m == 0:
         return x.new_empty((0, n))
-    steps_per_split, out = _split_output(x, n, k, config)
+    tiles = m * triton.cdiv(n, config.block_n)
+    steps_per_split, y, parts, counters = _split_outputs(x, n, k, config, tiles)
     pairs = _activation_pairs(x)
-    _w4a16_gemv_kernel[(triton.cdiv(n, config.block_n), out.shape[0], m)](
+    _w4a16_gemv_kernel[(triton.cdiv(n, config.block_n), parts.shape[0], m)](
         pairs,
         qweight,
         qparams,
-        out,
+        y,
+        parts,
+        counters,
         n,
         pairs.shape[1],
         steps_per_split,
+        parts.shape[0],
         pairs.stride(0),
         *qweight.stride(),
         *qparams.stride(),
-        *out.stride(),
+        y.stride(0),
         _TWO23,
         GROUP_SIZE=group_size,
         BLOCK_N=config.block_n,
@@ -825,7 +849,7 @@ def w4a16_gemv(
         X_BF16=x.dtype == torch.bfloat16,
         num_warps=config.num_warps,
     )
-    return _sum_splits(out, x.dtype)
+    return y
 
 
 def _activation_pairs(x: torch.Tensor) -> torch.Tensor:
