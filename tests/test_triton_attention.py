@@ -27,6 +27,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from runtime.kernels.counters import arrival_counters
 from runtime.kernels.reference import paged_attention
 from runtime.kernels.triton import attention
 from runtime.kernels.triton.attention import (
@@ -331,3 +332,30 @@ def test_prefill_rejects_metadata_on_another_device(small, device):
     cu = torch.tensor([0, 1, 2], device="meta")
     with pytest.raises(ValueError, match="cu_query_lens is on meta, the KV cache on"):
         paged_prefill_attention(q, cache.layer(1), tables, cu, lens, 0.25)
+
+
+@pytest.mark.gpu
+def test_gpu_one_launch_merge_replays_in_a_cuda_graph(device):
+    """The last partition to finish merges in the decode launch, counting in on counters that
+    it sets back to 0: captured in a CUDA graph (as the engine's decode steps are) and replayed
+    on new queries and longer contexts, the output equals an eager launch's, bit for bit, and
+    the capture stream's counters are 0 after every replay."""
+    ctx = [700, 33, 1200]
+    cache, tables, gen = build("int8", BF16, 16, ctx, 2, 64, seed=21)
+    layer = on_device(cache, device).layer(1)
+    tables = tables.to(device)
+    q = torch.randn(len(ctx), 8, 64, generator=gen).to(device, BF16)
+    lens = torch.tensor(ctx, dtype=torch.int32, device=device)
+    paged_decode_attention(q, layer, tables, lens, 0.125)  # compiled outside the capture
+    stream = torch.cuda.Stream(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = paged_decode_attention(q, layer, tables, lens, 0.125)
+    counters = arrival_counters(device, stream.cuda_stream)
+    for step in range(3):
+        q.copy_(torch.randn(q.shape, generator=gen).to(device, BF16))
+        lens.add_(step)
+        graph.replay()
+        torch.cuda.synchronize(device)
+        assert torch.equal(out, paged_decode_attention(q, layer, tables, lens, 0.125)), step
+        assert not counters.any(), step

@@ -475,3 +475,36 @@ def test_gpu_real_sizes(n: int, k: int, gs: int, dtype: torch.dtype, device: tor
     for cfg in dict.fromkeys([space[0], space[1], space[-1]]):
         y = w4a16_gemv(x, qweight, qparams, n, k, gs, cfg)
         assert rel_error(y, x, qweight, qparams, gs) < TOL[dtype], cfg
+
+
+@pytest.mark.gpu
+def test_gpu_split_k_sums_replay_in_a_cuda_graph(device: torch.device) -> None:
+    """Split-K summed in the launch, captured in a CUDA graph as the engine's decode steps
+    are: replayed on new activations, the one-row kernel and a split tile config give an eager
+    launch's bits, and the capture stream's counters are 0 after every replay."""
+    torch.manual_seed(22)
+    n, k, gs = 1000, 2048, 128
+    qweight, qparams = make_weight(n, k, gs, device)
+    x1, x2 = (torch.randn(m, k, dtype=BF16, device=device) for m in (1, 7))
+    gemv = gemv_config(n, k, gs)
+    tile = GemmConfig(block_m=16, block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=2)
+    assert gemv.split_k > 1
+    runs = (
+        lambda: w4a16_gemv(x1, qweight, qparams, n, k, gs, gemv),
+        lambda: w4a16_gemm(x2, qweight, qparams, n, k, gs, tile),
+    )
+    for run in runs:
+        run()  # compiled outside the capture
+    stream = torch.cuda.Stream(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        outs = [run() for run in runs]
+    counters = arrival_counters(device, stream.cuda_stream)
+    for step in range(3):
+        x1.copy_(torch.randn_like(x1))
+        x2.copy_(torch.randn_like(x2))
+        graph.replay()
+        torch.cuda.synchronize(device)
+        for out, run in zip(outs, runs, strict=True):
+            assert torch.equal(out, run()), step
+        assert not counters.any(), step

@@ -186,7 +186,7 @@ def test_serving_compiles_nothing_after_start(
     params = SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True, prompt_logprobs=0)
     engine.generate(prompts, params)  # the scheduler's own mixes
     keys = recorder.keys()
-    decode = {"_decode_partition_kernel", "_decode_merge_kernel"}
+    decode = {"_decode_partition_kernel"}
     served = {"_w4a16_kernel", "_w4a16_gemv_kernel", "_prefill_kernel", "_rotary_kv_write_kernel"}
     served |= {"_add_rms_norm_kernel", "_silu_mul_kernel"}
     if runner.graphs is None:

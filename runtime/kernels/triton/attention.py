@@ -24,12 +24,14 @@ Design, and why:
   long over int4 KV at 32k tokens and spills registers at head dim 256.
 * **Flash-decoding.** Decode has one query per sequence, so the context is split into
   partitions run by separate programs (``[B, Hkv, partitions]``); each writes its running
-  max, sum and unnormalized output, and a small second kernel merges them by log-sum-exp.
-  With one partition the first kernel normalizes and writes the output itself. The number of
-  partitions comes from the block-table width, not from ``context_lens``, so no device sync
-  happens: programs past a sequence's end return at once (the merge reads only the
-  sequence's own partitions), and one before its sliding window stores max -inf, sum 0,
-  output 0, which the merge weights 0.
+  max, sum and unnormalized output and counts itself in on its (sequence, KV head)'s counter
+  (runtime/kernels/counters.py), and the last to finish merges the partitions by log-sum-exp,
+  in partition order, and sets the counter back to 0: no second kernel, which a decode step
+  would launch in every layer. With one partition the program normalizes and writes the
+  output itself. The number of partitions comes from the block-table width, not from
+  ``context_lens``, so no device sync happens: programs past a sequence's end return at once
+  (the merge reads only the sequence's own partitions, and counts only those), and one
+  before its sliding window stores max -inf, sum 0, output 0, which the merge weights 0.
 * **Variable-length prefill without a sync.** The grid has ``T // BLOCK_Q + S`` tiles per KV
   head; sequence i's tiles start at ``cu_query_lens[i] // BLOCK_Q + i`` (an upper bound on
   the tiles before it), so each program finds its sequence by counting starts, and spare
@@ -60,6 +62,7 @@ from triton.runtime.driver import driver
 from triton.runtime.interpreter import InterpretedFunction
 
 from runtime.device import check_devices
+from runtime.kernels.counters import arrival_counters
 from runtime.kv.layer import LayerKV
 
 _LOG2E = math.log2(math.e)
@@ -272,6 +275,7 @@ def _decode_partition_kernel(
     part_m,
     part_l,
     part_acc,
+    counters,
     qk_scale,
     window,
     max_blocks,
@@ -300,8 +304,10 @@ def _decode_partition_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr,
 ):
-    """One (sequence, KV head, partition): the group's query heads are the dot's rows."""
+    """One (sequence, KV head, partition): the group's query heads are the dot's rows; the
+    last partition of the (sequence, KV head) to finish merges them all (module docstring)."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -345,6 +351,19 @@ def _decode_partition_kernel(
         tl.store(part_l + row, l_i, mask=mask_g)
         # all BLOCK_D columns (the padding ones are 0), so the merge reads no garbage
         tl.store(part_acc + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=mask_g[:, None])
+        tl.debug_barrier()  # every thread's partials are stored before the count releases them
+        counter = counters + b * tl.num_programs(1) + kv_head
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        used = tl.minimum(tl.cdiv(ctx, PARTITION), num_partitions)
+        if arrived == used - 1:
+            for g in range(GROUP):
+                head = kv_head * GROUP + g
+                _merge_head(
+                    part_m, part_l, part_acc, (b64 * num_heads + head) * num_partitions, used,
+                    out_ptr + b64 * stride_ob + head * stride_oh, HEAD_DIM, INTERPRETED,
+                    BLOCK_D, BLOCK_P,
+                )  # fmt: skip
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -364,12 +383,14 @@ def _merge_step(
     """Fold partitions ``[p0, p0 + BLOCK_P)`` (of ``used``) into the running (max, sum, out)."""
     offs_p = p0 + tl.arange(0, BLOCK_P)
     mask_p = offs_p < used
-    m = tl.load(part_m + base + offs_p, mask=mask_p, other=float("-inf"))
-    l_p = tl.load(part_l + base + offs_p, mask=mask_p, other=0.0)
+    # .cg: from L2, where the other partitions' programs left them, never a stale L1 line
+    m = tl.load(part_m + base + offs_p, mask=mask_p, other=float("-inf"), cache_modifier=".cg")
+    l_p = tl.load(part_l + base + offs_p, mask=mask_p, other=0.0, cache_modifier=".cg")
     acc = tl.load(
         part_acc + (base + offs_p)[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :],
         mask=mask_p[:, None],
         other=0.0,
+        cache_modifier=".cg",
     )
     m_new = tl.maximum(m_run, tl.max(m, axis=0))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -382,29 +403,21 @@ def _merge_step(
     )
 
 
-@triton.jit(do_not_specialize=["num_partitions"])  # see _decode_partition_kernel
-def _decode_merge_kernel(
+@triton.jit
+def _merge_head(
     part_m,
     part_l,
     part_acc,
-    context_lens,
+    base,
+    used,
     out_ptr,
-    stride_ob,
-    stride_oh,
-    num_heads,
-    num_partitions,
     HEAD_DIM: tl.constexpr,
-    PARTITION: tl.constexpr,
     INTERPRETED: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
-    """Log-sum-exp merge of one (sequence, query head)'s partitions, ``BLOCK_P`` at a time."""
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    ctx = tl.load(context_lens + b).to(tl.int32)
-    used = tl.minimum(tl.cdiv(ctx, PARTITION), num_partitions)
-    base = (b.to(tl.int64) * num_heads + h) * num_partitions
+    """Log-sum-exp merge of one (sequence, query head)'s ``used`` partitions (from ``base``),
+    ``BLOCK_P`` at a time, into its output row."""
     m_run = tl.full([], float("-inf"), tl.float32)
     l_run = tl.zeros([], tl.float32)
     o_run = tl.zeros([BLOCK_D], tl.float32)
@@ -421,11 +434,7 @@ def _decode_merge_kernel(
                 part_m, part_l, part_acc, base, p0, used, m_run, l_run, o_run, BLOCK_D, BLOCK_P
             )
     offs_d = tl.arange(0, BLOCK_D)
-    tl.store(
-        out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
-        (o_run / l_run).to(out_ptr.dtype.element_ty),
-        mask=offs_d < HEAD_DIM,
-    )
+    tl.store(out_ptr + offs_d, (o_run / l_run).to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 @triton.jit
@@ -701,8 +710,11 @@ def paged_decode_attention(
         ]
     tile = 64 if _large_tiles(opts, q.dtype) else 32
     pool, pool_strides = _pool(kv)
-    _decode_partition_kernel[(batch, kv.spec.num_kv_heads, num_partitions)](
-        q, *pool, block_tables, context_lens, out, *partials,
+    num_kv_heads = kv.spec.num_kv_heads
+    stream = torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else 0
+    counters = out if single else arrival_counters(q.device, stream, batch * num_kv_heads)
+    _decode_partition_kernel[(batch, num_kv_heads, num_partitions)](
+        q, *pool, block_tables, context_lens, out, *partials, counters,
         scale * _LOG2E, sliding_window or 0, block_tables.shape[1],
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         *pool_strides, num_heads, num_partitions,
@@ -711,19 +723,10 @@ def paged_decode_attention(
         SINGLE=single,
         BLOCK_G=max(16, triton.next_power_of_2(opts["GROUP"])),
         BLOCK_N=max(16, min(tile, triton.next_power_of_2(partition_size))),
+        BLOCK_P=_MERGE_BLOCK_P,
         num_warps=4,
         **opts,
     )  # fmt: skip
-    if not single:
-        _decode_merge_kernel[(batch, num_heads)](
-            *partials, context_lens, out, out.stride(0), out.stride(1), num_heads,
-            num_partitions,
-            HEAD_DIM=opts["HEAD_DIM"],
-            PARTITION=partition_size,
-            INTERPRETED=_INTERPRETED,
-            BLOCK_D=opts["BLOCK_D"],
-            BLOCK_P=_MERGE_BLOCK_P,
-        )  # fmt: skip
     return out
 
 
