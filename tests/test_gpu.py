@@ -38,6 +38,7 @@ import torch
 from runtime.engine.engine import Engine
 from runtime.engine.sampler import SamplingParams
 from runtime.engine.sequence import Sequence
+from runtime.kernels.cuda.backend import FUSED_ENV, PDL_ENV
 from tests import cuda_lib
 from tests.test_triton_engine import engine_config, mixed_prompts
 
@@ -288,8 +289,8 @@ def test_cuda_launch_overlap_changes_no_bit(
         temperature=0, max_new_tokens=8, ignore_eos=True, logprobs=0, prompt_logprobs=0
     )
     runs = {}
-    for name, env in (("default", {}), ("serial", {"LITESERVE_CUDA_PDL": "0"}),
-                      ("torch ops", {"LITESERVE_CUDA_FUSED": "0"})):  # fmt: skip
+    for name, env in (("default", {}), ("serial", {PDL_ENV: "0"}),
+                      ("torch ops", {FUSED_ENV: "0"})):  # fmt: skip
         with monkeypatch.context() as patch:
             for key, value in env.items():
                 patch.setenv(key, value)

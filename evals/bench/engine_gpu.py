@@ -50,6 +50,7 @@ import torch
 from runtime.config import EngineConfig
 from runtime.engine.engine import Engine
 from runtime.engine.sampler import SamplingParams
+from runtime.kernels.cuda.backend import PDL_ENV
 
 
 def log(msg: str) -> None:
@@ -423,7 +424,7 @@ def cmd_decode(a: argparse.Namespace) -> None:
             compare_decode(a, fields, runs, start_s, "", None, what)
     if backend == "cuda":
         what = "programmatic dependent launch (sm_90) against plain stream order"
-        with mock.patch.dict(os.environ, LITESERVE_CUDA_PDL="0"):
+        with mock.patch.dict(os.environ, {PDL_ENV: "0"}):
             compare_decode(a, fields, runs, start_s, "", None, what)
 
     if a.source:

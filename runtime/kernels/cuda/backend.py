@@ -57,6 +57,7 @@ log = logging.getLogger("runtime.kernels")
 HEAD_DIMS = (64, 96, 128)  # what the decode attention kernel is instantiated for
 EMULATED_SMS, EMULATED_ARCH = 132, "sm_90"  # the emulated GPU plans its launches as an H200
 FUSED_ENV = "LITESERVE_CUDA_FUSED"  # "0": torch's pointwise ops instead of the csrc kernels
+PDL_ENV = "LITESERVE_CUDA_PDL"  # "0": plain stream order instead of programmatic launch
 
 
 @dataclass
@@ -90,14 +91,14 @@ class CudaBackend(GpuBackend):
         )
         self.configs = gemm_plan.configs(lib)
         self.fused = os.environ.get(FUSED_ENV) != "0"
-        self.pdl = os.environ.get("LITESERVE_CUDA_PDL") != "0"
+        self.pdl = os.environ.get(PDL_ENV) != "0"
         lib.lsq_programmatic_launch(int(self.pdl))  # process-wide: this engine's choice
         # Triton's prefill attention compiles per size (nothing to warm up when emulated)
         self.warmup_tokens = () if self.emulated else gemm_plan.M_BUCKETS
         tuned = f"{len(self.pinned)} pinned GEMM configs" if self.pinned else "planned GEMM configs"
         where = ", emulated on the CPU" if self.emulated else ""
         unfused = "" if self.fused else f", torch's pointwise ops ({FUSED_ENV}=0)"
-        serial = "" if self.pdl else ", no programmatic launch (LITESERVE_CUDA_PDL=0)"
+        serial = "" if self.pdl else f", no programmatic launch ({PDL_ENV}=0)"
         self.detail = f"{self.arch}: csrc {Path(lib._name).name}{where}, {tuned}{unfused}{serial}"
 
     def _stream(self) -> int:
