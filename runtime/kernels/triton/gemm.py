@@ -588,16 +588,12 @@ def _w4a16_gemv_kernel(
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     row = tl.program_id(2).to(tl.int64)
+    _, _, _, _, word_ptrs, word_mask = _tile_layout(
+        qw_ptr, stride_qwk, stride_qwn, N, pid_n, BLOCK_K, BLOCK_N
+    )
     r = tl.arange(0, BLOCK_K // 4)
     c = tl.arange(0, BLOCK_N // 2)
     n0 = pid_n * BLOCK_N + (c // 8) * 16 + c % 8  # the output of nibbles with n3 = 0
-    word_cols = (pid_n * (BLOCK_N // 16) + c // 8) * 32 + (c % 8) * 4
-    word_ptrs = (
-        qw_ptr
-        + (r // 4)[:, None] * stride_qwk
-        + ((r % 4)[:, None] + word_cols[None, :]) * stride_qwn
-    )
-    word_mask = (n0 < N)[None, :]
     pair = (r // 4) * 8 + r % 4  # the pair of inputs k and k + 1 at k3 = 0
     x_row = xp_ptr + row * stride_xm
 
