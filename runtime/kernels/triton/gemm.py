@@ -11,12 +11,15 @@ widened), rounds the weight once to x's dtype and accumulates ``tl.dot`` with th
 Unpacking, and why this way. A word holds 8 codes of one 16 x 16 tile that differ only in the
 local bits k3, k0 and n3 (docs section 4); the other bits (kt, k2, k1) and (nt, n2, n1, n0) pick
 the word. So the words form a plain 2-D ``[BLOCK_K / 4, BLOCK_N / 2]`` grid, and broadcasting each
-word over a 4 x 2 block (rows k3 k0, columns n3) then shifting by ``4 * (4 k0 + 2 n3 + k3)``
-yields a ``[BLOCK_K, BLOCK_N]`` code tile whose rows and columns are k and n permuted within each
-16. A dot product is indifferent to the order of k as long as x is loaded in the same order, and
-the permuted columns only change where the qparams are read and the outputs stored, so the layout
-is consumed with index arithmetic and one broadcast-reshape. Word loads stay contiguous in runs
-of 4 (16-byte vectors) and x in k0 pairs (4 bytes). The alternatives cost more: gathering every
+word over 4 rows (k3 k0) and 2 column halves (n3: the tile's first half of columns holds the
+n3 = 0 codes of every word column, the second half the n3 = 1 codes) then shifting by
+``4 * (4 k0 + 2 n3 + k3)`` yields a ``[BLOCK_K, BLOCK_N]`` code tile whose rows are k permuted
+within each 16 and whose columns are n in runs of 8 adjacent outputs. A dot product is
+indifferent to the order of k as long as x is loaded in the same order, and the permuted columns
+only change where the qparams are read and the outputs stored (16 bytes at a time; with n and
+n + 8 side by side, the dequantized weights went out as 2-byte stores), so the layout is consumed
+with index arithmetic and one broadcast-reshape. Word loads stay contiguous in runs of 4
+(16-byte vectors) and x in k0 pairs (4 bytes). The alternatives cost more: gathering every
 element's word issues 8 loads per word, and restoring natural order means the rank-10
 reshape/permute of the reference unpacker, a large layout shuffle in the kernel.
 
@@ -371,10 +374,14 @@ def _tile_layout(
     k_perm = (i // 16) * 16 + (i // 2 % 2) * 8 + (i // 4 % 4) * 2 + i % 2
     k_perm = tl.max_contiguous(tl.multiple_of(k_perm, 2), 2)
     row_shift = 16 * (i % 2) + 4 * (i // 2 % 2)  # nibble p = 4 k0 + 2 n3 + k3
-    # Tile column j = 2 c + n3 holds n = pid_n * BLOCK_N + 16 (j // 16) + 8 n3 + (n2 n1 n0).
+    # Tile column j = n3 (BLOCK_N / 2) + c holds n = pid_n * BLOCK_N + 16 (c // 8) + 8 n3 + c % 8
+    # (c = (nt, n2 n1 n0), the word column): runs of 8 columns are 8 adjacent outputs, so y and
+    # the dequantized weights are stored 16 bytes at a time.
     j = tl.arange(0, BLOCK_N)
-    offs_n = pid_n * BLOCK_N + (j // 16) * 16 + (j % 2) * 8 + j // 2 % 8
-    col_shift = 8 * (j % 2)
+    col = j % (BLOCK_N // 2)
+    offs_n = pid_n * BLOCK_N + (col // 8) * 16 + (j // (BLOCK_N // 2)) * 8 + col % 8
+    offs_n = tl.max_contiguous(tl.multiple_of(offs_n, 8), 8)
+    col_shift = 8 * (j // (BLOCK_N // 2))
     # Word grid: row r = (kt, k2 k1), column c = (nt, n2 n1 n0); word t = 4 (n2 n1 n0) + k2 k1.
     r = tl.arange(0, BLOCK_K // 4)
     c = tl.arange(0, BLOCK_N // 2)
@@ -408,7 +415,7 @@ def _codes(words, row_shift, col_shift, two23, BLOCK_K: tl.constexpr, BLOCK_N: t
     subtracted: the values of an int-to-float conversion, which runs at a quarter rate. The
     bits of 2^23 come as a run-time argument (_TWO23): as a constant, the compiler recognizes
     the pattern and emits the conversion."""
-    rep = tl.broadcast_to(words[:, None, :, None], (BLOCK_K // 4, 4, BLOCK_N // 2, 2))
+    rep = tl.broadcast_to(words[:, None, None, :], (BLOCK_K // 4, 4, 2, BLOCK_N // 2))
     rep = tl.reshape(rep, (BLOCK_K, BLOCK_N))
     # Arithmetic >> sign-extends negative words, but & 0xF keeps exactly the nibble.
     bits = (rep >> (row_shift[:, None] + col_shift[None, :])) & 0xF | two23
