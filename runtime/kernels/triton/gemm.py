@@ -538,8 +538,7 @@ def _scaled_code(marked, pos: tl.constexpr):
     gives the fp32 2^23 + q 16^pos exactly (below 2^24), and one subtraction q 16^pos. The
     caller multiplies by x 16^-pos, the same rounding as q x (powers of two). An
     int-to-float conversion would run at a quarter rate, and a shift per code is saved."""
-    keep: tl.constexpr = (0xF << (4 * pos)) | 0x4B000000
-    return (marked & keep).to(tl.float32, bitcast=True) - 8388608.0
+    return (marked & ((0xF << (4 * pos)) | 0x4B000000)).to(tl.float32, bitcast=True) - 8388608.0
 
 
 @triton.jit
