@@ -351,7 +351,8 @@ def test_gpu_one_launch_merge_replays_in_a_cuda_graph(device):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         out = paged_decode_attention(q, layer, tables, lens, 0.125)
-    counters = arrival_counters(device, stream.cuda_stream)
+    with torch.cuda.stream(stream):
+        counters = arrival_counters(device)
     for step in range(3):
         q.copy_(torch.randn(q.shape, generator=gen).to(device, BF16))
         lens.add_(step)

@@ -125,12 +125,6 @@ def test_space_configs_agree(dtype: torch.dtype, device: torch.device) -> None:
     assert rel_error(y2, x, qweight, qparams, gs) < TOL[dtype]
 
 
-def stream_counters(device: torch.device) -> torch.Tensor:
-    """The counters split-K launches on the current stream count their tiles' slices in."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    return arrival_counters(device, stream)
-
-
 def test_split_k_is_deterministic(device: torch.device) -> None:
     """The last slice of a tile to finish sums the partials in split order in the same launch
     and sets the tile's counter back to 0: a second launch finds its counters at 0 (else its
@@ -141,7 +135,7 @@ def test_split_k_is_deterministic(device: torch.device) -> None:
     x = torch.randn(2, k, dtype=BF16, device=device)
     cfg = CONFIGS["split3"]
     y1 = w4a16_gemm(x, qweight, qparams, n, k, gs, cfg)
-    assert not stream_counters(device).any()
+    assert not arrival_counters(device).any()
     y2 = w4a16_gemm(x, qweight, qparams, n, k, gs, cfg)
     assert torch.equal(y1, y2)
 
@@ -278,7 +272,7 @@ def test_gemv_split_is_deterministic_and_strided(device: torch.device) -> None:
     shard_w, shard_p = qweight[:, 128:], qparams[:, 64:]  # columns 64..135: N = 72
     cfg = GEMV_CONFIGS["split3"]
     y1 = w4a16_gemv(x, shard_w, shard_p, 72, k, gs, cfg)
-    assert not stream_counters(device).any()
+    assert not arrival_counters(device).any()
     assert torch.equal(y1, w4a16_gemv(x, shard_w, shard_p, 72, k, gs, cfg))
     ref = x.double() @ dequantize(qweight, qparams, n, k, gs)[64:].double().T
     assert ((y1.double() - ref).norm() / ref.norm()).item() < TOL[BF16]
@@ -499,7 +493,8 @@ def test_gpu_split_k_sums_replay_in_a_cuda_graph(device: torch.device) -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         outs = [run() for run in runs]
-    counters = arrival_counters(device, stream.cuda_stream)
+    with torch.cuda.stream(stream):
+        counters = arrival_counters(device)
     for step in range(3):
         x1.copy_(torch.randn_like(x1))
         x2.copy_(torch.randn_like(x2))

@@ -18,8 +18,10 @@ _buffers: dict[tuple[str, int | None, int], torch.Tensor] = {}
 _outgrown: list[torch.Tensor] = []
 
 
-def arrival_counters(device: torch.device, stream: int, size: int = COUNTERS) -> torch.Tensor:
-    """At least ``size`` zeros on ``device`` for launches on ``stream`` (0 on the CPU)."""
+def arrival_counters(device: torch.device, size: int = COUNTERS) -> torch.Tensor:
+    """At least ``size`` zeros on ``device`` for launches on torch's current stream there (the
+    one a CUDA graph captures; on the CPU, where the kernels are emulated, one buffer)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (device.type, device.index, stream)
     found = _buffers.get(key)
     if found is None or found.numel() < size:

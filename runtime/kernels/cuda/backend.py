@@ -272,7 +272,7 @@ class CudaBackend(GpuBackend):
         workspace = torch.empty(floats, dtype=torch.float32, device=q.device) if floats else None
         # the partitions merge in the decode launch itself, counting in on these
         stream = 0 if self.emulated else self._stream()
-        counters = arrival_counters(q.device, stream)
+        counters = arrival_counters(q.device)
         args = (
             q.data_ptr(), q.stride(0), q.stride(1),
             out.data_ptr(), out.stride(0), out.stride(1),

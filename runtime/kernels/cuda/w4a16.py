@@ -73,7 +73,7 @@ def linear(
         else None
     )
     stream = 0 if emulated else _stream(x.device)
-    counters = arrival_counters(x.device, stream) if workspace is not None else None
+    counters = arrival_counters(x.device) if workspace is not None else None
     args = (x.data_ptr(), x.stride(0), qweight.data_ptr(), qparams.data_ptr(), y.data_ptr())
     args += (y.stride(0), None if workspace is None else workspace.data_ptr())
     args += (None, 0) if counters is None else (counters.data_ptr(), counters.numel())

@@ -711,8 +711,7 @@ def paged_decode_attention(
     tile = 64 if _large_tiles(opts, q.dtype) else 32
     pool, pool_strides = _pool(kv)
     num_kv_heads = kv.spec.num_kv_heads
-    stream = torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else 0
-    counters = out if single else arrival_counters(q.device, stream, batch * num_kv_heads)
+    counters = out if single else arrival_counters(q.device, batch * num_kv_heads)
     _decode_partition_kernel[(batch, num_kv_heads, num_partitions)](
         q, *pool, block_tables, context_lens, out, *partials, counters,
         scale * _LOG2E, sliding_window or 0, block_tables.shape[1],

@@ -357,7 +357,10 @@ def heuristic_config(m: int, n: int, k: int, group_size: int) -> GemmConfig:
     return GemmConfig(block_m, block_n, min(group_size, 64), 1, warps, 3)
 
 
-_TWO23 = 0x4B000000  # the fp32 bits of 2^23
+# 2^23 and its fp32 bits: a code placed in the low bits of the mantissa reads as 2^23 + q. The
+# kernels also take the bits as a run-time argument (_codes says why).
+_TWO23 = tl.constexpr(8388608.0)
+_TWO23_BITS = tl.constexpr(0x4B000000)
 
 
 @triton.jit
@@ -413,13 +416,13 @@ def _codes(words, row_shift, col_shift, two23, BLOCK_K: tl.constexpr, BLOCK_N: t
 
     Each code goes into the low bits of 2^23's mantissa (fp32 2^23 + q, exact) and 2^23 is
     subtracted: the values of an int-to-float conversion, which runs at a quarter rate. The
-    bits of 2^23 come as a run-time argument (_TWO23): as a constant, the compiler recognizes
+    bits of 2^23 come as a run-time argument (_TWO23_BITS): as a constant, the compiler recognizes
     the pattern and emits the conversion."""
     rep = tl.broadcast_to(words[:, None, None, :], (BLOCK_K // 4, 4, 2, BLOCK_N // 2))
     rep = tl.reshape(rep, (BLOCK_K, BLOCK_N))
     # Arithmetic >> sign-extends negative words, but & 0xF keeps exactly the nibble.
     bits = (rep >> (row_shift[:, None] + col_shift[None, :])) & 0xF | two23
-    return bits.to(tl.float32, bitcast=True) - 8388608.0
+    return bits.to(tl.float32, bitcast=True) - _TWO23
 
 
 @triton.jit
@@ -534,11 +537,11 @@ def _w4a16_kernel(
 @triton.jit
 def _scaled_code(marked, pos: tl.constexpr):
     """q * 16^pos for the code q in bits 4 pos .. 4 pos + 3 of each word (pos <= 4), from the
-    words OR'ed with 2^23's fp32 bits (0x4B000000): keeping those bits and the code's, one AND
+    words OR'ed with 2^23's fp32 bits (_TWO23_BITS): keeping those bits and the code's, one AND
     gives the fp32 2^23 + q 16^pos exactly (below 2^24), and one subtraction q 16^pos. The
     caller multiplies by x 16^-pos, the same rounding as q x (powers of two). An
     int-to-float conversion would run at a quarter rate, and a shift per code is saved."""
-    return (marked & ((0xF << (4 * pos)) | 0x4B000000)).to(tl.float32, bitcast=True) - 8388608.0
+    return (marked & (_TWO23_BITS | (0xF << (4 * pos)))).to(tl.float32, bitcast=True) - _TWO23
 
 
 @triton.jit
@@ -779,7 +782,7 @@ def w4a16_gemm(
         *qweight.stride(),
         *qparams.stride(),
         y.stride(0),
-        _TWO23,
+        _TWO23_BITS.value,
         GROUP_SIZE=group_size,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
@@ -805,8 +808,7 @@ def _split_outputs(
     if splits == 1:
         return steps_per_split, y, y[None], y
     parts = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
-    stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
-    return steps_per_split, y, parts, arrival_counters(x.device, stream, tiles)
+    return steps_per_split, y, parts, arrival_counters(x.device, tiles)
 
 
 def w4a16_gemv(
@@ -844,7 +846,7 @@ def w4a16_gemv(
         *qweight.stride(),
         *qparams.stride(),
         y.stride(0),
-        _TWO23,
+        _TWO23_BITS.value,
         GROUP_SIZE=group_size,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
@@ -892,7 +894,7 @@ def w4a16_dequantize(
         *qweight.stride(),
         *qparams.stride(),
         *w.stride(),
-        _TWO23,
+        _TWO23_BITS.value,
         GROUP_SIZE=group_size,
         BLOCK_K=_DEQUANT_BLOCK_K,
         BLOCK_N=_DEQUANT_BLOCK_N,
