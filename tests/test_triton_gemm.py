@@ -297,6 +297,24 @@ def test_gemv_reads_activations_of_any_layout(layout: str, device: torch.device)
     assert rel_error(y, x, qweight, qparams, 32) < TOL[F16]
 
 
+@pytest.mark.parametrize(
+    ("dtype", "exponent"), [(BF16, -60), (BF16, 0), (BF16, 40), (F16, -12), (F16, 12)]
+)
+def test_gemv_keeps_activations_of_every_magnitude(
+    dtype: torch.dtype, exponent: int, device: torch.device
+) -> None:
+    """The one-row kernel multiplies codes read as fp32 subnormals by x scaled by up to 2^85
+    and carries its sums scaled by 2^-64 (``_subnormal_code``): exact from |x| = 2^-62 to 2^42.
+    Rows at both ends of that range for bf16, and at fp16's, keep the reference's bound."""
+    torch.manual_seed(13 + exponent)
+    n, k, gs = 72, 256, 128
+    qweight, qparams = make_weight(n, k, gs, device)
+    x = (torch.randn(1, k, dtype=torch.float64, device=device) * 2.0**exponent).to(dtype)
+    y = w4a16_gemv(x, qweight, qparams, n, k, gs, GEMV_CONFIGS["split3"])
+    assert y.isfinite().all()
+    assert rel_error(y, x, qweight, qparams, gs) < TOL[dtype]
+
+
 def test_one_row_runs_the_gemv(device: torch.device) -> None:
     """Without a pin a single row takes the one-row kernel; two rows the tile kernel."""
     assert isinstance(choose_config(1, 4096, 4096, 128), GemvConfig)
@@ -318,7 +336,7 @@ def test_gemv_space_is_valid(gs: int) -> None:
         for cfg in space:
             cfg.check_group_size(gs)
             assert config_from_dict(cfg.to_dict()) == cfg
-            assert cfg.split_k <= -(-k // cfg.block_k)
+            assert cfg.split_k <= -(-k // gs)  # every slice has a group
         assert space[0] in tune_space(1, n, k, gs, None)
     assert not any(isinstance(c, GemvConfig) for c in tune_space(2, 72, 200, 64, None))
 

@@ -154,11 +154,12 @@ class DequantConfig:
 @dataclass(frozen=True)
 class GemvConfig:
     """Launch configuration of :func:`w4a16_gemv`, the one-row kernel: each program owns
-    ``block_n`` outputs of one row and a slice of K (``split_k`` slices), unpacks each weight
-    word once and multiplies its 8 codes by the activations on the CUDA cores, with no tensor
-    core. At M = 1 :func:`w4a16_gemm` pads the row to a 16-row ``tl.dot`` tile and converts the
-    dequantized tile into the dot's operand layout; on an H200 it ran 0.2-0.6x torch's dense
-    matmul at M = 1 (2026-12-04), where the weights' bytes alone allow about 3.5x."""
+    ``block_n`` outputs of one row and a slice of K (``split_k`` slices of whole groups),
+    unpacks each weight word once and multiplies its 8 codes by the activations on the CUDA
+    cores, with no tensor core. At M = 1 :func:`w4a16_gemm` pads the row to a 16-row
+    ``tl.dot`` tile and converts the dequantized tile into the dot's operand layout; on an
+    H200 it ran 0.2-0.6x torch's dense matmul at M = 1 (2026-12-04), where the weights' bytes
+    alone allow about 3.5x."""
 
     block_n: int
     block_k: int
@@ -228,19 +229,19 @@ def tune_space(m: int, n: int, k: int, group_size: int, limit: int | None) -> li
 # One-row programs are light (2-4 warps, few registers): many are resident per SM, which is
 # how the kernel keeps enough weight bytes in flight; 8 per SM of an H200 (132 SMs).
 _GEMV_TARGET_PROGRAMS = 1024
-_GEMV_MAX_LIVE_PER_THREAD = 128  # codes a thread holds per k-step: 166 registers at 128 (sm_90)
+_GEMV_MAX_LIVE_PER_THREAD = 128  # codes a thread holds per k-step: 136 registers at 128 (sm_90)
 
 
 def gemv_config(n: int, k: int, group_size: int) -> GemvConfig:
     """The one-row launch without a pin: 64-output, 64-deep steps (a group of 32: 32) on two
     warps, split-K doubled until about _GEMV_TARGET_PROGRAMS programs while every slice keeps
-    two steps. Compiled for sm_90 without a GPU: 85 registers, no spills, no barrier or
-    shared memory in the loop, about 45 instructions a weight word; not yet timed on a GPU."""
+    a whole group. Compiled for sm_90 without a GPU: 72 registers, no spills, no barrier or
+    shared memory in the loop, about 32 instructions a weight word; not yet timed on a GPU."""
     block_k = min(group_size, 64)
     blocks = triton.cdiv(n, 64)
-    steps = triton.cdiv(k, block_k)
+    groups = triton.cdiv(k, group_size)
     split = 1
-    while split < 16 and blocks * split < _GEMV_TARGET_PROGRAMS and steps >= 4 * split:
+    while split < 16 and blocks * split < _GEMV_TARGET_PROGRAMS and groups >= 2 * split:
         split *= 2
     return GemvConfig(64, block_k, split, 2)
 
@@ -248,7 +249,8 @@ def gemv_config(n: int, k: int, group_size: int) -> GemvConfig:
 def gemv_space(n: int, k: int, group_size: int) -> list[GemvConfig]:
     """The one-row configs `lite tune` times: the default first, then tiles of 32-128 outputs
     and 32-128 deep (within the group) on 2 or 4 warps, unsplit or split 4 or 16 ways, where a
-    thread holds at most _GEMV_MAX_LIVE_PER_THREAD codes and no slice is empty."""
+    thread holds at most _GEMV_MAX_LIVE_PER_THREAD codes and every slice has a group (the
+    kernel's unit of K: a group's (s, b) is applied once)."""
     np_, _ = padded_shape(n, k, group_size)
     configs = [gemv_config(n, k, group_size)]
     for block_n, block_k, warps, split in product((32, 64, 128), (32, 64, 128), (2, 4), (1, 4, 16)):
@@ -256,7 +258,7 @@ def gemv_space(n: int, k: int, group_size: int) -> list[GemvConfig]:
         if (
             group_size % block_k == 0
             and block_n <= np_
-            and split <= triton.cdiv(k, block_k)
+            and split <= triton.cdiv(k, group_size)
             and block_n * block_k <= _GEMV_MAX_LIVE_PER_THREAD * 32 * warps
             and cfg not in configs
         ):
@@ -534,21 +536,36 @@ def _w4a16_kernel(
     )
 
 
-@triton.jit
-def _scaled_code(marked, pos: tl.constexpr):
-    """q * 16^pos for the code q in bits 4 pos .. 4 pos + 3 of each word (pos <= 4), from the
-    words OR'ed with 2^23's fp32 bits (_TWO23_BITS): keeping those bits and the code's, one AND
-    gives the fp32 2^23 + q 16^pos exactly (below 2^24), and one subtraction q 16^pos. The
-    caller multiplies by x 16^-pos, the same rounding as q x (powers of two). An
-    int-to-float conversion would run at a quarter rate, and a shift per code is saved."""
-    return (marked & (_TWO23_BITS | (0xF << (4 * pos)))).to(tl.float32, bitcast=True) - _TWO23
+# The one-row kernel reads each code as an fp32 subnormal and carries its sums scaled by
+# 2^-_SUM_SHIFT (_subnormal_code says why); 64 keeps every scaled x finite up to |x| = 2^42 and
+# every product normal down to |x q| = 2^-62.
+_SUM_SHIFT = tl.constexpr(64)
 
 
 @triton.jit
-def _halves(pairs, X_BF16: tl.constexpr):
-    """The two 16-bit activations in each int32 word (the lower address in the low half), as
-    fp32. bf16 widens by placing its bits in the high half, with no conversion."""
-    if X_BF16:
+def _subnormal_code(words, pos: tl.constexpr):
+    """q 16^pos 2^-149 for the code q in bits 4 pos .. 4 pos + 3 of each word (pos <= 4): the
+    masked bits read as an fp32 with no exponent bits, a subnormal, exactly. The caller
+    multiplies by x 2^(149 - 4 pos - _SUM_SHIFT), so the FMA gives q x 2^-_SUM_SHIFT with the
+    one rounding of q x: one AND and one FMA a code. A normal float needs a subtraction more
+    (2^23 + q, then 2^23 off), an int-to-float conversion runs at a quarter rate. GPUs
+    multiply subnormal fp32 at full rate, and Triton compiles fp32 arithmetic without
+    flush-to-zero (no ``.ftz`` in the PTX)."""
+    return (words & (0xF << (4 * pos))).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _x_for(x, pos: tl.constexpr):
+    """x 2^(149 - 4 pos - _SUM_SHIFT): the factor of the code at nibble position pos."""
+    return x * (2.0 ** (149 - 4 * pos - _SUM_SHIFT))
+
+
+@triton.jit
+def _halves(pairs, BF16: tl.constexpr):
+    """The two 16-bit floats in each int32 word (the lower address in the low half), as fp32:
+    activations, and the fp16 (s, b) of a column. bf16 widens by placing its bits in the high
+    half, with no conversion."""
+    if BF16:
         lo = (pairs << 16).to(tl.float32, bitcast=True)
         hi = (pairs & -65536).to(tl.float32, bitcast=True)
     else:
@@ -561,28 +578,26 @@ def _halves(pairs, X_BF16: tl.constexpr):
 def _w4a16_gemv_kernel(
     xp_ptr,
     qw_ptr,
-    qp_ptr,
+    qpp_ptr,
     y_ptr,
     parts_ptr,
     counters_ptr,
     N,
     K2,
-    steps_per_split,
+    groups_per_split,
     splits,
     stride_xm,
     stride_qwk,
     stride_qwn,
     stride_qpg,
-    stride_qpn,
-    stride_qpc,
     stride_ym,
-    two23,
     GROUP_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     X_BF16: tl.constexpr,
 ):
-    """One row of y: BLOCK_N outputs over one slice of K, x read as int32 pairs (K2 a row).
+    """One row of y: BLOCK_N outputs over one slice of K's groups, x read as int32 pairs (K2 a
+    row, zero past K: the padded groups' codes multiply zeros).
 
     The weight word (r, c) of the [BLOCK_K / 4, BLOCK_N / 2] grid (``_tile_layout``) holds the
     codes of inputs k = 16 kt + 2 (k2 k1) + 8 k3 + k0 (r = (kt, k2 k1)) for outputs n and n + 8
@@ -590,9 +605,9 @@ def _w4a16_gemv_kernel(
     are the two activation pairs a word row needs, and every step is elementwise work on
     tensors of the word grid's shape: the words stay in the layout they were loaded in, where
     a layout change goes through shared memory with barriers (the first version of this kernel
-    made ten a step). A step lies in one group, so its (s, b) is applied to each word row's
-    sums, s * sum(x q) + b * sum(x) (the algebra of sum_k x_k (s q_kn + b)), and the word rows
-    are summed once, after the loop.
+    made ten a step). Each word row sums x q over a group's steps (unrolled: one FMA a code),
+    then the group's (s, b) is applied once, s * sum(x q) + b * sum(x) (the algebra of
+    sum_k x_k (s q_kn + b)), and the word rows are summed once, after the loop.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -608,40 +623,44 @@ def _w4a16_gemv_kernel(
 
     acc0 = tl.zeros((BLOCK_K // 4, BLOCK_N // 2), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_K // 4, BLOCK_N // 2), dtype=tl.float32)
-    step_begin = pid_k * steps_per_split
-    step_end = tl.minimum(step_begin + steps_per_split, tl.cdiv(2 * K2, BLOCK_K))
-    for step in range(step_begin, step_end):
-        at = step * (BLOCK_K // 2) + pair
-        x00, x10 = _halves(tl.load(x_row + at, mask=at < K2, other=0), X_BF16)
-        x01, x11 = _halves(tl.load(x_row + at + 4, mask=at + 4 < K2, other=0), X_BF16)
-        words = tl.load(word_ptrs + step * (BLOCK_K // 16) * stride_qwk, mask=word_mask, other=0)
-        # 2^23's bits on each word once (a run-time argument: as a constant the compiler folds
-        # it into every code's mask, which then costs a register move per code)
-        high = (words >> 12) | two23  # nibbles 5, 6, 7 at positions 2, 3, 4 (<= 4)
-        words = words | two23
-        # nibble 4 k0 + 2 n3 + k3 is x_{k0 k3}'s code for output n + 8 n3
-        d0 = (
-            _scaled_code(words, 0) * x00[:, None]
-            + _scaled_code(words, 1) * (x01 * 0.0625)[:, None]
-            + _scaled_code(words, 4) * (x10 * 1.52587890625e-05)[:, None]
-            + _scaled_code(high, 2) * (x11 * 0.00390625)[:, None]
-        )
-        d1 = (
-            _scaled_code(words, 2) * (x00 * 0.00390625)[:, None]
-            + _scaled_code(words, 3) * (x01 * 0.000244140625)[:, None]
-            + _scaled_code(high, 3) * (x10 * 0.000244140625)[:, None]
-            + _scaled_code(high, 4) * (x11 * 1.52587890625e-05)[:, None]
-        )
-        xs = (x00 + x01 + x10 + x11)[:, None]
-        k0 = step * BLOCK_K
-        s0, b0 = _group_params(
-            qp_ptr, k0, n0, n0 < N, stride_qpg, stride_qpn, stride_qpc, GROUP_SIZE
-        )
-        s1, b1 = _group_params(
-            qp_ptr, k0, n0 + 8, n0 + 8 < N, stride_qpg, stride_qpn, stride_qpc, GROUP_SIZE
-        )
-        acc0 = tl.fma(d0, s0[None, :], tl.fma(xs, b0[None, :], acc0))
-        acc1 = tl.fma(d1, s1[None, :], tl.fma(xs, b1[None, :], acc1))
+    group_begin = pid_k * groups_per_split
+    group_end = tl.minimum(group_begin + groups_per_split, tl.cdiv(2 * K2, GROUP_SIZE))
+    for group in range(group_begin, group_end):
+        params = qpp_ptr + group * stride_qpg  # loaded first: in flight during the steps
+        s0, b0 = _halves(tl.load(params + n0, mask=n0 < N, other=0), False)
+        s1, b1 = _halves(tl.load(params + n0 + 8, mask=n0 + 8 < N, other=0), False)
+        d0 = tl.zeros((BLOCK_K // 4, BLOCK_N // 2), dtype=tl.float32)
+        d1 = tl.zeros((BLOCK_K // 4, BLOCK_N // 2), dtype=tl.float32)
+        x_sum = tl.zeros((BLOCK_K // 4,), dtype=tl.float32)
+        for i in tl.static_range(GROUP_SIZE // BLOCK_K):
+            step = group * (GROUP_SIZE // BLOCK_K) + i
+            at = step * (BLOCK_K // 2) + pair
+            x00, x10 = _halves(tl.load(x_row + at, mask=at < K2, other=0), X_BF16)
+            x01, x11 = _halves(tl.load(x_row + at + 4, mask=at + 4 < K2, other=0), X_BF16)
+            words = tl.load(
+                word_ptrs + step * (BLOCK_K // 16) * stride_qwk, mask=word_mask, other=0
+            )
+            high = words >> 12  # nibbles 5, 6, 7 at positions 2, 3, 4 (<= 4)
+            # nibble 4 k0 + 2 n3 + k3 is x_{k0 k3}'s code for output n + 8 n3
+            d0 = (
+                d0
+                + _subnormal_code(words, 0) * _x_for(x00, 0)[:, None]
+                + _subnormal_code(words, 1) * _x_for(x01, 1)[:, None]
+                + _subnormal_code(words, 4) * _x_for(x10, 4)[:, None]
+                + _subnormal_code(high, 2) * _x_for(x11, 2)[:, None]
+            )
+            d1 = (
+                d1
+                + _subnormal_code(words, 2) * _x_for(x00, 2)[:, None]
+                + _subnormal_code(words, 3) * _x_for(x01, 3)[:, None]
+                + _subnormal_code(high, 3) * _x_for(x10, 3)[:, None]
+                + _subnormal_code(high, 4) * _x_for(x11, 4)[:, None]
+            )
+            x_sum += x00 + x01 + x10 + x11
+        # d is sum(x q) 2^-_SUM_SHIFT: the scales take the power of two back
+        s0, s1 = s0 * 2.0**_SUM_SHIFT, s1 * 2.0**_SUM_SHIFT
+        acc0 = tl.fma(d0, s0[None, :], tl.fma(x_sum[:, None], b0[None, :], acc0))
+        acc1 = tl.fma(d1, s1[None, :], tl.fma(x_sum[:, None], b1[None, :], acc1))
 
     cols = n0[:, None] + 8 * tl.arange(0, 2)[None, :]  # [BLOCK_N / 2, 2]: n and n + 8
     _write_sums(
@@ -765,7 +784,9 @@ def w4a16_gemm(
         return x.new_empty((0, n))
     cfg = config if config is not None else heuristic_config(m, n, k, group_size)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-    steps_per_split, y, parts, counters = _split_outputs(x, n, k, cfg, grid[0])
+    steps_per_split, y, parts, counters = _split_outputs(
+        x, n, triton.cdiv(k, cfg.block_k), cfg.split_k, grid[0]
+    )
     _w4a16_kernel[(grid[0], parts.shape[0])](
         x,
         qweight,
@@ -796,12 +817,12 @@ def w4a16_gemm(
 
 
 def _split_outputs(
-    x: torch.Tensor, n: int, k: int, cfg: GemmConfig | GemvConfig, tiles: int
+    x: torch.Tensor, n: int, k_steps: int, split_k: int, tiles: int
 ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """k-steps per split, y [M, N] in x's dtype, the fp32 partials [splits, M, N] (y itself
-    without split-K; no slice is left empty) and the stream's counters for ``tiles`` tiles."""
-    k_steps = triton.cdiv(k, cfg.block_k)
-    steps_per_split = triton.cdiv(k_steps, cfg.split_k)
+    """k-steps (the kernel's unit of K) per split, y [M, N] in x's dtype, the fp32 partials
+    [splits, M, N] (y itself without split-K; no slice is left empty) and the stream's counters
+    for ``tiles`` tiles."""
+    steps_per_split = triton.cdiv(k_steps, split_k)
     splits = triton.cdiv(k_steps, steps_per_split)
     m = x.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -829,24 +850,25 @@ def w4a16_gemv(
     if m == 0:
         return x.new_empty((0, n))
     tiles = m * triton.cdiv(n, config.block_n)
-    steps_per_split, y, parts, counters = _split_outputs(x, n, k, config, tiles)
+    groups = triton.cdiv(k, group_size)  # the slices' unit: a group's (s, b) is applied once
+    groups_per_split, y, parts, counters = _split_outputs(x, n, groups, config.split_k, tiles)
     pairs = _activation_pairs(x)
+    params = _param_pairs(qparams)
     _w4a16_gemv_kernel[(triton.cdiv(n, config.block_n), parts.shape[0], m)](
         pairs,
         qweight,
-        qparams,
+        params,
         y,
         parts,
         counters,
         n,
         pairs.shape[1],
-        steps_per_split,
+        groups_per_split,
         parts.shape[0],
         pairs.stride(0),
         *qweight.stride(),
-        *qparams.stride(),
+        params.stride(0),
         y.stride(0),
-        _TWO23_BITS.value,
         GROUP_SIZE=group_size,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
@@ -865,6 +887,15 @@ def _activation_pairs(x: torch.Tensor) -> torch.Tensor:
     if x.stride(1) != 1 or x.stride(0) % 2 or x.storage_offset() % 2:
         x = x.clone(memory_format=torch.contiguous_format)
     return x.view(torch.int32)
+
+
+def _param_pairs(qparams: torch.Tensor) -> torch.Tensor:
+    """qparams [G, N, 2] fp16 viewed as int32 [G, N], one (s, b) pair a word: the one-row
+    kernel loads a column's pair in one 4-byte load (two 2-byte loads and their addresses
+    before)."""
+    if qparams.stride(2) != 1 or qparams.stride(1) % 2 or qparams.storage_offset() % 2:
+        qparams = qparams.contiguous()
+    return qparams.view(torch.int32).squeeze(2)
 
 
 def w4a16_dequantize(
