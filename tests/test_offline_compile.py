@@ -52,6 +52,15 @@ def test_dots_run_on_tensor_cores(launches: dict[int, list[Launch]], arch: int) 
     assert not scalar, _report(scalar, f"issue no tensor-core instruction at sm_{arch}")
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_one_row_gemm_keeps_subnormals(launches: dict[int, list[Launch]], arch: int) -> None:
+    """The one-row GEMM reads its codes as fp32 subnormals (``gemm._subnormal_code``): an
+    instruction that flushes them to zero would zero every weight."""
+    gemv = [x for x in launches[arch] if x.kernel == "_w4a16_gemv_kernel"]
+    flushed = [x for x in gemv if x.flush_to_zero]
+    assert gemv and not flushed, _report(flushed, f"flush subnormals at sm_{arch}")
+
+
 def test_every_kernel_is_compiled(launches: dict[int, list[Launch]]) -> None:
     """The cases reach every kernel the modules launch: a new kernel cannot go unchecked."""
     kernels = {

@@ -65,6 +65,7 @@ class Launch:
     registers: int = 0
     stack: int = 0  # bytes of local stack per thread: register spills
     tensor_cores: bool = False
+    flush_to_zero: bool = False  # some fp32 instruction flushes subnormals (.FTZ in the SASS)
     seconds: float = 0.0  # compile time of the case's launches
     error: str = ""
 
@@ -269,6 +270,7 @@ def compile_all(arch: int, cuobjdump: str, quick: bool) -> list[Launch]:
                     registers=usage.get("REG", 0),
                     stack=max(usage.get("STACK", 0), usage.get("LOCAL", 0)),
                     tensor_cores=any(op in sass for op in TENSOR_CORE_OPS),
+                    flush_to_zero=".FTZ" in sass,
                     seconds=seconds,
                 )
             )
