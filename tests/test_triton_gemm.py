@@ -18,6 +18,7 @@ from runtime.artifact.layout import dequantize, pack_qparams, pack_qweight
 from runtime.kernels.counters import arrival_counters
 from runtime.kernels.triton.gemm import (
     DEQUANT_FROM_BUCKET,
+    GEMV_TUNED_BUCKETS,
     M_BUCKETS,
     DequantConfig,
     GemmConfig,
@@ -337,8 +338,10 @@ def test_gemv_space_is_valid(gs: int) -> None:
             cfg.check_group_size(gs)
             assert config_from_dict(cfg.to_dict()) == cfg
             assert cfg.split_k <= -(-k // gs)  # every slice has a group
-        assert space[0] in tune_space(1, n, k, gs, None)
-    assert not any(isinstance(c, GemvConfig) for c in tune_space(2, 72, 200, 64, None))
+        for m in GEMV_TUNED_BUCKETS:
+            assert space[0] in tune_space(m, n, k, gs, None)
+    past = max(GEMV_TUNED_BUCKETS) + 1
+    assert not any(isinstance(c, GemvConfig) for c in tune_space(past, 72, 200, 64, None))
 
 
 def test_gemv_space_configs_run(device: torch.device) -> None:

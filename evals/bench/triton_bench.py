@@ -2,9 +2,9 @@
 measured in the same run (the device's copy bandwidth, torch's fp16 matmul on the same shapes).
 
 GEMM: Llama-3-8B's linear shapes (N x K = 4096x4096, 14336x4096 gate/up, 4096x14336 down) at
-M = 1 .. 4096, as the backend runs them (the heuristic config: at one row the one-row kernel,
-also timed against the tile kernel's default; from 256 rows the weights dequantized and torch's
-matmul) or, with --tune, the best of `lite tune`'s candidates; prints
+M = 1 .. 4096, as the backend runs them (the heuristic config: at one row the one-row kernel;
+at 1-4 rows the one-row and tile kernels' defaults both timed; from 256 rows the weights
+dequantized and torch's matmul) or, with --tune, the best of `lite tune`'s candidates; prints
 time, achieved GB/s (weights + activations + output read/written once) and TFLOP/s, and ratios
 to the copy bandwidth and to torch.matmul in fp16 on dense weights of the same shape.
 Decode attention: one token per sequence over 1k..32k cached tokens, fp16/int8/int4 KV, Llama-3-8B
@@ -27,11 +27,14 @@ import torch
 from runtime.artifact.layout import pack_qparams, pack_qweight
 from runtime.kernels.triton.attention import paged_decode_attention
 from runtime.kernels.triton.gemm import (
+    GEMV_TUNED_BUCKETS,
     DequantConfig,
     GemvConfig,
     LinearConfig,
     choose_config,
+    gemv_config,
     heuristic_config,
+    m_bucket,
     tune_space,
     w4a16_linear,
 )
@@ -85,9 +88,13 @@ def gemm_rows(device: torch.device, tune: bool, shapes: dict, ms: tuple[int, ...
             if tune:
                 groups = [tune_space(m, n, k, GROUP, None)]
             else:
-                groups = [[choose_config(m, n, k, GROUP)]]
-                if m == 1:  # the one-row kernel's default against the tile kernel's
-                    groups.append([heuristic_config(m, n, k, GROUP)])
+                default = choose_config(m, n, k, GROUP)
+                groups = [[default]]
+                if m_bucket(m) in GEMV_TUNED_BUCKETS:  # the one-row and tile kernels' defaults
+                    gemv = isinstance(default, GemvConfig)
+                    groups.append(
+                        [heuristic_config(m, n, k, GROUP) if gemv else gemv_config(n, k, GROUP)]
+                    )
             for candidates in groups:
                 gemm_row(label, x, qweight, qparams, dense, candidates, device, copy_bw)
 
@@ -163,7 +170,7 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (interpreted)"
     print(f"# kernels on {name}, torch {torch.__version__}")
     shapes = {"quick 96x160": (96, 160)} if a.quick else SHAPES
-    ms = (1, 17, 300) if a.quick else MS
+    ms = (1, 4, 17, 300) if a.quick else MS
     contexts = (70,) if a.quick else CONTEXTS
     heads = (6, 2, 16) if a.quick else (32, 8, 128)
     gemm_rows(device, a.tune, shapes, ms, copy_bandwidth(device, 2**20 if a.quick else 2**30))

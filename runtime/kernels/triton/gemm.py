@@ -217,11 +217,18 @@ def choose_config(m: int, n: int, k: int, group_size: int) -> LinearConfig:
     return heuristic_config(m, n, k, group_size)
 
 
+# Row buckets where `lite tune` times the one-row kernel too, one program per row: the tile
+# kernel pads every decode M to 16 rows, so its time hardly grows from 1 row to 4, while each
+# row of the one-row kernel unpacks the weights again; which is faster is the GPU's to say.
+GEMV_TUNED_BUCKETS = (1, 2, 4)
+
+
 def tune_space(m: int, n: int, k: int, group_size: int, limit: int | None) -> list[LinearConfig]:
-    """What `lite tune` times: the first ``limit`` of :func:`config_space`, for one row also
-    :func:`gemv_space`, and past the decode rows the dequantized path."""
+    """What `lite tune` times: the first ``limit`` of :func:`config_space`, in
+    GEMV_TUNED_BUCKETS also :func:`gemv_space`, and past the decode rows the dequantized
+    path."""
     space: list[LinearConfig] = list(config_space(m, n, k, group_size)[:limit])
-    if m_bucket(m) == 1:
+    if m_bucket(m) in GEMV_TUNED_BUCKETS:
         space = list(gemv_space(n, k, group_size)[:limit]) + space
     return space + [DequantConfig()] if m_bucket(m) > 16 else space
 
