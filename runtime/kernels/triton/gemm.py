@@ -236,7 +236,7 @@ def tune_space(m: int, n: int, k: int, group_size: int, limit: int | None) -> li
 # One-row programs are light (2-4 warps, few registers): many are resident per SM, which is
 # how the kernel keeps enough weight bytes in flight; 8 per SM of an H200 (132 SMs).
 _GEMV_TARGET_PROGRAMS = 1024
-_GEMV_MAX_LIVE_PER_THREAD = 128  # codes a thread holds per k-step: 136 registers at 128 (sm_90)
+_GEMV_MAX_LIVE_PER_THREAD = 128  # codes a thread holds a step: <= 161 registers (sm_90, 3.6)
 
 
 def gemv_config(n: int, k: int, group_size: int) -> GemvConfig:
