@@ -39,6 +39,7 @@ from runtime.engine.engine import Engine
 from runtime.engine.sampler import SamplingParams
 from runtime.engine.sequence import Sequence
 from runtime.kernels.cuda.backend import FUSED_ENV, PDL_ENV
+from runtime.kernels.triton.launch import PDL_ENV as TRITON_PDL_ENV
 from tests import cuda_lib
 from tests.test_triton_engine import engine_config, mixed_prompts
 
@@ -304,6 +305,30 @@ def test_cuda_launch_overlap_changes_no_bit(
     assert default[0] == unfused[0]
     for a, b in zip(default[1], unfused[1], strict=True):
         assert torch.allclose(a, b, atol=TOL_KV[kv_quant]), float((a - b).abs().max())
+
+
+@pytest.mark.parametrize("kv_quant", ["none", "int8"])
+def test_triton_programmatic_launch_changes_no_bit(
+    rtn_artifact: Path, kv_quant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LITESERVE_TRITON_PDL=1 (sm_90 and later) only moves when the Triton kernels start, in
+    the CUDA graphs too: every token and logprob equals plain stream order's bit for bit. A
+    kernel that read its input before waiting for the kernel writing it would show here."""
+    params = SamplingParams(
+        temperature=0, max_new_tokens=8, ignore_eos=True, logprobs=0, prompt_logprobs=0
+    )
+    runs = {}
+    for pdl in ("0", "1"):
+        with monkeypatch.context() as patch:
+            patch.setenv(TRITON_PDL_ENV, pdl)
+            engine = Engine(rtn_artifact, engine_config("triton", kv_quant=kv_quant))
+            sm90 = torch.cuda.get_device_capability(engine.ops.device)[0] >= 9
+            assert engine.ops.triton_pdl == (pdl == "1" and sm90)
+            seqs = engine.generate(mixed_prompts(), params)
+            runs[pdl] = ([s.output_ids for s in seqs], logprobs(seqs))
+            del engine
+    assert runs["0"][0] == runs["1"][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs["0"][1], runs["1"][1], strict=True))
 
 
 def assert_backends_agree(

@@ -61,6 +61,23 @@ def test_one_row_gemm_keeps_subnormals(launches: dict[int, list[Launch]], arch: 
     assert gemv and not flushed, _report(flushed, f"flush subnormals at sm_{arch}")
 
 
+def test_programmatic_launch_waits_before_reading(launches: dict[int, list[Launch]]) -> None:
+    """With ``LITESERVE_TRITON_PDL=1`` (sm_90) every kernel that takes the PDL constexpr waits
+    for the kernels before it (ACQBULK) before it touches global memory (the one-row GEMM's L2
+    prefetch of its weights may come first) and lets the next one launch (PREEXIT)."""
+    takes_pdl = {
+        name
+        for module in (gemm, attention, kv_write, pointwise)
+        for name, fn in vars(module).items()
+        if name.endswith("_kernel") and "PDL" in getattr(fn, "arg_names", ())
+    }
+    pdl = [x for x in launches[90] if x.pdl]
+    assert {x.kernel for x in pdl} == takes_pdl and "_w4a16_gemv_kernel" in takes_pdl
+    early = [x for x in pdl if not x.waits_first]
+    assert not early, _report(early, "touch global memory before griddepcontrol.wait")
+    assert not any(x.pdl for x in launches[80])
+
+
 def test_every_kernel_is_compiled(launches: dict[int, list[Launch]]) -> None:
     """The cases reach every kernel the modules launch: a new kernel cannot go unchecked."""
     kernels = {

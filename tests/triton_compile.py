@@ -22,6 +22,7 @@ wrappers are never read (nothing runs).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -66,6 +67,8 @@ class Launch:
     stack: int = 0  # bytes of local stack per thread: register spills
     tensor_cores: bool = False
     flush_to_zero: bool = False  # some fp32 instruction flushes subnormals (.FTZ in the SASS)
+    pdl: bool = False  # launched with programmatic dependent launch (launch_pdl)
+    waits_first: bool = False  # ACQBULK (griddepcontrol.wait) before any global memory access
     seconds: float = 0.0  # compile time of the case's launches
     error: str = ""
 
@@ -103,6 +106,37 @@ def _compile_only(compiled: list) -> None:
         return kernel
 
     JITFunction.run = warmup_run
+
+
+# modules whose launches take runtime/kernels/triton/launch.py's pdl_launch
+PDL_MODULES = ("gemm", "pointwise", "kv_write", "attention")
+# SASS that reads or writes global memory (the L2 prefetch, CCTL, is a hint and may come first)
+_GLOBAL_ACCESS = re.compile(r"\b(LDG|STG|ATOMG|RED|LDGSTS|UTMALDG|UTMASTG|LD|ST|ATOM)\.")
+
+
+@contextlib.contextmanager
+def _forced_pdl() -> Iterator[None]:
+    """Every launch that takes ``pdl_launch`` compiled with programmatic dependent launch, as
+    ``LITESERVE_TRITON_PDL=1`` makes it on an sm_90 GPU (here the tensors are on the CPU)."""
+    import importlib
+
+    modules = [importlib.import_module(f"runtime.kernels.triton.{m}") for m in PDL_MODULES]
+    saved = [m.pdl_launch for m in modules]
+    for m in modules:
+        m.pdl_launch = lambda device: {"PDL": True, "launch_pdl": True}  # noqa: ARG005
+    try:
+        yield
+    finally:
+        for m, f in zip(modules, saved, strict=True):
+            m.pdl_launch = f
+
+
+def _waits_first(sass: str) -> bool:
+    """Whether the kernel waits for the kernels before it (ACQBULK) before its first global
+    memory access, and lets its dependents launch (PREEXIT)."""
+    wait = sass.find("ACQBULK")
+    first = _GLOBAL_ACCESS.search(sass)
+    return wait >= 0 and "PREEXIT" in sass and (first is None or wait < first.start())
 
 
 def _resources(cuobjdump: str, cubin: bytes) -> tuple[dict[str, int], str]:
@@ -246,35 +280,50 @@ def compile_all(arch: int, cuobjdump: str, quick: bool) -> list[Launch]:
     _compile_only(compiled)
     launches: list[Launch] = []
     seen: set[str] = set()
-    cases = itertools.chain(gemm_cases(quick), attention_cases(quick), pointwise_cases(quick))
-    for case, call in cases:
-        compiled.clear()
-        start = time.perf_counter()
-        try:
-            call()
-        except Exception:  # noqa: BLE001 - every failure is the finding, reported per case
-            launches.append(Launch(case, "?", error=traceback.format_exc(limit=-3)))
-            continue
-        seconds = round(time.perf_counter() - start, 2)
-        for name, kernel in compiled:
-            if kernel.hash in seen:  # the same specialization as an earlier case
-                continue
-            seen.add(kernel.hash)
-            usage, sass = _resources(cuobjdump, kernel.asm["cubin"])
-            launches.append(
-                Launch(
-                    case,
-                    name,
-                    shared=kernel.metadata.shared,
-                    num_warps=kernel.metadata.num_warps,
-                    registers=usage.get("REG", 0),
-                    stack=max(usage.get("STACK", 0), usage.get("LOCAL", 0)),
-                    tensor_cores=any(op in sass for op in TENSOR_CORE_OPS),
-                    flush_to_zero=".FTZ" in sass,
-                    seconds=seconds,
-                )
+    for pdl in (False, True) if arch >= 90 else (False,):  # griddepcontrol is sm_90 PTX
+        with _forced_pdl() if pdl else contextlib.nullcontext():
+            cases = itertools.chain(
+                gemm_cases(quick), attention_cases(quick), pointwise_cases(quick)
             )
-    return launches
+            for case, call in cases:
+                launches += _compile_case(f"{case} pdl" if pdl else case, call, compiled, seen)
+    return [_read(launch, kernel, cuobjdump) for launch, kernel in launches]
+
+
+def _compile_case(case: str, call: Callable[[], object], compiled: list, seen: set[str]) -> list:
+    """(Launch, compiled kernel) of each new specialization the case launches; a case that
+    fails records its error."""
+    compiled.clear()
+    start = time.perf_counter()
+    try:
+        call()
+    except Exception:  # noqa: BLE001 - every failure is the finding, reported per case
+        return [(Launch(case, "?", error=traceback.format_exc(limit=-3)), None)]
+    seconds = round(time.perf_counter() - start, 2)
+    new = [(name, kernel) for name, kernel in compiled if kernel.hash not in seen]
+    seen.update(kernel.hash for _, kernel in new)  # else the same as an earlier case's
+    return [(Launch(case, name, seconds=seconds), kernel) for name, kernel in new]
+
+
+def _read(launch: Launch, kernel: object, cuobjdump: str) -> Launch:
+    """The launch with what its compiled kernel's metadata and cubin say."""
+    if kernel is None:
+        return launch
+    usage, sass = _resources(cuobjdump, kernel.asm["cubin"])
+    pdl = bool(getattr(kernel.metadata, "launch_pdl", False))
+    return Launch(
+        launch.case,
+        launch.kernel,
+        shared=kernel.metadata.shared,
+        num_warps=kernel.metadata.num_warps,
+        registers=usage.get("REG", 0),
+        stack=max(usage.get("STACK", 0), usage.get("LOCAL", 0)),
+        tensor_cores=any(op in sass for op in TENSOR_CORE_OPS),
+        flush_to_zero=".FTZ" in sass,
+        pdl=pdl,
+        waits_first=pdl and _waits_first(sass),
+        seconds=launch.seconds,
+    )
 
 
 def _command(arch: int, out: Path, cuobjdump: str, quick: bool) -> list[str]:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from runtime.kernels.ops import Backend, StepInputs, StepTensors
+from runtime.kernels.triton.launch import set_programmatic_launch
 
 log = logging.getLogger("runtime.kernels")
 
@@ -163,6 +164,8 @@ class GpuBackend(Backend):
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._buffer = StepBuffer(device)
+        # the Triton kernels' programmatic launch, whichever backend launches them (opt-in)
+        self.triton_pdl = set_programmatic_launch(device)
 
     def default_dtype(self) -> torch.dtype:
         """bf16 on a GPU (fp16's range overflows on some models' activations); under the Triton

@@ -63,6 +63,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from runtime.device import check_devices
 from runtime.kernels.counters import arrival_counters
+from runtime.kernels.triton.launch import pdl_launch, wait_for_producers
 from runtime.kv.layer import LayerKV
 
 _LOG2E = math.log2(math.e)
@@ -305,9 +306,11 @@ def _decode_partition_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One (sequence, KV head, partition): the group's query heads are the dot's rows; the
     last partition of the (sequence, KV head) to finish merges them all (module docstring)."""
+    wait_for_producers(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -725,6 +728,7 @@ def paged_decode_attention(
         BLOCK_P=_MERGE_BLOCK_P,
         num_warps=4,
         **opts,
+        **pdl_launch(q.device),
     )  # fmt: skip
     return out
 

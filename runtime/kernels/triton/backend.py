@@ -46,6 +46,7 @@ from runtime.kernels.triton.gemm import (
     w4a16_linear,
 )
 from runtime.kernels.triton.kv_write import kv_write, rotary_kv_write
+from runtime.kernels.triton.launch import PDL_ENV
 from runtime.kv.layer import LayerKV
 
 FUSED_ENV = "LITESERVE_TRITON_FUSED"  # "0": torch's pointwise ops instead of the Triton kernels
@@ -93,7 +94,8 @@ class TritonBackend(GpuBackend):
         self.fused = os.environ.get(FUSED_ENV) != "0"
         tuned = f"{len(self.pinned)} pinned GEMM configs" if self.pinned else "heuristics"
         unfused = "" if self.fused else f", torch's pointwise ops ({FUSED_ENV}=0)"
-        self.detail = f"{arch}: {tuned}{unfused}"
+        pdl = f", programmatic launch ({PDL_ENV}=1)" if self.triton_pdl else ""
+        self.detail = f"{arch}: {tuned}{unfused}{pdl}"
 
     def prepare_int4(self, parts, k, group_size, dtype) -> TritonInt4Weight:  # noqa: ARG002
         return prepare_weight(parts, k, group_size, self.device, self.pinned)  # x sets dtype

@@ -61,6 +61,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from runtime.artifact.layout import GROUP_SIZES, N_ALIGN, TILE, padded_shape
 from runtime.device import same_device
 from runtime.kernels.counters import arrival_counters
+from runtime.kernels.triton.launch import pdl_launch, prefetch_l2, wait_for_producers
 from runtime.kernels.triton.rounding import round_to
 
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # 512 means 512+
@@ -487,6 +488,7 @@ def _w4a16_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Grouped program order: GROUP_M row blocks sweep the same weight columns together.
     pid = tl.program_id(0)
@@ -508,6 +510,7 @@ def _w4a16_kernel(
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     m_mask = offs_m < M
 
+    wait_for_producers(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     step_begin = pid_k * steps_per_split
     step_end = tl.minimum(step_begin + steps_per_split, tl.cdiv(K, BLOCK_K))
@@ -604,6 +607,7 @@ def _w4a16_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     X_BF16: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One row of y: BLOCK_N outputs over one slice of K's groups, x read as int32 pairs (K2 a
     row, zero past K: the padded groups' codes multiply zeros).
@@ -630,10 +634,14 @@ def _w4a16_gemv_kernel(
     pair = (r // 4) * 8 + r % 4  # the pair of inputs k and k + 1 at k3 = 0
     x_row = xp_ptr + row * stride_xm
 
-    acc0 = tl.zeros((BLOCK_K // 4, BLOCK_N // 2), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_K // 4, BLOCK_N // 2), dtype=tl.float32)
     group_begin = pid_k * groups_per_split
     group_end = tl.minimum(group_begin + groups_per_split, tl.cdiv(2 * K2, GROUP_SIZE))
+    first = word_ptrs + group_begin * (GROUP_SIZE // 16) * stride_qwk
+    for i in tl.static_range(GROUP_SIZE // BLOCK_K):  # weights: no kernel of the step writes them
+        prefetch_l2(first + i * (BLOCK_K // 16) * stride_qwk, word_mask, qw_ptr, PDL)
+    wait_for_producers(PDL)
+    acc0 = tl.zeros((BLOCK_K // 4, BLOCK_N // 2), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_K // 4, BLOCK_N // 2), dtype=tl.float32)
     for group in range(group_begin, group_end):
         params = qpp_ptr + group * stride_qpg  # loaded first: in flight during the steps
         s0, b0 = _halves(tl.load(params + n0, mask=n0 < N, other=0), False)
@@ -821,6 +829,7 @@ def w4a16_gemm(
         DOT_FP32=isinstance(_w4a16_kernel, InterpretedFunction) and x.dtype == torch.bfloat16,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl_launch(x.device),
     )
     return y
 
@@ -883,6 +892,7 @@ def w4a16_gemv(
         BLOCK_K=config.block_k,
         X_BF16=x.dtype == torch.bfloat16,
         num_warps=config.num_warps,
+        **pdl_launch(x.device),
     )
     return y
 

@@ -45,6 +45,7 @@ import triton.language as tl
 
 from runtime.device import check_devices
 from runtime.kernels.triton.gemm import ACTIVATION_DTYPES
+from runtime.kernels.triton.launch import pdl_launch, wait_for_producers
 from runtime.kernels.triton.rounding import round_to
 from runtime.kv.format import FP16_MAX, FP16_TINY, QMAX
 from runtime.kv.layer import LayerKV
@@ -203,7 +204,9 @@ def _kv_write_kernel(
     HEAD_DIM: tl.constexpr,
     QUANT: tl.constexpr,  # 0 none, 1 int8, 2 int4
     BLOCK_P: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_producers(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d, in_dim = _head_tile(HEAD_DIM, 2 if QUANT == 2 else 1, BLOCK_P)
@@ -267,8 +270,10 @@ def _rotary_kv_write_kernel(
     HEAD_DIM: tl.constexpr,
     QUANT: tl.constexpr,  # 0 none, 1 int8, 2 int4
     BLOCK_P: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (t, h): query head h of token t (h < heads), else KV head h - heads."""
+    wait_for_producers(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d, in_dim = _head_tile(HEAD_DIM, 2 if QUANT == 2 else 1, BLOCK_P)
@@ -327,7 +332,7 @@ def _pool(kv: LayerKV) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
     return tensors, (*tensors[0].stride()[:3], *tensors[2].stride()[:3])
 
 
-def _launch_options(kv: LayerKV) -> dict[str, int]:
+def _launch_options(kv: LayerKV) -> dict[str, int | bool]:
     s = kv.spec
     pack = 2 if s.kv_quant == "int4" else 1
     return {
@@ -336,6 +341,7 @@ def _launch_options(kv: LayerKV) -> dict[str, int]:
         "QUANT": s.quant_id,
         "BLOCK_P": triton.next_power_of_2(s.head_dim) // pack,
         "num_warps": 1,  # one head vector per program: a warp covers it, reductions in-warp
+        **pdl_launch(kv.device),
     }
 
 

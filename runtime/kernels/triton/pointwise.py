@@ -29,6 +29,7 @@ import triton.language as tl
 
 from runtime.device import same_device
 from runtime.kernels.triton.gemm import ACTIVATION_DTYPES
+from runtime.kernels.triton.launch import pdl_launch, wait_for_producers
 from runtime.kernels.triton.rounding import round_to
 
 _SILU_BLOCK = 1024  # elements of a row per SiLU-and-mul program
@@ -49,9 +50,11 @@ def _add_rms_norm_kernel(
     eps,
     HAS_DELTA: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per row, the whole row in registers (a decode step has one row: its latency
     is the kernel's)."""
+    wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -68,7 +71,10 @@ def _add_rms_norm_kernel(
 
 
 @triton.jit
-def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_g, stride_o, n, BLOCK: tl.constexpr):
+def _silu_mul_kernel(
+    gate_up_ptr, out_ptr, stride_g, stride_o, n, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -128,6 +134,7 @@ def add_rms_norm(
         HAS_DELTA=delta is not None,
         BLOCK=block,
         num_warps=min(max(block // 256, 1), 16),  # 8 elements a thread up to 4096 wide rows
+        **pdl_launch(x.device),
     )  # fmt: skip
     return summed, out
 
@@ -146,6 +153,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     block = min(triton.next_power_of_2(n), _SILU_BLOCK)
     _silu_mul_kernel[(rows, triton.cdiv(n, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block, num_warps=4
+        gate_up,
+        out,
+        gate_up.stride(0),
+        out.stride(0),
+        n,
+        BLOCK=block,
+        num_warps=4,
+        **pdl_launch(gate_up.device),
     )
     return out
