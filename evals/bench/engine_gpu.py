@@ -51,6 +51,7 @@ from runtime.config import EngineConfig
 from runtime.engine.engine import Engine
 from runtime.engine.sampler import SamplingParams
 from runtime.kernels.cuda.backend import PDL_ENV
+from runtime.kernels.triton.launch import PDL_ENV as TRITON_PDL_ENV
 
 
 def log(msg: str) -> None:
@@ -425,6 +426,10 @@ def cmd_decode(a: argparse.Namespace) -> None:
     if backend == "cuda":
         what = "programmatic dependent launch (sm_90) against plain stream order"
         with mock.patch.dict(os.environ, {PDL_ENV: "0"}):
+            compare_decode(a, fields, runs, start_s, "", None, what)
+    if backend == "triton":  # opt-in there: the other engine is the one with it
+        what = f"plain stream order against programmatic dependent launch ({TRITON_PDL_ENV}=1)"
+        with mock.patch.dict(os.environ, {TRITON_PDL_ENV: "1"}):
             compare_decode(a, fields, runs, start_s, "", None, what)
 
     if a.source:
