@@ -300,9 +300,12 @@ def _compile_case(case: str, call: Callable[[], object], compiled: list, seen: s
     except Exception:  # noqa: BLE001 - every failure is the finding, reported per case
         return [(Launch(case, "?", error=traceback.format_exc(limit=-3)), None)]
     seconds = round(time.perf_counter() - start, 2)
-    new = [(name, kernel) for name, kernel in compiled if kernel.hash not in seen]
-    seen.update(kernel.hash for _, kernel in new)  # else the same as an earlier case's
-    return [(Launch(case, name, seconds=seconds), kernel) for name, kernel in new]
+    new = []
+    for name, kernel in compiled:
+        if kernel.hash not in seen:  # else the same specialization as an earlier launch
+            seen.add(kernel.hash)
+            new.append((Launch(case, name, seconds=seconds), kernel))
+    return new
 
 
 def _read(launch: Launch, kernel: object, cuobjdump: str) -> Launch:
