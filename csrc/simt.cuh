@@ -851,6 +851,31 @@ LSQ_HD void ldmatrix_x4(uint32_t (&r)[4], SharedAddr row) {
 #endif
 }
 
+// ldmatrix.x2: two 8x8 matrices; lanes 0..15 give the row addresses (lane 8j + i: row i of
+// matrix j; the other lanes' are ignored); register j as in ldmatrix_x4.
+LSQ_HD void ldmatrix_x2(uint32_t (&r)[2], SharedAddr row) {
+#ifdef __CUDA_ARCH__
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(row));
+#else
+  const int me = emulate::thread_index();
+  const int warp0 = me & ~31, lane = me & 31;
+  if (lane < 16)
+    emulate::require_shared(row, 16, 16, "ldmatrix: row not 16-byte aligned shared memory");
+  const uintptr_t mine = reinterpret_cast<uintptr_t>(row);
+  emulate::exchange_slot(me)[0] = static_cast<uint32_t>(mine);
+  emulate::exchange_slot(me)[1] = static_cast<uint32_t>(static_cast<uint64_t>(mine) >> 32);
+  emulate::warp_wait();
+  for (int j = 0; j < 2; ++j) {
+    const uint32_t* src = emulate::exchange_slot(warp0 + 8 * j + lane / 4);
+    const uintptr_t at = static_cast<uintptr_t>(src[0] | (static_cast<uint64_t>(src[1]) << 32));
+    memcpy(&r[j], reinterpret_cast<const uint8_t*>(at) + 4 * (lane % 4), 4);
+  }
+  emulate::warp_wait();
+#endif
+}
+
 // d = a * b + c for the warp's m16n8k16 tile, fp32 accumulation; a and b fp16 (BF16 = false)
 // or bf16. Fragments as PTX defines them for mma.m16n8k16.row.col (g = lane / 4, t = lane % 4):
 //   a[0] (row g, k 2t..2t+1)  a[1] (row g+8, k 2t..)  a[2] (row g, k 2t+8..)

@@ -34,6 +34,7 @@
 #include <stdint.h>
 
 #include <atomic>
+#include <type_traits>
 
 #include "common.cuh"
 #include "simt.cuh"
@@ -46,39 +47,51 @@ constexpr int kDtypeBf16 = 1;  // the project's STORAGE_KINDS codes
 constexpr int kDtypeFp16 = 2;
 
 // ---------------------------------------------------------------------------------------------
-// Tile configurations. X(id, BM, BN, BK, WM, WN, WK, STAGES, MINB): a BM x BN output tile per
-// block, BK-deep k-steps, WM x WN x WK warps (WK > 1: the warps split each k-step's 16-deep
+// Tile configurations. X(id, BM, BN, BK, WM, WN, WK, STAGES, MINB, SWAP): a BM x BN output tile
+// per block, BK-deep k-steps, WM x WN x WK warps (WK > 1: the warps split each k-step's 16-deep
 // slices WK ways and add their partial tiles in shared memory at the end, in a fixed order),
 // STAGES shared-memory buffers, MINB = the blocks per SM that __launch_bounds__ asks registers
-// for. The only table: the host planner reads it through lsq_w4a16_config
-// (runtime/kernels/cuda/gemm_plan.py).
+// for, SWAP = the operands swapped (below). The only table: the host planner reads it through
+// lsq_w4a16_config (runtime/kernels/cuda/gemm_plan.py).
 //
-// At decode (BM = 16) a block streams its weights through few instructions per word, and the
+// At decode (BM <= 16) a block streams its weights through few instructions per word, and the
 // SM's issue rate, not HBM, bounds it unless many warps are resident: WK raises the warps per
 // output tile without more blocks or a global split, and the decode tiles are compiled per
 // group size (below) so that group boundaries are known at compile time.
-#define LSQ_W4A16_CONFIGS(X)                                                                \
-  X(0, 16, 64, 128, 1, 4, 1, 4, 4)   /* decode: narrow N, 9 KB/stage */                   \
-  X(1, 16, 128, 128, 1, 4, 1, 4, 4)  /* decode: 14 KB/stage */                            \
-  X(2, 16, 256, 64, 1, 8, 1, 4, 2)   /* decode: wide N, 8 warps */                        \
-  X(3, 32, 128, 64, 1, 4, 1, 4, 4)   /* M 17..64 */                                       \
-  X(4, 64, 128, 64, 2, 2, 1, 4, 2)   /* M 33..256, and prefill of narrow weights */       \
-  X(5, 64, 256, 64, 2, 4, 1, 4, 1)   /* prefill */                                        \
-  X(6, 128, 128, 64, 2, 4, 1, 4, 1)  /* prefill */                                        \
-  X(7, 128, 256, 64, 2, 4, 1, 3, 1)  /* prefill, the largest tile: 64x64 per warp */      \
-  X(8, 16, 128, 128, 1, 4, 2, 4, 2)  /* decode: config 1 with 8 warps, k split 2 ways */  \
-  X(9, 16, 64, 128, 1, 2, 4, 4, 2)   /* decode: narrow N, 8 warps, k split 4 ways */
+//
+// SWAP (decode tiles only): the weights are the mma's A operand and x^T its B operand, so one
+// m16n8k16 covers 16 output columns by 8 rows of x (a packed word is the A fragment of its 16x16
+// tile as it is the B fragment of the transposed one: the same 8 elements per lane). BM is then
+// 8 or 16 rows of x, one or two mma per word instead of two. The codes enter the mma as 16 + q,
+// exact in fp16 and bf16 with no arithmetic after the mask, and the group's (s, b) is applied in
+// fp32 to each warp's sums over its run of a group: y += s * sum(x (16 + q)) + (b - 16 s) sum(x),
+// with sum(x) from one more mma against a fragment of ones. No per-weight rounding to 16 bits.
+#define LSQ_W4A16_CONFIGS(X)                                                                   \
+  X(0, 16, 64, 128, 1, 4, 1, 4, 4, 0)   /* decode: narrow N, 9 KB/stage */                   \
+  X(1, 16, 128, 128, 1, 4, 1, 4, 4, 0)  /* decode: 14 KB/stage */                            \
+  X(2, 16, 256, 64, 1, 8, 1, 4, 2, 0)   /* decode: wide N, 8 warps */                        \
+  X(3, 32, 128, 64, 1, 4, 1, 4, 4, 0)   /* M 17..64 */                                       \
+  X(4, 64, 128, 64, 2, 2, 1, 4, 2, 0)   /* M 33..256, and prefill of narrow weights */       \
+  X(5, 64, 256, 64, 2, 4, 1, 4, 1, 0)   /* prefill */                                        \
+  X(6, 128, 128, 64, 2, 4, 1, 4, 1, 0)  /* prefill */                                        \
+  X(7, 128, 256, 64, 2, 4, 1, 3, 1, 0)  /* prefill, the largest tile: 64x64 per warp */      \
+  X(8, 16, 128, 128, 1, 4, 2, 4, 2, 0)  /* decode: config 1 with 8 warps, k split 2 ways */  \
+  X(9, 16, 64, 128, 1, 2, 4, 4, 2, 0)   /* decode: narrow N, 8 warps, k split 4 ways */      \
+  X(10, 8, 128, 128, 1, 4, 1, 4, 4, 1)  /* decode, swapped: M <= 8 */                        \
+  X(11, 8, 128, 128, 1, 4, 2, 4, 2, 1)  /* decode, swapped: M <= 8, 8 warps, k split 2 */    \
+  X(12, 16, 128, 128, 1, 4, 1, 4, 2, 1) /* decode, swapped: M 9..16 */
 
 struct ConfigInfo {
-  int block_m, block_n, block_k, warps, warps_m, warps_k, stages;
+  int block_m, block_n, block_k, warps, warps_m, warps_k, stages, swap;
 };
 
-#define LSQ_INFO(id, bm, bn, bk, wm, wn, wk, st, minb) {bm, bn, bk, (wm) * (wn) * (wk), wm, wk, st},
+#define LSQ_INFO(id, bm, bn, bk, wm, wn, wk, st, minb, sw) \
+  {bm, bn, bk, (wm) * (wn) * (wk), wm, wk, st, sw},
 constexpr ConfigInfo kConfigs[] = {LSQ_W4A16_CONFIGS(LSQ_INFO)};
 #undef LSQ_INFO
 constexpr int kNumConfigs = sizeof(kConfigs) / sizeof(kConfigs[0]);
 
-#define LSQ_ID(id, bm, bn, bk, wm, wn, wk, st, minb) id,
+#define LSQ_ID(id, bm, bn, bk, wm, wn, wk, st, minb, sw) id,
 constexpr int kIds[] = {LSQ_W4A16_CONFIGS(LSQ_ID)};
 #undef LSQ_ID
 constexpr bool ids_in_order(int i = 0) {
@@ -86,16 +99,20 @@ constexpr bool ids_in_order(int i = 0) {
 }
 static_assert(ids_in_order(), "config ids are the rows of LSQ_W4A16_CONFIGS, 0, 1, 2, ...");
 
-template <int BM_, int BN_, int BK_, int WM_, int WN_, int WK_, int STAGES_, int MINB_>
+template <int BM_, int BN_, int BK_, int WM_, int WN_, int WK_, int STAGES_, int MINB_, int SWAP_>
 struct Tile {
   static constexpr int BM = BM_, BN = BN_, BK = BK_, WM = WM_, WN = WN_, WK = WK_;
   static constexpr int STAGES = STAGES_, MINB = MINB_;
+  static constexpr bool SWAP = SWAP_ != 0;
   static constexpr int THREADS = 32 * WM * WN * WK;
   static constexpr int TM = BM / WM, TN = BN / WN;  // warp tile
-  static constexpr int MT = TM / 16, NT = TN / 16;  // m16 row tiles, 16x16 weight tiles per warp
+  // m16 row tiles (SWAP: n8 tiles of 8 rows of x), 16x16 weight tiles per warp
+  static constexpr int MT = SWAP ? BM / 8 : TM / 16, NT = TN / 16;
   static constexpr int KK = BK / 16;                // 16-deep slices per k-step
   static constexpr int KW = KK / WK;                // of them, one warp's (a contiguous run)
-  static constexpr int ACC = MT * NT * 8;           // fp32 accumulators per thread
+  static constexpr int ACC = MT * NT * (SWAP ? 4 : 8);  // fp32 accumulators per thread
+  // [m16 tile][weight tile][n8 half][C element], SWAP: [n8 tile of x's rows][weight tile][C element]
+  using Acc = std::conditional_t<SWAP, float[MT][NT][4], float[MT][NT][2][4]>;
   // the partial tiles of warps 1 .. WK-1 along k, in shared memory after the main loop
   static constexpr int REDUCE_BYTES = (WK - 1) * WM * WN * 32 * ACC * 4;
   static constexpr int QROWS = BK / 32;             // most groups one k-step can touch (gs >= 32)
@@ -106,7 +123,9 @@ struct Tile {
   static constexpr int Q_STAGE = QROWS * BN * 4;
   static constexpr int SMEM = STAGES * (A_STAGE + B_STAGE + Q_STAGE);
 
-  static_assert(BM % (16 * WM) == 0 && BN % (16 * WN) == 0, "warp tiles are whole 16x16 tiles");
+  static_assert(SWAP ? (BM == 8 || BM == 16) && WM == 1 && BK == 128 : BM % (16 * WM) == 0,
+                "warp tiles are whole 16x16 tiles (SWAP: 8 or 16 rows, k-steps of whole groups)");
+  static_assert(BN % (16 * WN) == 0, "warp tiles are whole 16x16 weight tiles");
   static_assert(BK == 64 || BK == 128, "the A swizzle needs >= 8 chunks per row; gs >= 32");
   static_assert(QROWS * BN / 4 <= THREADS, "one pass loads a stage's qparams");
   static_assert(STAGES >= 2, "a pipeline needs two buffers");
@@ -175,6 +194,28 @@ LSQ_HD void int4_codes(uint32_t w, uint32_t (&r)[4]) {
     r[3] = fma2<false>(and_or(w8, kHi, kMagic), kSixteenth, kMinus64);
   }
 }
+
+// The swapped operands' codes: one packed word -> the A fragment of its 16x16 tile (rows n,
+// columns k) as 16 + q in fp16 or bf16. Each nibble pair is shifted to the top 4 bits of each
+// half's mantissa (bits 6..9 fp16, 3..6 bf16) and OR-ed into 16.0: 16 (1 + q / 16) exactly.
+// Top bits rather than bits 0..3 keep the constant's share of the mma's sums small (16 against
+// q, not 1024 or 128 against q), so the fp32 sums lose at most 4 bits to it, not 10 or 7.
+// A fragment order (PTX mma.m16n8k16): row g k-lo, row g+8 k-lo, row g k-hi, row g+8 k-hi, i.e.
+// n8 half 0 {b0,b1}, half 1 {b0,b1}, half 0 {b2,b3}, half 1 {b2,b3} of the word as a B fragment
+// (nibble pairs 0, 2, 1, 3).
+template <bool BF16>
+LSQ_HD void offset_codes(uint32_t w, uint32_t (&a)[4]) {
+  constexpr int kTop = BF16 ? 3 : 6;  // the nibble's lowest bit in a half
+  constexpr uint32_t kMask = 0x000F000Fu << kTop;
+  constexpr uint32_t kSixteen = BF16 ? 0x41804180u : 0x4C004C00u;  // {16, 16}
+  a[0] = and_or(w << kTop, kMask, kSixteen);                         // nibbles 0, 4
+  a[2] = and_or(kTop >= 4 ? w << (kTop - 4) : w >> (4 - kTop), kMask, kSixteen);  // 1, 5
+  a[1] = and_or(w >> (8 - kTop), kMask, kSixteen);                  // 2, 6
+  a[3] = and_or(w >> (12 - kTop), kMask, kSixteen);                 // 3, 7
+}
+
+// 16 + q -> q: the constant the swapped operands' codes carry (offset_codes).
+constexpr float kCodeOffset = 16.f;
 
 // A qparams word (fp16 s in the low half, fp16 b = -z*s in the high half) -> (s, s) and (b, b)
 // in the activation dtype.
@@ -462,19 +503,14 @@ LSQ_HD void gemm_block(const Params p, unsigned bx, unsigned by, unsigned bz, bo
     }
   };
 
-  float acc[T::MT][T::NT][2][4];
+  typename T::Acc acc;
+  float* const acc_flat = reinterpret_cast<float*>(&acc);
 #pragma unroll
-  for (int i = 0; i < T::MT; ++i)
-#pragma unroll
-    for (int j = 0; j < T::NT; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][j][h][e] = 0.f;
+  for (int e = 0; e < T::ACC; ++e) acc_flat[e] = 0.f;
 
   // ---- shared -> registers -> tensor cores, one stage ----
   const int g_lane = lane >> 2;  // mma groupID: the B column / C row within an 8-block
-  auto compute_stage = [&](int stage) {
+  auto compute_stage = [&](auto& acc, int stage) {
     const SharedAddr a_base = shared_addr(a_smem + stage * T::A_STAGE);
     const uint32_t* bw = reinterpret_cast<const uint32_t*>(b_smem + stage * T::B_STAGE);
     const uint32_t* qw = reinterpret_cast<const uint32_t*>(q_smem + stage * T::Q_STAGE);
@@ -519,6 +555,72 @@ LSQ_HD void gemm_block(const Params p, unsigned bx, unsigned by, unsigned bz, bo
     }
   };
 
+  // ---- the same with the operands swapped (T::SWAP): the weights' 16x16 tiles as A, x^T as B
+  // (8 rows of x per n8 tile), codes 16 + q, each group's (s, b) applied in fp32 at the end of
+  // the warp's run of slices inside it ----
+  auto swapped_stage = [&](auto& acc, int stage) {
+    static_assert(!T::SWAP || GS != 0, "swapped tiles are compiled per group size");
+    constexpr int kGroupSlices = GS > 0 ? GS / 16 : T::KW;
+    constexpr int kRun = T::KW < kGroupSlices ? T::KW : kGroupSlices;  // slices of a run
+    constexpr uint32_t kOnes = BF16 ? 0x3F803F80u : 0x3C003C00u;
+    const uint32_t ones[4] = {kOnes, kOnes, kOnes, kOnes};
+    const SharedAddr a_base = shared_addr(a_smem + stage * T::A_STAGE);
+    const uint32_t* bw = reinterpret_cast<const uint32_t*>(b_smem + stage * T::B_STAGE);
+    const uint32_t* qw = reinterpret_cast<const uint32_t*>(q_smem + stage * T::Q_STAGE);
+    float part[T::MT][T::NT][4];  // the run's sums of x (16 + q): rows n g, g + 8 by 2 of x's
+    float xs[T::MT][4];           // the run's sums of x (every row of the mma the same)
+#pragma unroll
+    for (int kw = 0; kw < T::KW; ++kw) {
+      const int kk = warp_k * T::KW + kw;
+      if (kw % kRun == 0) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+#pragma unroll
+          for (int i = 0; i < T::MT; ++i) {
+            xs[i][e] = 0.f;
+#pragma unroll
+            for (int j = 0; j < T::NT; ++j) part[i][j][e] = 0.f;
+          }
+        }
+      }
+      uint32_t bx[T::MT][2];  // x^T's B fragments: rows 8i .. 8i + 7 of the tile's x
+#pragma unroll
+      for (int i = 0; i < T::MT; ++i) {
+        const int r = i * 8 + (lane & 7);
+        const int c = 2 * kk + ((lane >> 3) & 1);
+        ldmatrix_x2(bx[i], a_base + (r * T::BK + ((c ^ (r & 7)) * 8)) * 2);
+        mma_16816<BF16>(xs[i], ones, bx[i][0], bx[i][1]);
+      }
+#pragma unroll
+      for (int j = 0; j < T::NT; ++j) {
+        uint32_t a[4];
+        offset_codes<BF16>(bw[(kk * (T::BN / 16) + warp_n * T::NT + j) * 32 + lane], a);
+#pragma unroll
+        for (int i = 0; i < T::MT; ++i) mma_16816<BF16>(part[i][j], a, bx[i][0], bx[i][1]);
+      }
+      if (kw % kRun == kRun - 1) {
+        const int qr = (kk * 16) >> gs_log2;
+#pragma unroll
+        for (int j = 0; j < T::NT; ++j) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {  // rows n g (C elements 0, 1) and g + 8 (2, 3)
+            const uint32_t v = qw[qr * T::BN + warp_n * T::TN + j * 16 + h * 8 + g_lane];
+            const float s = half_to_float(static_cast<uint16_t>(v));
+            const float b = fmaf(-kCodeOffset, s, half_to_float(static_cast<uint16_t>(v >> 16)));
+#pragma unroll
+            for (int i = 0; i < T::MT; ++i) {
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {  // rows 2t + e of x
+                float& out = acc[i][j][2 * h + e];
+                out = fmaf(b, xs[i][e], fmaf(s, part[i][j][2 * h + e], out));
+              }
+            }
+          }
+        }
+      }
+    }
+  };
+
   // ---- the pipeline: STAGES - 1 steps in flight while one is computed ----
 #pragma unroll
   for (int s = 0; s < T::STAGES - 1; ++s) {
@@ -531,40 +633,67 @@ LSQ_HD void gemm_block(const Params p, unsigned bx, unsigned by, unsigned bz, bo
     block_sync();                    // ... everyone's, and everyone is done with step i - 1
     if (i + T::STAGES - 1 < steps) load_stage(write_stage, step_begin + i + T::STAGES - 1);
     cp_async_commit();
-    compute_stage(read_stage);
+    if constexpr (T::SWAP)
+      swapped_stage(acc, read_stage);
+    else
+      compute_stage(acc, read_stage);
     read_stage = read_stage == T::STAGES - 1 ? 0 : read_stage + 1;
     write_stage = write_stage == T::STAGES - 1 ? 0 : write_stage + 1;
   }
   cp_async_wait<0>();
-  const bool writer = T::WK == 1 || reduce_warps_k<T>(&acc[0][0][0][0], warp_mn, warp_k, lane, smem);
+  const bool writer = T::WK == 1 || reduce_warps_k<T>(acc_flat, warp_mn, warp_k, lane, smem);
 
   // ---- epilogue: fp32 partials to the workspace, or y in the activation dtype ----
   const int tig = lane & 3;
+  if constexpr (T::SWAP) {
 #pragma unroll
-  for (int i = 0; writer && i < T::MT; ++i) {
+    for (int i = 0; writer && i < T::MT; ++i) {
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {  // C rows g and g + 8
-      const int row = m0 + warp_m * T::TM + i * 16 + g_lane + half * 8;
-      if (row >= p.m) continue;
+      for (int e = 0; e < 2; ++e) {  // C columns 2t, 2t + 1: rows of x and y
+        const int row = m0 + i * 8 + 2 * tig + e;
+        if (row >= p.m) continue;
 #pragma unroll
-      for (int j = 0; j < T::NT; ++j) {
+        for (int j = 0; j < T::NT; ++j) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int col = n0 + warp_n * T::TN + j * 16 + h * 8 + 2 * tig;
-          const float v0 = acc[i][j][h][2 * half], v1 = acc[i][j][h][2 * half + 1];
-          if (split) {
-            if (col < p.np) {
-              float2* dst = reinterpret_cast<float2*>(
-                  p.workspace + ((int64_t)bz * p.m + row) * p.np + col);
-              *dst = make_float2(v0, v1);
+          for (int h = 0; h < 2; ++h) {  // C rows g and g + 8: columns of y
+            const int col = n0 + warp_n * T::TN + j * 16 + h * 8 + g_lane;
+            const float v = acc[i][j][2 * h + e];
+            if (split) {
+              if (col < p.np) p.workspace[((int64_t)bz * p.m + row) * p.np + col] = v;
+            } else if (col < p.n) {
+              static_cast<uint16_t*>(p.y)[row * p.ldy + col] = pack1<BF16>(v);
             }
-          } else {
-            uint16_t* yr = static_cast<uint16_t*>(p.y) + row * p.ldy;
-            if (p.y_vec && col + 1 < p.n) {
-              *reinterpret_cast<uint32_t*>(yr + col) = pack2<BF16>(v0, v1);
+          }
+        }
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; writer && i < T::MT; ++i) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {  // C rows g and g + 8
+        const int row = m0 + warp_m * T::TM + i * 16 + g_lane + half * 8;
+        if (row >= p.m) continue;
+#pragma unroll
+        for (int j = 0; j < T::NT; ++j) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int col = n0 + warp_n * T::TN + j * 16 + h * 8 + 2 * tig;
+            const float v0 = acc[i][j][h][2 * half], v1 = acc[i][j][h][2 * half + 1];
+            if (split) {
+              if (col < p.np) {
+                float2* dst = reinterpret_cast<float2*>(
+                    p.workspace + ((int64_t)bz * p.m + row) * p.np + col);
+                *dst = make_float2(v0, v1);
+              }
             } else {
-              if (col < p.n) yr[col] = pack1<BF16>(v0);
-              if (col + 1 < p.n) yr[col + 1] = pack1<BF16>(v1);
+              uint16_t* yr = static_cast<uint16_t*>(p.y) + row * p.ldy;
+              if (p.y_vec && col + 1 < p.n) {
+                *reinterpret_cast<uint32_t*>(yr + col) = pack2<BF16>(v0, v1);
+              } else {
+                if (col < p.n) yr[col] = pack1<BF16>(v0);
+                if (col + 1 < p.n) yr[col + 1] = pack1<BF16>(v1);
+              }
             }
           }
         }
@@ -730,8 +859,8 @@ static int plan_gemm(const void* x, int64_t ldx, const int32_t* qweight, const v
   return 0;
 }
 
-#define LSQ_TILE(id, bm, bn, bk, wm, wn, wk, st, minb) \
-  using Tile##id = Tile<bm, bn, bk, wm, wn, wk, st, minb>;
+#define LSQ_TILE(id, bm, bn, bk, wm, wn, wk, st, minb, sw) \
+  using Tile##id = Tile<bm, bn, bk, wm, wn, wk, st, minb, sw>;
 LSQ_W4A16_CONFIGS(LSQ_TILE)
 #undef LSQ_TILE
 
@@ -760,7 +889,7 @@ int dispatch_group(const Plan& plan, Runner& runner) {
 template <class Runner>
 int dispatch(const Plan& plan, Runner& runner) {
   switch (plan.config) {
-#define LSQ_CASE(id, bm, bn, bk, wm, wn, wk, st, minb)                     \
+#define LSQ_CASE(id, bm, bn, bk, wm, wn, wk, st, minb, sw)                 \
   case id:                                                                 \
     return plan.bf16 ? dispatch_group<Tile##id, true>(plan, runner)        \
                      : dispatch_group<Tile##id, false>(plan, runner);
@@ -842,7 +971,8 @@ extern "C" {
 int lsq_w4a16_num_configs(void) { return lsq_gemm::kNumConfigs; }
 
 int lsq_w4a16_config(int32_t id, int32_t* block_m, int32_t* block_n, int32_t* block_k,
-                     int32_t* warps, int32_t* warps_m, int32_t* warps_k, int32_t* stages) {
+                     int32_t* warps, int32_t* warps_m, int32_t* warps_k, int32_t* stages,
+                     int32_t* swap_ab) {
   if (id < 0 || id >= lsq_gemm::kNumConfigs) return -1;
   const lsq_gemm::ConfigInfo& c = lsq_gemm::kConfigs[id];
   if (block_m) *block_m = c.block_m;
@@ -852,6 +982,7 @@ int lsq_w4a16_config(int32_t id, int32_t* block_m, int32_t* block_n, int32_t* bl
   if (warps_m) *warps_m = c.warps_m;
   if (warps_k) *warps_k = c.warps_k;
   if (stages) *stages = c.stages;
+  if (swap_ab) *swap_ab = c.swap;
   return 0;
 }
 

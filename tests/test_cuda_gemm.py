@@ -35,7 +35,7 @@ from tests.conftest import GPU
 
 ARCHS = cuda_lib.ARCHS
 SMS = 132  # an H200
-CONFIGS, DECODE_CONFIGS = 10, 5  # the decode tiles (block_m 16) are compiled per group size
+CONFIGS, DECODE_CONFIGS = 13, 8  # the decode tiles (block_m <= 16) are compiled per group size
 TILE_KERNELS = 2 * (DECODE_CONFIGS * len(gp.GROUP_SIZES) + CONFIGS - DECODE_CONFIGS)  # x 2 dtypes
 KERNELS = TILE_KERNELS + 4  # and the split-K reduction and the dequantization, x 2 dtypes
 INVALID = 1  # cudaErrorInvalidValue
@@ -127,7 +127,9 @@ def test_sass_runs_tensor_cores_ldmatrix_cp_async(
     assert len(gemms) == TILE_KERNELS, sorted(sass)
     for name, code in gemms.items():
         assert "HMMA.16816.F32" in code, name  # mma.sync.m16n8k16, fp32 accumulators
-        assert "LDSM.16.M88.4" in code, name  # ldmatrix.x4 for x
+        swapped = re.search(r"Li(\d)EEELi\d+ELb\d", name).group(1) == "1"  # Tile's SWAP
+        # ldmatrix for x: x4 as the A operand, x2 as the swapped tiles' B (8 rows of x)
+        assert ("LDSM.16.M88.2" if swapped else "LDSM.16.M88.4") in code, name
         assert "LDGSTS.E.BYPASS.128" in code, name  # cp.async.cg, 16 bytes
         assert "LOP3.LUT" in code, name  # the nibble masks
         # int4 codes become fp16/bf16 by magic numbers: no int-to-float conversion at all
@@ -142,14 +144,18 @@ def test_sass_runs_tensor_cores_ldmatrix_cp_async(
 def test_config_table(table: tuple[gp.TileConfig, ...], lib: ctypes.CDLL) -> None:
     assert len(table) == lib.lsq_w4a16_num_configs() == CONFIGS
     for c in table:
-        assert c.block_m % 16 == 0 and c.block_n % 64 == 0, c
+        # swapped tiles: 8 or 16 rows of x by one warp along m, k-steps of whole groups
+        rows = 8 * c.warps_m if c.swap_ab else 16 * c.warps_m
+        assert c.block_m % rows == 0 and c.block_n % 64 == 0, c
         assert c.block_k in (64, 128) and c.warps in (4, 8) and c.stages >= 2, c
-        assert c.warps % (c.warps_m * c.warps_k) == 0 and c.block_m % (16 * c.warps_m) == 0, c
+        assert c.warps % (c.warps_m * c.warps_k) == 0, c
+        assert not c.swap_ab or (c.block_m <= 16 and c.warps_m == 1 and c.block_k == 128), c
         assert c.smem_bytes <= 99 * 1024, c  # sm_86/sm_89's per-block limit
-    assert len([c for c in table if c.block_m == 16]) == DECODE_CONFIGS  # decode tiles
+    assert len([c for c in table if c.block_m <= 16]) == DECODE_CONFIGS  # decode tiles
     assert any(c.warps_k > 1 for c in table)  # warps splitting the k-step
     assert any(c.block_m >= 128 for c in table)  # prefill tiles
-    out = [ctypes.c_int32(-7) for _ in range(7)]
+    assert {c.block_m for c in table if c.swap_ab} == {8, 16}  # up to 8 rows, and 16
+    out = [ctypes.c_int32(-7) for _ in range(8)]
     for bad in (-1, len(table), 1 << 20):
         assert lib.lsq_w4a16_config(bad, *(ctypes.byref(v) for v in out)) == -1
         assert all(v.value == -7 for v in out)
@@ -293,8 +299,8 @@ def test_plan(
     assert (
         _call(lib, ldx=k, ldy=n, n=n, k=k, group_size=gs, config=p.config, split_k=p.split_k) == 0
     )
-    # decode rows run the 16-row tiles; prefill tiles do not split a large M
-    assert (c.block_m == 16) == (m <= 16)
+    # decode rows run the decode tiles (8 or 16 rows); prefill tiles do not split a large M
+    assert (c.block_m <= 16) == (m <= 16)
     if m == 4096:
         assert p.split_k == 1 and c.block_m >= 64
     fill = p.blocks / SMS
@@ -457,15 +463,16 @@ def test_emulated_group_sizes(
 ) -> None:
     """Each group size against both k-step depths: BK = 128 (several groups a step at gs 32 and
     64) and BK = 64 (a group across two steps at gs 128), and against the tiles whose warps
-    split a k-step (a warp's run of slices inside one group, or across several). SmolLM2's
-    fused qkv is the first."""
+    split a k-step (a warp's run of slices inside one group, or across several) and those that
+    swap the operands (each group's scale applied after its run of slices). SmolLM2's fused qkv
+    is the first."""
     qweight, qparams = cuda_lib.gemm_weight(n, k, gs, seed=gs)
     gen = torch.Generator().manual_seed(gs)
     for dtype in cuda_lib.GEMM_DTYPES:
         x = torch.randn(5, k, generator=gen).to(dtype)
         ref = cuda_lib.gemm_reference(x, qweight, qparams, n, k, gs)
         assert (table[0].block_k, table[3].block_k) == (128, 64)  # both k-step depths
-        for cfg in (table[0], table[3], *(c for c in table if c.warps_k > 1)):
+        for cfg in (table[0], table[3], *(c for c in table if c.warps_k > 1 or c.swap_ab)):
             split = cuda_lib.gemm_splits_to_try(cfg, k, gs)[-1]
             y = _emulated(lib, x, qweight, qparams, n, k, gs, cfg.id, split)
             _check(y, ref, f"{dtype} config {cfg.id} split {split}")

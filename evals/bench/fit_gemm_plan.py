@@ -35,6 +35,7 @@ GRID: dict[str, tuple[float, ...]] = {
     "_LATENCY_S": (0.5e-6, 0.65e-6, 0.8e-6, 1.0e-6, 1.2e-6),
     "_HBM_BYTES_PER_S": (3.3e12, 3.7e12, 4.0e12, 4.3e12),
     "_WORD_INSTR": (14.0, 18.0, 22.0),
+    "_SWAP_WORD_INSTR": (9.0, 13.0),
 }
 
 
@@ -63,7 +64,7 @@ def read(paths: list[Path]) -> list[Timing]:
     for path in paths:
         for line in path.read_text().splitlines():
             r = json.loads(line)
-            tile = gemm_plan.TileConfig(**{f: r[f] for f in names})
+            tile = gemm_plan.TileConfig(**{f: r[f] for f in names if f in r})  # swap_ab: 0
             keys = ("shape", "m", "n", "k", "group_size", "sms", "split_k", "ms")
             out.append(Timing(**{f: r[f] for f in keys}, tile=tile))
     if not out:

@@ -5,7 +5,9 @@ At M <= 16 the GEMM streams 4-bit weights, and on an H200 it is bound by the ins
 issues per weight word, not by HBM: every 32-bit word costs a shared load, the int4 to fp16/bf16
 bit tricks, the group's scale and offset and two mma.sync, whatever M is. The floor by the
 layout's design is about 18 (1 LDS, 3 shifts, 4 LOP3, 8 HFMA2, 2 HMMA); everything above it is
-overhead (group pairs recomputed, address arithmetic, selects). This script compiles
+overhead (group pairs recomputed, address arithmetic, selects). The swapped tiles (weights as
+the mma's A operand, the group's scale in fp32 after it) drop the 8 HFMA2 and one HMMA, and
+add per group an epilogue in fp32 and per slice an mma summing x. This script compiles
 csrc/w4a16_gemm.cu for one architecture, finds each kernel's main loop (the backward branch
 around its HMMA) and prints the instructions of the loop's compute part (after the k-step's
 copies are committed: shared loads, conversions, mma, the loop's bookkeeping) per word a thread
@@ -34,7 +36,7 @@ from runtime.kernels.cuda import library  # noqa: E402
 from tests.cuda_lib import find_cuobjdump  # noqa: E402
 
 KERNEL = re.compile(
-    r"w4a16_gemm_kernelINS_4TileILi(\d+)ELi(\d+)ELi(\d+)ELi(\d+)ELi(\d+)ELi(\d+)ELi(\d+)ELi\d+EEELi(\d+)ELb(\d)"
+    r"w4a16_gemm_kernelINS_4TileILi(\d+)ELi(\d+)ELi(\d+)ELi(\d+)ELi(\d+)ELi(\d+)ELi(\d+)ELi\d+ELi(\d)EEELi(\d+)ELb(\d)"
 )
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
 BRANCH = re.compile(r"BRA (?:`\()?[^0-9]*(0x[0-9a-f]+)")
@@ -78,11 +80,12 @@ def rows(sass: str) -> list[tuple[str, float, Counter]]:
         tile = KERNEL.search(name)
         if not tile:
             continue
-        bm, bn, bk, wm, wn, wk, stages, gs, bf16 = map(int, tile.groups())
+        bm, bn, bk, wm, wn, wk, stages, swap, gs, bf16 = map(int, tile.groups())
         words = (bk // 16 // wk) * (bn // wn // 16)  # words a thread turns into fragments a step
         ops = Counter(op.split(".")[0] for op in main_loop(function))
         group = f"g{gs}" if gs else "any g"
-        label = f"{bm}x{bn}x{bk} {wm}x{wn}x{wk}w s{stages} {group} {'bf16' if bf16 else 'fp16'}"
+        tile = f"{bm}x{bn}x{bk}{' swapped' if swap else ''}"
+        label = f"{tile} {wm}x{wn}x{wk}w s{stages} {group} {'bf16' if bf16 else 'fp16'}"
         per_word = Counter({k: v / words for k, v in ops.items()})
         found.append((label, sum(ops.values()) / words, per_word))
     return found

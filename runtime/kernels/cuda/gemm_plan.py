@@ -17,9 +17,10 @@ unused.
 
 How the plan is chosen. Every candidate (config, split_k) gets a time estimate from a small model
 of an H100/H200-class SM, and the fastest wins (within 3 %: fewer splits, then more SMs busy,
-then the larger tile, then the lower id):
+then fewer warp instructions in all, then the lower id):
 
-* decode rows (m <= 16) use the 16-row configs, larger m the configs whose block_m fits m;
+* decode rows (m <= 16) use the decode configs (block_m <= 16, swapped operands among them),
+  larger m the configs whose block_m fits m;
 * compute: the busiest SM runs ``ceil(blocks / sm_count)`` blocks of ``steps_per_split`` steps;
 * memory: the weights and x stream at HBM bandwidth only with enough bytes in flight: each
   resident block keeps ``stages - 1`` k-steps in flight, and latency * bandwidth is the need;
@@ -65,7 +66,7 @@ MAX_SPLIT_K = 32
 # the reduction.
 SPLIT_COUNTERS = COUNTERS
 # a tile's pinned form (TileConfig.shape), split_k aside
-TILE_FIELDS = ("block_m", "block_n", "block_k", "warps", "warps_m", "warps_k", "stages")
+TILE_FIELDS = ("block_m", "block_n", "block_k", "warps", "warps_m", "warps_k", "stages", "swap_ab")
 
 # The machine model (per SM of an H100/H200-class GPU; only ratios matter for the choice).
 _SM_FLOPS = 4.0e12  # mma.sync fp16/bf16, fp32 accumulate, per SM
@@ -86,6 +87,13 @@ _SCHEDULERS = 4
 _CLOCK_HZ = 1.98e9  # H100/H200 boost
 _WORD_INSTR = 18.0
 _PAIR_INSTR = 5.0
+# Swapped operands (TileConfig.swap_ab): per word the shared load, the shifts and masks only
+# (about 9); per group run of a warp and 16 columns, 2 qparams words (a load, 2 conversions and
+# b - 16 s: about 4 each) and 2 fp32 FMAs per accumulator; per 16-deep slice and 8 rows of x a
+# warp issues an ldmatrix and an mma for the sums of x (evals/bench/gemm_sass.py on sm_90:
+# 12.9 a word at 8 x 128 x 128 and group 128, against 21.0 for config 1 in bf16).
+_SWAP_WORD_INSTR = 9.0
+_SWAP_PAIR_INSTR = 4.0
 # A scheduler with w resident warps issues about min(1, w * this) of its cycles: the H200 ran the
 # 16x128 decode tile with the group size read at run time (25 instructions a word by this model,
 # 28.7 in its SASS) at 2 warps per scheduler in 0.9-1.2x the time that 0.4 of the issue rate
@@ -102,7 +110,9 @@ _DEQUANT_MARGIN = 1.15  # the dequantized path must beat the fused kernel's esti
 class TileConfig:
     """One row of the C table: a block_m x block_n tile per block, block_k-deep k-steps, by
     ``warps`` warps: ``warps_m`` along the rows (each dequantizes the tile's weights for its
-    own rows) and ``warps_k`` splitting each k-step's slices (adding up at the end)."""
+    own rows) and ``warps_k`` splitting each k-step's slices (adding up at the end).
+    ``swap_ab``: the weights are the mma's A operand and x^T its B (8 rows of x per mma), with
+    each group's scale applied in fp32 after the mma (decode tiles only)."""
 
     id: int
     block_m: int
@@ -112,6 +122,7 @@ class TileConfig:
     warps_m: int
     warps_k: int
     stages: int
+    swap_ab: int = 0
 
     @property
     def threads(self) -> int:
@@ -304,7 +315,9 @@ def step_instructions(cfg: TileConfig, group_size: int) -> float:
     block_k * block_n / 8 weight words, and the (s, b) pairs of each group its run of the step
     touches (2 qparams words per 16 columns; a tile not compiled per group size converts them
     at every slice pair where a group of 32 could start); the block issues one mma.sync per
-    m16n8k16."""
+    m16n8k16. Swapped tiles: :func:`_swapped_step_instructions`."""
+    if cfg.swap_ab:
+        return _swapped_step_instructions(cfg, group_size)
     words = cfg.block_k * cfg.block_n / 8
     run = cfg.block_k // cfg.warps_k  # k depth of one warp's slices in a step
     per_group_size = cfg.block_m <= DECODE_ROWS  # csrc's kPerGroupSize
@@ -312,6 +325,20 @@ def step_instructions(cfg: TileConfig, group_size: int) -> float:
     pairs_per_word = 32 * groups / run
     convert = words * cfg.warps_m * (_WORD_INSTR + _PAIR_INSTR * pairs_per_word) / 32
     return convert + (cfg.block_m // 16) * (cfg.block_n // 8) * (cfg.block_k // 16)
+
+
+def _swapped_step_instructions(cfg: TileConfig, group_size: int) -> float:
+    """The same for a swapped tile: the words' conversion, one mma per word and 8 rows of x,
+    per run of slices inside one group the fp32 scale and offset of every accumulator, and per
+    slice and 8 rows of each warp the ldmatrix of x and the mma summing it."""
+    row_tiles = cfg.block_m // 8
+    warps_n = cfg.warps // (cfg.warps_m * cfg.warps_k)
+    run = min(cfg.block_k // cfg.warps_k, group_size)  # k depth of a warp's run in one group
+    convert = cfg.block_k * cfg.block_n / 8 * _SWAP_WORD_INSTR / 32
+    mma = row_tiles * (cfg.block_n // 16) * (cfg.block_k // 16)
+    scale = (cfg.block_k // run) * (cfg.block_n // 16) * (2 * _SWAP_PAIR_INSTR + 8 * row_tiles)
+    sums = 2 * row_tiles * warps_n * (cfg.block_k // 16)
+    return convert + mma + scale + sums
 
 
 def issue_rate(cfg: TileConfig, per_sm: int, slots_per_sm: int) -> float:
@@ -376,7 +403,7 @@ def ranked(
 ) -> list[Plan]:
     """Every candidate plan, the model's choice first and the rest by estimate (what ``lite
     tune`` times). The choice among the fused launches within 3% of the fastest: fewer splits,
-    more SMs busy, the larger tile, the lower id. Past the decode rows the dequantized path
+    more SMs busy, fewer warp instructions, the lower id. Past the decode rows the dequantized path
     competes too, and is the choice only when clearly faster (by _DEQUANT_MARGIN)."""
     _check(m, n, k, group_size, sm_count)
     timed: list[tuple[float, Plan]] = []
@@ -387,7 +414,8 @@ def ranked(
                 timed.append((seconds, make_plan(cfg, m, n, k, split)))
     fastest = min(t for t, _ in timed)
     choice = min(
-        (p for t, p in timed if t <= fastest * _TIE), key=lambda p: _preference(p, sm_count)
+        (p for t, p in timed if t <= fastest * _TIE),
+        key=lambda p: _preference(p, sm_count, group_size),
     )
     if m > DECODE_ROWS:
         dequant = estimate_dequant_seconds(m, n, k, sm_count, dense_speedup(arch))
@@ -398,10 +426,11 @@ def ranked(
     return [choice, *rest]
 
 
-def _preference(p: GemmPlan, sm_count: int) -> tuple[int, int, int, int]:
-    """Among near-equal estimates: fewer splits, more SMs busy, the larger tile, the lower id."""
-    area = p.tile.block_m * p.tile.block_n
-    return (p.split_k, -min(p.blocks, sm_count), -area, p.config)
+def _preference(p: GemmPlan, sm_count: int, group_size: int) -> tuple[int, int, float, int]:
+    """Among near-equal estimates: fewer splits, more SMs busy, fewer warp instructions in all
+    (larger tiles convert each weight word for more rows), the lower id."""
+    issued = p.blocks * p.steps_per_split * step_instructions(p.tile, group_size)
+    return (p.split_k, -min(p.blocks, sm_count), issued, p.config)
 
 
 def _pinned_plan(

@@ -96,8 +96,8 @@ SIGNATURES: dict[str, tuple[list, type]] = {
     "lsq_w4a16_gemm": (_GEMM, ctypes.c_int),
     "lsq_w4a16_dequantize": (_DEQUANT, ctypes.c_int),
     "lsq_w4a16_num_configs": ([], ctypes.c_int),
-    # id, then block_m, block_n, block_k, warps, warps_m, warps_k, stages (gemm_plan.TILE_FIELDS)
-    "lsq_w4a16_config": ([_I32, *[ctypes.POINTER(_I32)] * 7], ctypes.c_int),
+    # id, then block_m, block_n, block_k, warps, warps_m, warps_k, stages, swap_ab (TILE_FIELDS)
+    "lsq_w4a16_config": ([_I32, *[ctypes.POINTER(_I32)] * 8], ctypes.c_int),
     "lsq_paged_decode_attention": (_DECODE, ctypes.c_int),
     "lsq_paged_decode_workspace_floats": ([_I64] * 6, ctypes.c_int64),
     "lsq_paged_decode_partition_size": ([_I64] * 6, ctypes.c_int64),
