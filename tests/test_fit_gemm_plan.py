@@ -22,16 +22,20 @@ from runtime.kernels.cuda import gemm_plan
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals" / "bench"))
 import fit_gemm_plan  # noqa: E402
 
-# csrc/w4a16_gemm.cu's decode rows: id, block_m, block_n, block_k, warps, warps_m, warps_k, stages
+# csrc/w4a16_gemm.cu's decode rows: id, block_m, block_n, block_k, warps, warps_m, warps_k,
+# stages, swap_ab
 TABLE = tuple(
     gemm_plan.TileConfig(*row)
     for row in [
-        (0, 16, 64, 128, 4, 1, 1, 4),
-        (1, 16, 128, 128, 4, 1, 1, 4),
-        (2, 16, 256, 64, 8, 1, 1, 4),
-        (3, 32, 128, 64, 4, 1, 1, 4),
-        (8, 16, 128, 128, 8, 1, 2, 4),
-        (9, 16, 64, 128, 8, 1, 4, 4),
+        (0, 16, 64, 128, 4, 1, 1, 4, 0),
+        (1, 16, 128, 128, 4, 1, 1, 4, 0),
+        (2, 16, 256, 64, 8, 1, 1, 4, 0),
+        (3, 32, 128, 64, 4, 1, 1, 4, 0),
+        (8, 16, 128, 128, 8, 1, 2, 4, 0),
+        (9, 16, 64, 128, 8, 1, 4, 4, 0),
+        (10, 8, 128, 128, 4, 1, 1, 4, 1),
+        (11, 8, 128, 128, 8, 1, 2, 4, 1),
+        (12, 16, 128, 128, 4, 1, 1, 4, 1),
     ]
 )
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate/up": (28672, 4096), "down": (4096, 14336)}
@@ -72,3 +76,15 @@ def test_no_timings_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(SystemExit, match="no timings"):
         fit_gemm_plan.read([tmp_path / "empty.jsonl"])
+
+
+def test_sweeps_from_before_the_swapped_tiles_read_as_unswapped(tmp_path: Path) -> None:
+    """The 2026-12 sweeps' records have no swap_ab field: their tiles are the unswapped ones."""
+    lines = [json.loads(line) for line in sweep_lines(TRUTH)]
+    old = [r for r in lines if not r["swap_ab"]]
+    for r in old:
+        del r["swap_ab"]
+    (tmp_path / "old.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))
+    timings = fit_gemm_plan.read([tmp_path / "old.jsonl"])
+    assert len(timings) == len(old) and not any(t.tile.swap_ab for t in timings)
+    assert {t.tile for t in timings} <= set(TABLE)

@@ -218,8 +218,17 @@ def sweep(
         f"| {shape} | {m} | {label(plans[0])} | {fmt(planned)} | "
         f"{fmt(est(plans[0]) if planned else None)} | "
         f"{label(best)} | {best_ms:.4f} | {est(best):.4f} | {ratio} | "
-        f"{fused.index(best) + 1} of {len(fused)} | {top} |"
+        f"{fused.index(best) + 1} of {len(fused)} | {swap_speedup(timed)} | {top} |"
     )
+
+
+def swap_speedup(timed: list[tuple[float, gemm_plan.GemmPlan]]) -> str:
+    """The fastest unswapped launch's time over the fastest swapped one's (csrc/README.md's
+    swapped decode tiles): above 1 where swapping the operands pays."""
+    best = {}
+    for ms, p in timed:
+        best[p.tile.swap_ab] = min(ms, best.get(p.tile.swap_ab, ms))
+    return f"{best[0] / best[1]:.2f}x" if len(best) == 2 else "-"
 
 
 def print_sweep(
@@ -240,8 +249,8 @@ def print_sweep(
     else:
         print(
             "| shape | M | plan | ms | model ms | fastest | ms | model ms | plan / fastest | "
-            "fastest's model rank | measured top 5 (config/split ms) |\n"
-            "|---|---:|---|---:|---:|---|---:|---:|---:|---|---|"
+            "fastest's model rank | unswapped / swapped | measured top 5 (config/split ms) |\n"
+            "|---|---:|---|---:|---:|---|---:|---:|---:|---|---:|---|"
         )
     for name, ((n, k), _) in runs.items():
         w = Weight(n, k, gs, device)
