@@ -157,6 +157,7 @@ struct Smem {
   float l[kWarps][kHeads];
   float hm[kHeads];    // per head: scale * log2(e) * 2^shift (shift: the bf16 query's scaling)
   float qsum[kHeads];  // per head: the sum of the query as the mma sees it
+  float merge_mx[kHeads], merge_sum[kHeads];  // the last block's merge (merge_heads)
   uint32_t last;       // this block is the last of its (sequence, head group) to finish
 };
 
@@ -472,27 +473,82 @@ LSQ_HD bool last_to_finish(const Params& p, int len, int b, unsigned by, int tid
   return true;
 }
 
-// Log-sum-exp merge of one (head, sequence)'s partitions; only those holding valid tokens.
-// The partials are read from L2 (ld.global.cg): in the one-launch path other blocks wrote them
-// during this kernel.
+// Log-sum-exp merge of heads head0 .. head0 + rows - 1 of sequence b over its partitions (only
+// those holding valid tokens), by the whole block of `threads` threads. The partials are read
+// from L2 (ld.global.cg: in the one-launch path other blocks wrote them during this kernel), so
+// each load is a round trip, and the loops are laid out for none to wait for another:
+//   1. one warp a head: its lanes read the partitions' maxima (strided), a butterfly gives the
+//      head's max, then the sum of the partitions' weights 2^(m - max) * l the same way;
+//   2. each thread takes up to 4 outputs (head, d) and walks the partitions 4 at a time, 32
+//      loads in flight, keeping 4 partial sums an output (by partition index mod 4).
+// Every output's arithmetic is the same whatever the block and thread layout, so the merge
+// kernel (one head a block) and the decode launch's last block (its head group) agree bit for
+// bit. mx_sh and sum_sh: shared memory of rows floats each.
 template <bool OUT_BF16>
-LSQ_HD void merge_block(const Params& p, unsigned head, unsigned b, int tid, int threads) {
+LSQ_HD void merge_heads(const Params& p, unsigned head0, int rows, unsigned b, int tid,
+                        int threads, float* mx_sh, float* sum_sh) {
   const Valid v = valid_partitions(p, context_len(p, b));
+  const int n = v.used - v.first;
   const int D = p.head_dim;
-  const int64_t base = (static_cast<int64_t>(b) * p.num_heads + head) * p.num_partitions;
-  float mx = -INFINITY;
-  for (int q = v.first; q < v.used; ++q) mx = fmaxf(mx, load_cg_f32(p.ws_m + base + q));
-  for (int d = tid; d < D; d += threads) {
-    float sum = 0.f, o = 0.f;
-    if (mx != -INFINITY)
-      for (int q = v.first; q < v.used; ++q) {
-        const float mq = load_cg_f32(p.ws_m + base + q);
-        if (mq == -INFINITY) continue;
-        const float f = ex2(mq - mx);
-        sum += f * load_cg_f32(p.ws_l + base + q);
-        o += f * load_cg_f32(p.ws_o + (base + q) * D + d);
-      }
-    store_act(p.out, b * p.o_sb + head * p.o_sh + d, sum > 0.f ? fdiv_fast(o, sum) : 0.f, OUT_BF16);
+  const int lane = tid & 31;
+  auto first = [&](int row) {  // partial record of (b, head0 + row, partition v.first)
+    return ((static_cast<int64_t>(b) * p.num_heads + head0 + row) * p.num_partitions) + v.first;
+  };
+  for (int row = tid >> 5; row < rows; row += threads >> 5) {  // warp-uniform
+    const int64_t at = first(row);
+    float mx = -INFINITY;
+    for (int q = lane; q < n; q += 32) mx = fmaxf(mx, load_cg_f32(p.ws_m + at + q));
+#pragma unroll
+    for (int x = 16; x > 0; x >>= 1) mx = fmaxf(mx, shfl_xor(mx, x));
+    float sum = 0.f;
+    for (int q = lane; q < n; q += 32) {
+      const float mq = load_cg_f32(p.ws_m + at + q), lq = load_cg_f32(p.ws_l + at + q);
+      if (mq != -INFINITY) sum += ex2(mq - mx) * lq;
+    }
+#pragma unroll
+    for (int x = 16; x > 0; x >>= 1) sum += shfl_xor(sum, x);
+    if (lane == 0) mx_sh[row] = mx, sum_sh[row] = sum;
+  }
+  block_sync();
+  constexpr int kItems = 4, kAhead = 4;  // outputs a thread at once, partitions per round
+  const int items = rows * D;
+  for (int item0 = tid; item0 < items; item0 += kItems * threads) {
+    int64_t at[kItems], col[kItems];
+    float mx[kItems], acc[kItems][kAhead];
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      const int item = item0 + j * threads, row = item < items ? item / D : 0;
+      at[j] = first(row);
+      col[j] = item < items ? item % D : 0;
+      mx[j] = mx_sh[row];
+#pragma unroll
+      for (int u = 0; u < kAhead; ++u) acc[j][u] = 0.f;
+    }
+    for (int q = 0; q < n; q += kAhead) {
+      float mq[kItems][kAhead], oq[kItems][kAhead];
+#pragma unroll
+      for (int u = 0; u < kAhead; ++u)
+#pragma unroll
+        for (int j = 0; j < kItems; ++j) {
+          const bool in = q + u < n;
+          mq[j][u] = in ? load_cg_f32(p.ws_m + at[j] + q + u) : -INFINITY;
+          oq[j][u] = in ? load_cg_f32(p.ws_o + (at[j] + q + u) * D + col[j]) : 0.f;
+        }
+#pragma unroll
+      for (int u = 0; u < kAhead; ++u)
+#pragma unroll
+        for (int j = 0; j < kItems; ++j)
+          if (mq[j][u] != -INFINITY) acc[j][u] = fmaf(ex2(mq[j][u] - mx[j]), oq[j][u], acc[j][u]);
+    }
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      const int item = item0 + j * threads;
+      if (item >= items) break;
+      const int row = item / D;
+      const float o = (acc[j][0] + acc[j][1]) + (acc[j][2] + acc[j][3]), sum = sum_sh[row];
+      store_act(p.out, b * p.o_sb + (head0 + row) * p.o_sh + col[j],
+                sum > 0.f ? fdiv_fast(o, sum) : 0.f, OUT_BF16);
+    }
   }
 }
 
@@ -704,7 +760,7 @@ LSQ_HD void decode_block(const Params& p, unsigned bx, unsigned by, unsigned bz,
     }
   }
   if (!single && p.counters && last_to_finish(p, len, b, by, tid, sm.last))
-    for (int row = 0; row < rows; ++row) merge_block<C::kOutBf16>(p, head0 + row, b, tid, kThreads);
+    merge_heads<C::kOutBf16>(p, head0, rows, b, tid, kThreads, sm.merge_mx, sm.merge_sum);
 }
 
 template <int KIND, bool QBF16, int D>
@@ -719,7 +775,8 @@ template <bool OUT_BF16>
 __global__ void __launch_bounds__(128) merge_kernel(const Params p) {
   grid_dependency_wait();  // nothing before it: the grids before this one may still run
   launch_dependents();
-  merge_block<OUT_BF16>(p, blockIdx.x, blockIdx.y, threadIdx.x, blockDim.x);
+  __shared__ float mx_sh[1], sum_sh[1];
+  merge_heads<OUT_BF16>(p, blockIdx.x, 1, blockIdx.y, threadIdx.x, blockDim.x, mx_sh, sum_sh);
 }
 
 // Tiles ahead a warp prefetches into L2 (Params::l2_ahead), for every launch of this process:
@@ -894,9 +951,10 @@ struct Emulator {
         },
         options);
     if (p.num_partitions > 1 && !p.counters)
-      emulate::run_grid(p.num_heads, plan.batch, 1, 128, 0,
-                        [&](unsigned x, unsigned y, unsigned, int tid, void*) {
-                          merge_block<QBF16>(p, x, y, tid, 128);
+      emulate::run_grid(p.num_heads, plan.batch, 1, 128, 2 * sizeof(float),
+                        [&](unsigned x, unsigned y, unsigned, int tid, void* smem) {
+                          float* sh = static_cast<float*>(smem);
+                          merge_heads<QBF16>(p, x, 1, y, tid, 128, sh, sh + 1);
                         });
     return 0;
 #endif
