@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import math
 import time
 
 import torch
@@ -136,8 +137,21 @@ SWEEP_PARTITIONS = (256, 512, 768, 1024, 1536, 2048, 4096, 8192)
 L2_AHEAD = (0, 1, 2, 4)  # tiles a warp prefetches ahead into L2, timed at the planned size
 
 
+def wave_sizes(batch: int, capacity: int, sms: int) -> set[int]:
+    """Partition sizes whose blocks fill whole waves of 2, 3 or 4 blocks an SM (the kernel's
+    launch bound asks for 3): a second, partial wave runs as long as a full one, so these are
+    the sizes the sweep must see to tell whether the planner should count waves."""
+    groups = batch * KV_HEADS * math.ceil(HEADS // KV_HEADS / 8)  # blocks a partition
+    sizes = set()
+    for per_sm in (2, 3, 4):
+        parts = max(1, per_sm * sms // groups)
+        sizes.add(math.ceil(math.ceil(capacity / parts) / BLOCK) * BLOCK)
+    return sizes
+
+
 def sweep(lib, kv_quant: str, batch: int, ctx: int, device: torch.device, sms: int) -> None:
-    """One row: the planned partition size against every size of SWEEP_PARTITIONS that fits."""
+    """One row: the planned partition size against every size of SWEEP_PARTITIONS and of
+    wave_sizes that fits."""
     spec, kv, tables, lens = make_pool(kv_quant, batch, ctx, device)
     q = torch.randn(batch, HEADS, DIM, device=device, dtype=torch.float16)
     out = torch.empty_like(q)
@@ -145,7 +159,8 @@ def sweep(lib, kv_quant: str, batch: int, ctx: int, device: torch.device, sms: i
     planned = lib.lsq_paged_decode_partition_size(batch, HEADS, KV_HEADS, width, BLOCK, sms)
     counters = counters_for(batch, device)
     timed = {}
-    for part in sorted({planned, *(p for p in SWEEP_PARTITIONS if p <= width * BLOCK)}):
+    sizes = {planned, *SWEEP_PARTITIONS, *wave_sizes(batch, width * BLOCK, sms)}
+    for part in sorted(p for p in sizes if p <= width * BLOCK):
         floats = lib.lsq_paged_decode_workspace_floats(batch, HEADS, DIM, width, BLOCK, part)
         workspace = torch.empty(max(floats, 1), dtype=torch.float32, device=device)
         call = csrc_call(lib, q, out, kv, tables, lens, part, workspace, False, counters)
