@@ -244,6 +244,24 @@ def test_unfused_pointwise_ops_are_torchs(csrc: Counting, monkeypatch) -> None:
     assert not csrc.calls, csrc.calls
 
 
+def test_swapped_tiles_can_be_left_out_of_the_plans(csrc: Counting, monkeypatch) -> None:
+    """LITESERVE_CUDA_SWAP=0 (the GPU check's A/B switch): the planner never sees them, where
+    by default it plans a Llama-3-8B decode GEMM on one."""
+    from runtime.kernels.cuda import gemm_plan
+    from runtime.kernels.cuda.backend import CudaBackend
+
+    default = CudaBackend(torch.device("cpu"), {}, csrc)
+    assert any(c.swap_ab for c in default.configs)
+    assert default._plan(1, 6144, 4096, 128, None).tile.swap_ab
+    monkeypatch.setenv("LITESERVE_CUDA_SWAP", "0")
+    unswapped = CudaBackend(torch.device("cpu"), {}, csrc)
+    assert "LITESERVE_CUDA_SWAP=0" in unswapped.detail
+    assert unswapped.configs and not any(c.swap_ab for c in unswapped.configs)
+    for m in gemm_plan.M_BUCKETS[:5]:
+        plan = unswapped._plan(m, 6144, 4096, 128, None)
+        assert not plan.tile.swap_ab, plan
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 37])
 @pytest.mark.parametrize("kv_quant", ["none", "int8", "int4"])

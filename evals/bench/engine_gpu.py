@@ -50,7 +50,7 @@ import torch
 from runtime.config import EngineConfig
 from runtime.engine.engine import Engine
 from runtime.engine.sampler import SamplingParams
-from runtime.kernels.cuda.backend import PDL_ENV
+from runtime.kernels.cuda.backend import PDL_ENV, SWAP_ENV
 from runtime.kernels.triton.launch import PDL_ENV as TRITON_PDL_ENV
 
 
@@ -426,6 +426,9 @@ def cmd_decode(a: argparse.Namespace) -> None:
     if backend == "cuda":
         what = "programmatic dependent launch (sm_90) against plain stream order"
         with mock.patch.dict(os.environ, {PDL_ENV: "0"}):
+            compare_decode(a, fields, runs, start_s, "", None, what)
+        what = f"the GEMM plans with the swapped decode tiles against those without ({SWAP_ENV}=0)"
+        with mock.patch.dict(os.environ, {SWAP_ENV: "0"}):
             compare_decode(a, fields, runs, start_s, "", None, what)
     if backend == "triton":  # opt-in there: the other engine is the one with it
         what = f"plain stream order against programmatic dependent launch ({TRITON_PDL_ENV}=1)"

@@ -13,7 +13,8 @@ result), the residual add with the RMSNorm after it (``lsq_add_rms_norm``) and S
 its launch and tail. ``LITESERVE_CUDA_FUSED=0`` runs torch's ops instead (to measure the gain).
 On sm_90 and newer the csrc kernels launch with programmatic dependent launch, each starting
 while the one before it finishes (csrc/common.cuh); ``LITESERVE_CUDA_PDL=0`` turns that off
-for the process.
+for the process. ``LITESERVE_CUDA_SWAP=0`` plans the GEMMs without the decode tiles that swap
+the mma's operands (csrc/README.md), to time them against the others end to end.
 
 Prefill-sized GEMMs may run as the weights dequantized plus a dense GEMM (cuBLAS) where the
 planner finds that faster (runtime/kernels/cuda/gemm_plan.py; ``lite tune`` pins either).
@@ -58,6 +59,7 @@ HEAD_DIMS = (64, 96, 128)  # what the decode attention kernel is instantiated fo
 EMULATED_SMS, EMULATED_ARCH = 132, "sm_90"  # the emulated GPU plans its launches as an H200
 FUSED_ENV = "LITESERVE_CUDA_FUSED"  # "0": torch's pointwise ops instead of the csrc kernels
 PDL_ENV = "LITESERVE_CUDA_PDL"  # "0": plain stream order instead of programmatic launch
+SWAP_ENV = "LITESERVE_CUDA_SWAP"  # "0": the GEMM planner without the swapped decode tiles
 
 
 @dataclass
@@ -89,7 +91,8 @@ class CudaBackend(GpuBackend):
             if self.emulated
             else torch.cuda.get_device_properties(device).multi_processor_count
         )
-        self.configs = gemm_plan.configs(lib)
+        self.swap = os.environ.get(SWAP_ENV) != "0"
+        self.configs = tuple(c for c in gemm_plan.configs(lib) if self.swap or not c.swap_ab)
         self.fused = os.environ.get(FUSED_ENV) != "0"
         self.pdl = os.environ.get(PDL_ENV) != "0"
         lib.lsq_programmatic_launch(int(self.pdl))  # process-wide: this engine's choice
@@ -99,7 +102,10 @@ class CudaBackend(GpuBackend):
         where = ", emulated on the CPU" if self.emulated else ""
         unfused = "" if self.fused else f", torch's pointwise ops ({FUSED_ENV}=0)"
         serial = "" if self.pdl else f", no programmatic launch ({PDL_ENV}=0)"
-        self.detail = f"{self.arch}: csrc {Path(lib._name).name}{where}, {tuned}{unfused}{serial}"
+        unswapped = "" if self.swap else f", no swapped GEMM tiles ({SWAP_ENV}=0)"
+        self.detail = (
+            f"{self.arch}: csrc {Path(lib._name).name}{where}, {tuned}{unfused}{serial}{unswapped}"
+        )
 
     def _stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream
