@@ -826,6 +826,29 @@ LSQ_HD uint32_t movmatrix_trans(uint32_t x) {
 #endif
 }
 
+#ifndef __CUDA_ARCH__
+namespace emulate {
+// ldmatrix with `count` 8x8 matrices (ldmatrix_x4, ldmatrix_x2): lane 8j + i gives the address
+// of row i of matrix j (lanes from 8 count on give none); register j of lane (g, t) receives
+// row g, elements 2t..2t+1 of matrix j.
+inline void ldmatrix(uint32_t* r, int count, SharedAddr row) {
+  const int me = thread_index(), warp0 = me & ~31, lane = me & 31;
+  if (lane < 8 * count)
+    require_shared(row, 16, 16, "ldmatrix: row not 16-byte aligned shared memory");
+  const uintptr_t mine = reinterpret_cast<uintptr_t>(row);
+  exchange_slot(me)[0] = static_cast<uint32_t>(mine);
+  exchange_slot(me)[1] = static_cast<uint32_t>(static_cast<uint64_t>(mine) >> 32);
+  warp_wait();
+  for (int j = 0; j < count; ++j) {
+    const uint32_t* src = exchange_slot(warp0 + 8 * j + lane / 4);
+    const uintptr_t at = static_cast<uintptr_t>(src[0] | (static_cast<uint64_t>(src[1]) << 32));
+    memcpy(&r[j], reinterpret_cast<const uint8_t*>(at) + 4 * (lane % 4), 4);
+  }
+  warp_wait();
+}
+}  // namespace emulate
+#endif
+
 // ldmatrix.x4: four 8x8 matrices of 16-bit elements from shared memory. Lane 8j + i gives the
 // address of row i of matrix j (16 bytes, 16-byte aligned); register j of lane (g, t) receives
 // row g, elements 2t..2t+1 of matrix j (g = lane / 4, t = lane % 4), the fragment layout of mma.
@@ -835,44 +858,19 @@ LSQ_HD void ldmatrix_x4(uint32_t (&r)[4], SharedAddr row) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(row));
 #else
-  emulate::require_shared(row, 16, 16, "ldmatrix: row not 16-byte aligned shared memory");
-  const int me = emulate::thread_index();
-  const uintptr_t mine = reinterpret_cast<uintptr_t>(row);
-  emulate::exchange_slot(me)[0] = static_cast<uint32_t>(mine);
-  emulate::exchange_slot(me)[1] = static_cast<uint32_t>(static_cast<uint64_t>(mine) >> 32);
-  emulate::warp_wait();
-  const int warp0 = me & ~31, lane = me & 31;
-  for (int j = 0; j < 4; ++j) {
-    const uint32_t* src = emulate::exchange_slot(warp0 + 8 * j + lane / 4);
-    const uintptr_t at = static_cast<uintptr_t>(src[0] | (static_cast<uint64_t>(src[1]) << 32));
-    memcpy(&r[j], reinterpret_cast<const uint8_t*>(at) + 4 * (lane % 4), 4);
-  }
-  emulate::warp_wait();
+  emulate::ldmatrix(r, 4, row);
 #endif
 }
 
-// ldmatrix.x2: two 8x8 matrices; lanes 0..15 give the row addresses (lane 8j + i: row i of
-// matrix j; the other lanes' are ignored); register j as in ldmatrix_x4.
+// ldmatrix.x2: two 8x8 matrices; lanes 0..15 give the row addresses (the other lanes' are
+// ignored); register j as in ldmatrix_x4.
 LSQ_HD void ldmatrix_x2(uint32_t (&r)[2], SharedAddr row) {
 #ifdef __CUDA_ARCH__
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
                : "=r"(r[0]), "=r"(r[1])
                : "r"(row));
 #else
-  const int me = emulate::thread_index();
-  const int warp0 = me & ~31, lane = me & 31;
-  if (lane < 16)
-    emulate::require_shared(row, 16, 16, "ldmatrix: row not 16-byte aligned shared memory");
-  const uintptr_t mine = reinterpret_cast<uintptr_t>(row);
-  emulate::exchange_slot(me)[0] = static_cast<uint32_t>(mine);
-  emulate::exchange_slot(me)[1] = static_cast<uint32_t>(static_cast<uint64_t>(mine) >> 32);
-  emulate::warp_wait();
-  for (int j = 0; j < 2; ++j) {
-    const uint32_t* src = emulate::exchange_slot(warp0 + 8 * j + lane / 4);
-    const uintptr_t at = static_cast<uintptr_t>(src[0] | (static_cast<uint64_t>(src[1]) << 32));
-    memcpy(&r[j], reinterpret_cast<const uint8_t*>(at) + 4 * (lane % 4), 4);
-  }
-  emulate::warp_wait();
+  emulate::ldmatrix(r, 2, row);
 #endif
 }
 

@@ -111,7 +111,8 @@ struct Tile {
   static constexpr int KK = BK / 16;                // 16-deep slices per k-step
   static constexpr int KW = KK / WK;                // of them, one warp's (a contiguous run)
   static constexpr int ACC = MT * NT * (SWAP ? 4 : 8);  // fp32 accumulators per thread
-  // [m16 tile][weight tile][n8 half][C element], SWAP: [n8 tile of x's rows][weight tile][C element]
+  // [m16 tile][weight tile][n8 half][C element]; SWAP: [n8 tile of x's rows][weight tile][C
+  // element]
   using Acc = std::conditional_t<SWAP, float[MT][NT][4], float[MT][NT][2][4]>;
   // the partial tiles of warps 1 .. WK-1 along k, in shared memory after the main loop
   static constexpr int REDUCE_BYTES = (WK - 1) * WM * WN * 32 * ACC * 4;
