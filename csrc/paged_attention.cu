@@ -66,6 +66,11 @@ constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kTile = 16;  // tokens per warp step (the m of the score mma, the k of P.V)
 constexpr int kHeads = 8;  // query heads per block (the n of both mmas)
+constexpr int kMinBlocks = 3;  // decode blocks an SM holds at once (its __launch_bounds__)
+// The partition planner's model (lsq_paged_decode_partition_size): a block's fixed cost in
+// tokens' worth of streaming, and the shortest partition it makes.
+constexpr int kBlockTokens = 64;
+constexpr int kMinPartition = 256;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr uint32_t kMagic = 0x64006400u;      // fp16x2 (1024, 1024)
 constexpr uint32_t kSixteenth = 0x2c002c00u;  // fp16x2 (1/16, 1/16)
@@ -764,7 +769,7 @@ LSQ_HD void decode_block(const Params& p, unsigned bx, unsigned by, unsigned bz,
 }
 
 template <int KIND, bool QBF16, int D>
-__global__ void __launch_bounds__(kThreads, 3) decode_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, kMinBlocks) decode_kernel(const Params p) {
   grid_dependency_wait();  // nothing before it: the grids before this one may still run
   launch_dependents();
   __shared__ Smem<D> sm;
@@ -1016,11 +1021,17 @@ int64_t lsq_paged_decode_workspace_floats(int64_t batch, int64_t num_heads, int6
   return parts > 1 ? batch * num_heads * parts * (head_dim + 2) : 0;
 }
 
-// A partition size (tokens, a multiple of block_size) for a launch shape: enough partitions
-// that batch * kv-head blocks * partitions reaches about 4 blocks per SM, but no partition
-// under 256 tokens (rounded up to whole blocks) and none beyond the table's capacity. Depends
-// only on the shape, never on context lengths, so a CUDA graph captured with it stays valid.
-// -1 for bad arguments.
+// A partition size (tokens, a multiple of block_size) for a launch shape, by a small model of
+// the launch: the SMs hold kMinBlocks decode blocks each at once, a block's time grows with its
+// tokens (each warp walks its tiles one after another) plus a fixed cost (set-up, the partial's
+// write and count), and a wave that is only partly full still takes a block's whole time. So
+// the launch costs ceil(blocks / slots) * (size + kBlockTokens), plus the last block's merge
+// (a round trip per 4 partitions, each about a tile's time, and 2-4 more for the maxima and
+// sums). The size with the least cost wins, the larger on ties; none under 256 tokens (rounded
+// up to whole blocks) unless the table is shorter. Before, the size aimed at 4 blocks an SM:
+// 1.3 waves of 3 at batch 1 and 32k tokens, 1.45 at batch 8. Depends only on the shape,
+// never on context lengths, so a CUDA graph captured with it stays valid. -1 for bad
+// arguments.
 int64_t lsq_paged_decode_partition_size(int64_t batch, int64_t num_heads, int64_t num_kv_heads,
                                         int64_t max_blocks, int64_t block_size,
                                         int64_t num_sms) {
@@ -1028,14 +1039,22 @@ int64_t lsq_paged_decode_partition_size(int64_t batch, int64_t num_heads, int64_
       max_blocks < 1 || block_size < 1 || num_sms < 1)
     return -1;
   const int64_t chunks = (num_heads / num_kv_heads + lsq_pa::kHeads - 1) / lsq_pa::kHeads;
-  const int64_t per_partition = batch * num_kv_heads * chunks;
-  const int64_t wanted = (4 * num_sms + per_partition - 1) / per_partition;
+  const int64_t groups = batch * num_kv_heads * chunks;  // blocks a partition
+  const int64_t slots = lsq_pa::kMinBlocks * num_sms;
   const int64_t capacity = max_blocks * block_size;
-  int64_t size = (capacity + wanted - 1) / wanted;
-  const int64_t floor = 256;
-  if (size < floor) size = floor;
-  size = (size + block_size - 1) / block_size * block_size;
-  return size < capacity ? size : capacity;
+  const int64_t floor = (lsq_pa::kMinPartition + block_size - 1) / block_size * block_size;
+  int64_t best = capacity, best_cost = -1;
+  for (int64_t parts = 1; parts <= max_blocks; ++parts) {  // fewer partitions first: ties keep
+    const int64_t blocks_per = (max_blocks + parts - 1) / parts;  // the shortest size for parts
+    if ((max_blocks + blocks_per - 1) / blocks_per != parts) continue;  // no size makes parts
+    const int64_t size = blocks_per * block_size;
+    if (parts > 1 && size < floor) break;  // sizes only shrink from here
+    const int64_t waves = (groups * parts + slots - 1) / slots;
+    const int64_t merge = parts > 1 ? lsq_pa::kTile * (parts / 4 + 4) : 0;
+    const int64_t cost = waves * (size + lsq_pa::kBlockTokens) + merge;
+    if (best_cost < 0 || cost < best_cost) best = size, best_cost = cost;
+  }
+  return best;
 }
 
 // The same computation run on the CPU by the SIMT emulator (csrc/simt.cuh), on host pointers:
