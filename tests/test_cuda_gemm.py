@@ -373,6 +373,8 @@ def test_pinned_plans(table: tuple[gp.TileConfig, ...]) -> None:
         gp.plan(table, 200, n, k, gs, SMS, pinned={key: {**entry, "split_k": 999}})
     with pytest.raises(ValueError, match="keys"):
         gp.plan(table, 200, n, k, gs, SMS, pinned={key: {"config": 1}})
+    old = {f: v for f, v in table[1].shape().items() if f != "swap_ab"}  # pinned before it
+    assert gp.plan(table, 1, n, k, gs, SMS, pinned={1: {**old, "split_k": 3}}).tile is table[1]
     dequant = gp.plan(table, 200, n, k, gs, SMS, pinned={256: {"dequant": 1}})
     assert dequant == gp.DequantPlan(200, n, k) and dequant.to_dict() == {"dequant": 1}
     assert dequant.scratch_bytes == 2 * n * k and dequant.workspace_floats == 0

@@ -446,6 +446,8 @@ def _pinned_plan(
         raise ValueError(f"pinned {key}: expected a mapping, got {type(entry).__name__}")
     if dict(entry) == DequantPlan(m, n, k).to_dict():
         return DequantPlan(m, n, k)
+    if "swap_ab" not in entry:  # pinned before the swapped tiles existed: an unswapped one
+        entry = {**entry, "swap_ab": 0}
     want = {*TILE_FIELDS, "split_k"}
     if set(entry) != want:
         raise ValueError(
