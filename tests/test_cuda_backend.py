@@ -266,10 +266,16 @@ def test_swapped_tiles_can_be_left_out_of_the_plans(csrc: Counting, monkeypatch)
 @pytest.mark.parametrize("window", [None, 37])
 @pytest.mark.parametrize("kv_quant", ["none", "int8", "int4"])
 def test_decode_attention(backend, kv_quant: str, window: int | None, dtype) -> None:
-    """Three sequences of 1, 40 and 300 tokens, 8 heads over 2 KV heads of 64, blocks of 16:
-    the step metadata as the engine's static decode buffers hold it."""
-    lens = [1, 40, 300]
+    """Four sequences of 1, 40, 300 and 1200 tokens, 8 heads over 2 KV heads of 64, blocks of
+    16: the step metadata as the engine's static decode buffers hold it. The table's width
+    makes several partitions, merged in the launch through the backend's workspace and
+    counters."""
+    lens = [1, 40, 300, 1200]
     cache, tables, gen = cuda_lib.build_pool(kv_quant, dtype, 16, lens, 2, 64, seed=5)
+    size = backend.lib.lsq_paged_decode_partition_size(
+        len(lens), 8, 2, tables.shape[1], 16, backend.sm_count
+    )
+    assert -(-tables.shape[1] * 16 // size) > 1, size  # several partitions
     q = torch.randn(len(lens), 8, 64, generator=gen).to(dtype)
     attn = backend.decode_attn(tables, torch.tensor(lens, dtype=torch.int32))
     out = backend.attention(q, cache.layer(0), attn, 0.125, window)
