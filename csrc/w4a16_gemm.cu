@@ -16,7 +16,9 @@
 // ldmatrix.x4 and, per 16x16 weight tile, ONE 32-bit shared load: that word is the B fragment of
 // both n8 halves. The word becomes four fp16x2 (or bf16x2) registers with lop3 and magic-number
 // arithmetic (no per-element shifts or converts), one fma2 per register applies the group's
-// (s, b), and two mma.sync.m16n8k16 (fp32 accumulate) per m16 row tile consume them.
+// (s, b), and two mma.sync.m16n8k16 (fp32 accumulate) per m16 row tile consume them. The
+// swapped decode tiles (SWAP, below) use the same word as the A fragment instead, x^T from
+// ldmatrix.x2 as B, and apply (s, b) in fp32 after the mma.
 //
 // Split-K writes fp32 partials to workspace[split, M, Np] (plain stores, each element written by
 // exactly one thread) and lsq_reduce_splits sums them in split order 0, 1, ... into y: the
