@@ -497,7 +497,8 @@ def test_emulated_strides_and_padding_left_alone(
             x = torch.randn(m * (k + 3) + 1, generator=gen).to(dtype)[1:].view(m, k + 3)[:, :k]
         assert (x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0) == aligned
         ref = cuda_lib.gemm_reference(x, qweight, qparams, n, k, gs)
-        for config, split in ((0, 1), (4, 2)):
+        swapped = [c.id for c in table if c.swap_ab][:2]  # their scalar stores of y, and splits
+        for config, split in ((0, 1), (4, 2), (swapped[0], 1), (swapped[1], 2)):
             out = torch.full((m + 2, n + (5 if aligned else 4)), float("nan"), dtype=dtype)
             y = out[:m, :n]
             _emulated(lib, x, qweight, qparams, n, k, gs, config, split, y=y)
