@@ -14,9 +14,9 @@ pool, so it is their rounding difference, ~1e-3 for fp16).
 
 --sweep times, at the longest context of each batch and KV kind, partition sizes from 256
 tokens to a few thousand, and those whose blocks fill whole waves, against the one
-lsq_paged_decode_partition_size plans (a model of waves of 3 blocks an SM): the data its rule is
-to be fit to (issue 12; at batch 1 the fixed cost of each block,
-its Q fragments, the warps' merge and the partials, weighs against the waves of blocks), and
+lsq_paged_decode_partition_size plans (a model of waves of 3 blocks an SM): the data its rule
+is to be fit to (issue 12; at batch 1 the fixed cost of each block, its Q fragments, the
+warps' merge and the partials, weighs against the waves of blocks), and
 at the planned size how far ahead each warp prefetches its K and V into L2 (0, 1, 2 or 4 tiles;
 `lsq_paged_decode_l2_prefetch`, default 2): bytes in flight without registers, for the
 quantized pools whose register buffers hold little; and the partitions merged by a second
