@@ -81,7 +81,8 @@ constexpr int kDtypeFp16 = 2;
   X(9, 16, 64, 128, 1, 2, 4, 4, 2, 0)   /* decode: narrow N, 8 warps, k split 4 ways */      \
   X(10, 8, 128, 128, 1, 4, 1, 4, 4, 1)  /* decode, swapped: M <= 8 */                        \
   X(11, 8, 128, 128, 1, 4, 2, 4, 2, 1)  /* decode, swapped: M <= 8, 8 warps, k split 2 */    \
-  X(12, 16, 128, 128, 1, 4, 1, 4, 2, 1) /* decode, swapped: M 9..16 */
+  X(12, 16, 128, 128, 1, 4, 1, 4, 2, 1) /* decode, swapped: M 9..16 */                     \
+  X(13, 16, 128, 128, 1, 4, 2, 4, 2, 1) /* decode, swapped: M 9..16, 8 warps, k split 2 */
 
 struct ConfigInfo {
   int block_m, block_n, block_k, warps, warps_m, warps_k, stages, swap;

@@ -35,7 +35,7 @@ from tests.conftest import GPU
 
 ARCHS = cuda_lib.ARCHS
 SMS = 132  # an H200
-CONFIGS, DECODE_CONFIGS = 13, 8  # the decode tiles (block_m <= 16) are compiled per group size
+CONFIGS, DECODE_CONFIGS = 14, 9  # the decode tiles (block_m <= 16) are compiled per group size
 TILE_KERNELS = 2 * (DECODE_CONFIGS * len(gp.GROUP_SIZES) + CONFIGS - DECODE_CONFIGS)  # x 2 dtypes
 KERNELS = TILE_KERNELS + 4  # and the split-K reduction and the dequantization, x 2 dtypes
 INVALID = 1  # cudaErrorInvalidValue
