@@ -2,9 +2,10 @@
 on the same pools in the same run: issue 12's decode-attention targets.
 
 Llama-3-8B heads (32 query, 8 KV, dim 128), block size 64, one token per sequence over 1k..32k
-cached tokens, fp16 / int8 / int4 KV. Both kernels are timed as CUDA-graph replays (how the
-engine runs decode), so launch overhead on the host is not in the figures. Prints per shape the
-time, the KV bytes read per second and the speed-up over Triton, then the targets:
+cached tokens, fp16 / int8 / int4 KV. Both kernels are timed back to back in CUDA graphs (how the
+engine runs decode), each launch on its own block tables into a pool several times the L2
+(`gpu_timing.py`), so neither the host's launch time nor L2 reuse is in the figures. Prints per
+shape the time, the KV bytes read per second and the speed-up over Triton, then the targets:
 
 * int8 KV at batch 8, 32k tokens: at least 1.6x faster than fp16 KV (it reads half the bytes);
 * fp16 KV at batch 1, 32k tokens: at least 2.5 TB/s of KV read.
@@ -40,6 +41,7 @@ import math
 import time
 
 import torch
+from gpu_timing import TIMING, copies_for, graph_ms, launch_floor_ms
 
 from runtime.kernels.cuda import library
 from runtime.kv.cache import KVCache
@@ -68,9 +70,17 @@ def setup(quick: bool) -> tuple[torch.device, ctypes.CDLL, int]:
     return device, lib, sms
 
 
-def make_pool(kv_quant: str, batch: int, ctx: int, device: torch.device):
+def kv_bytes(kv_quant: str, batch: int, ctx: int) -> int:
+    """The KV bytes one decode launch reads (codes or values and their parameters)."""
+    return batch * ctx * KVSpec(1, KV_HEADS, DIM, BLOCK, kv_quant, torch.float16).bytes_per_token()
+
+
+def make_pool(kv_quant: str, batch: int, ctx: int, device: torch.device, copies: int = 1):
+    """A random pool of ``copies`` times the blocks of ``batch`` sequences of ``ctx`` tokens,
+    and ``copies`` block tables [copies, batch, width] over disjoint blocks of it (a launch per
+    table reads other bytes than the one before)."""
     spec = KVSpec(1, KV_HEADS, DIM, BLOCK, kv_quant, torch.float16)
-    blocks = batch * -(-ctx // BLOCK)
+    blocks = copies * batch * -(-ctx // BLOCK)
     kv = KVCache(spec, blocks, device).layer(0)
     for t in (kv.k, kv.v):
         t.copy_(torch.randint_like(t, 0, 255) if t.dtype == torch.uint8 else torch.randn_like(t))
@@ -79,7 +89,7 @@ def make_pool(kv_quant: str, batch: int, ctx: int, device: torch.device):
             t.fill_(0.01)
         for t in (kv.k_zero, kv.v_zero):
             t.fill_(-1.0)
-    tables = torch.randperm(blocks, device=device, dtype=torch.int32).view(batch, -1)
+    tables = torch.randperm(blocks, device=device, dtype=torch.int32).view(copies, batch, -1)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
     return spec, kv, tables, lens
 
@@ -116,24 +126,6 @@ def csrc_call(lib, q, out, kv, tables, lens, partition, workspace, emulate: bool
     return run
 
 
-def graph_ms(fn, iters: int = 50) -> float:
-    """Milliseconds per replay of fn captured in a CUDA graph (after a warm-up call)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
 SWEEP_PARTITIONS = (256, 512, 768, 1024, 1536, 2048, 4096, 8192)
 L2_AHEAD = (0, 1, 2, 4)  # tiles a warp prefetches ahead into L2, timed at the planned size
 
@@ -150,13 +142,21 @@ def wave_sizes(batch: int, capacity: int, sms: int) -> set[int]:
     return sizes
 
 
+def rotation(lib, q, out, kv, tables, lens, partition, workspace, counters=None) -> list:
+    """One launch per copy of the block tables (make_pool), for gpu_timing.graph_ms."""
+    return [
+        csrc_call(lib, q, out, kv, t, lens, partition, workspace, False, counters) for t in tables
+    ]
+
+
 def sweep(lib, kv_quant: str, batch: int, ctx: int, device: torch.device, sms: int) -> None:
     """One row: the planned partition size against every size of SWEEP_PARTITIONS and of
     wave_sizes that fits."""
-    spec, kv, tables, lens = make_pool(kv_quant, batch, ctx, device)
+    copies = copies_for(kv_bytes(kv_quant, batch, ctx), device)
+    spec, kv, tables, lens = make_pool(kv_quant, batch, ctx, device, copies)
     q = torch.randn(batch, HEADS, DIM, device=device, dtype=torch.float16)
     out = torch.empty_like(q)
-    width = tables.shape[1]
+    width = tables.shape[-1]
     planned = lib.lsq_paged_decode_partition_size(batch, HEADS, KV_HEADS, width, BLOCK, sms)
     counters = counters_for(batch, device)
     timed = {}
@@ -164,8 +164,7 @@ def sweep(lib, kv_quant: str, batch: int, ctx: int, device: torch.device, sms: i
     for part in sorted(p for p in sizes if p <= width * BLOCK):
         floats = lib.lsq_paged_decode_workspace_floats(batch, HEADS, DIM, width, BLOCK, part)
         workspace = torch.empty(max(floats, 1), dtype=torch.float32, device=device)
-        call = csrc_call(lib, q, out, kv, tables, lens, part, workspace, False, counters)
-        timed[part] = graph_ms(call)
+        timed[part] = graph_ms(rotation(lib, q, out, kv, tables, lens, part, workspace, counters))
     best = min(timed, key=timed.get)
     cells = ", ".join(f"{p}: {ms:.4f}" for p, ms in timed.items())
     floats = lib.lsq_paged_decode_workspace_floats(batch, HEADS, DIM, width, BLOCK, planned)
@@ -174,11 +173,11 @@ def sweep(lib, kv_quant: str, batch: int, ctx: int, device: torch.device, sms: i
     for tiles in L2_AHEAD:  # set before the capture: the launch's parameters are baked in
         before = lib.lsq_paged_decode_l2_prefetch(tiles)
         try:
-            call = csrc_call(lib, q, out, kv, tables, lens, planned, workspace, False, counters)
-            ahead.append(f"{graph_ms(call):.4f}")
+            calls = rotation(lib, q, out, kv, tables, lens, planned, workspace, counters)
+            ahead.append(f"{graph_ms(calls):.4f}")
         finally:
             lib.lsq_paged_decode_l2_prefetch(before)
-    two = graph_ms(csrc_call(lib, q, out, kv, tables, lens, planned, workspace, False))
+    two = graph_ms(rotation(lib, q, out, kv, tables, lens, planned, workspace))
     print(
         f"| {kv_quant} | {batch} | {ctx} | {planned} | {timed[planned]:.4f} | {best} | "
         f"{timed[best]:.4f} | {timed[planned] / timed[best]:.2f}x | {' / '.join(ahead)} | "
@@ -189,33 +188,27 @@ def sweep(lib, kv_quant: str, batch: int, ctx: int, device: torch.device, sms: i
 def measure(lib, kv_quant: str, batch: int, ctx: int, device: torch.device, sms: int, quick: bool):
     """(partition size, csrc ms, triton ms, max |csrc - triton|, KV bytes read) of one shape;
     in --quick mode only the emulated call runs (times and difference are None)."""
-    spec, kv, tables, lens = make_pool(kv_quant, batch, ctx, device)
+    nbytes = kv_bytes(kv_quant, batch, ctx)
+    spec, kv, tables, lens = make_pool(kv_quant, batch, ctx, device, copies_for(nbytes, device))
     q = torch.randn(batch, HEADS, DIM, device=device, dtype=torch.float16)
     out = torch.empty_like(q)
-    width = tables.shape[1]
+    width = tables.shape[-1]
     part = lib.lsq_paged_decode_partition_size(batch, HEADS, KV_HEADS, width, BLOCK, sms)
     floats = lib.lsq_paged_decode_workspace_floats(batch, HEADS, DIM, width, BLOCK, part)
     workspace = torch.empty(max(floats, 1), dtype=torch.float32, device=device)
-    run = csrc_call(
-        lib, q, out, kv, tables, lens, part, workspace, quick, counters_for(batch, device)
-    )
-    kv_bytes = batch * ctx * spec.bytes_per_token()
+    counters = counters_for(batch, device)
     if quick:
-        run()
-        return part, None, None, None, kv_bytes
+        csrc_call(lib, q, out, kv, tables[0], lens, part, workspace, True, counters)()
+        return part, None, None, None, nbytes
     from runtime.kernels.triton.attention import paged_decode_attention
 
-    ms = graph_ms(run)
-    outputs: list[torch.Tensor] = []
-
-    def triton_run() -> None:
-        outputs.append(paged_decode_attention(q, kv, tables, lens, DIM**-0.5))
-
-    t_ms = graph_ms(triton_run)  # the replays write into the captured call's output
-    run()
+    ms = graph_ms(rotation(lib, q, out, kv, tables, lens, part, workspace, counters))
+    t_ms = graph_ms([lambda t=t: paged_decode_attention(q, kv, t, lens, DIM**-0.5) for t in tables])
+    csrc_call(lib, q, out, kv, tables[0], lens, part, workspace, False, counters)()
+    theirs = paged_decode_attention(q, kv, tables[0], lens, DIM**-0.5)
     torch.cuda.synchronize()
-    diff = (out.float() - outputs[-1].float()).abs().max().item()
-    return part, ms, t_ms, diff, kv_bytes
+    diff = (out.float() - theirs.float()).abs().max().item()
+    return part, ms, t_ms, diff, nbytes
 
 
 def main() -> None:
@@ -230,7 +223,10 @@ def main() -> None:
     contexts = (200,) if a.quick else tuple(int(c) for c in a.contexts.split(","))
     name = "CPU (emulated)" if a.quick else torch.cuda.get_device_name(device)
     print(f"# csrc paged decode attention on {name}, torch {torch.__version__}")
-    print(f"{HEADS} heads / {KV_HEADS} KV heads, dim {DIM}, block {BLOCK}; CUDA-graph replays\n")
+    print(f"{HEADS} heads / {KV_HEADS} KV heads, dim {DIM}, block {BLOCK}; {TIMING}\n")
+    if not a.quick:
+        floor = launch_floor_ms(device)
+        print(f"One launch a graph replay takes at least {floor:.4f} ms on this host.\n")
     print(
         "| kv | batch | context | partition | csrc ms | csrc TB/s | triton ms | speed-up | diff |"
     )

@@ -6,8 +6,10 @@ GEMM the triton backend runs.
 Llama-3-8B's linears (fused qkv 6144x4096, o 4096x4096, fused gate/up 28672x4096, down
 4096x14336) at group 128, bf16 activations, M = 1 .. 4096. The csrc launch is the cuda backend's
 (runtime/kernels/cuda/gemm_plan.py picks the tile config and split-K for this GPU's SM count).
-Every kernel is timed as CUDA-graph replays (how the engine runs decode: host launch overhead
-is not in the figures). Each output is compared with the dequantized weights' bf16 matmul
+Every kernel is timed back to back in CUDA graphs (how the engine runs decode), cycling through
+copies of its weights that together exceed the L2 (`gpu_timing.py`), so neither the host's
+launch time nor L2 reuse is in the figures: each launch streams its weights from HBM, as each
+layer's do in a decode step. Each output is compared with the dequantized weights' bf16 matmul
 (relative Frobenius error), so a wrong layout or packing shows here and not as a fast time.
 Where the plan is the dequantized weights plus a dense GEMM (prefill-sized M), the fused
 kernel's best launch by the planner's model is timed too. Prints one row per shape and M, then
@@ -37,13 +39,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
 import torch
 
 # run as a script, this folder is first on sys.path: the attention bench's timing and loading
-from cuda_attention import graph_ms, setup
+from cuda_attention import setup
+from gpu_timing import TIMING, copies_for, graph_ms, launch_floor_ms
 
 from runtime.artifact.layout import dequantize, pack_qparams, pack_qweight
 from runtime.kernels.cuda import gemm_plan, w4a16
@@ -90,10 +94,37 @@ class Weight:
         pairs = torch.stack([s, b + 8 * s], dim=-1).transpose(0, 1)  # [groups, n, 2]
         return packed, pairs.contiguous().to(torch.bfloat16).to(device)
 
+    @functools.cached_property
+    def packed_copies(self) -> list[tuple[torch.Tensor, ...]]:
+        """(qweight, qparams) and its clones, for timing (:func:`rotated`)."""
+        return rotated(self.qweight, self.qparams)
 
-def csrc_call(lib, w: Weight, x: torch.Tensor, plan: gemm_plan.Plan, emulate: bool):
-    """The cuda backend's y = x @ W_hat^T under ``plan``, as a call returning y."""
-    return lambda: w4a16.linear(lib, x, w.qweight, w.qparams, w.n, w.k, w.gs, plan, emulate)
+    @functools.cached_property
+    def dense_copies(self) -> list[tuple[torch.Tensor, ...]]:
+        return rotated(self.dense)
+
+    @functools.cached_property
+    def tinygemm_copies(self) -> list[tuple[torch.Tensor, ...]]:
+        return rotated(*self.tinygemm())
+
+
+def rotated(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """``tensors`` and enough clones of them that a round of launches, one a copy, reads each
+    from HBM rather than L2 (gpu_timing.copies_for)."""
+    n = copies_for(sum(t.numel() * t.element_size() for t in tensors), tensors[0].device)
+    return [tensors, *(tuple(t.clone() for t in tensors) for _ in range(n - 1))]
+
+
+def csrc_call(lib, w: Weight, x: torch.Tensor, plan: gemm_plan.Plan, emulate: bool, packed=()):
+    """The cuda backend's y = x @ W_hat^T under ``plan`` (on ``packed``, a copy of (qweight,
+    qparams), if given), as a call returning y."""
+    qweight, qparams = packed or (w.qweight, w.qparams)
+    return lambda: w4a16.linear(lib, x, qweight, qparams, w.n, w.k, w.gs, plan, emulate)
+
+
+def csrc_calls(lib, w: Weight, x: torch.Tensor, plan: gemm_plan.Plan) -> list:
+    """The same launch on each copy of the weights, for graph_ms."""
+    return [csrc_call(lib, w, x, plan, False, packed) for packed in w.packed_copies]
 
 
 def label(plan: gemm_plan.Plan) -> str:
@@ -122,21 +153,23 @@ def row(lib, shape: str, w: Weight, m: int, sms: int, arch: str, quick: bool) ->
     if plans[0] is not fused:
         out["fused"] = label(fused)
         out["fused_err"] = rel_err(csrc_call(lib, w, x, fused, quick)(), ref)
-    out["ms"] = graph_ms(run)
+    out["ms"] = graph_ms(csrc_calls(lib, w, x, plans[0]))
     out["err"] = rel_err(run(), ref)
     if plans[0] is not fused:
-        out["fused_ms"] = graph_ms(csrc_call(lib, w, x, fused, quick))
-    out["dense_ms"] = graph_ms(lambda: torch.matmul(x, w.dense.T))
+        out["fused_ms"] = graph_ms(csrc_calls(lib, w, x, fused))
+    out["dense_ms"] = graph_ms([lambda d=d: torch.matmul(x, d.T) for (d,) in w.dense_copies])
     from runtime.kernels.triton.gemm import heuristic_config, w4a16_gemm
 
     cfg = heuristic_config(m, w.n, w.k, w.gs)
-    out["triton_ms"] = graph_ms(lambda: w4a16_gemm(x, w.qweight, w.qparams, w.n, w.k, w.gs, cfg))
+    out["triton_ms"] = graph_ms(
+        [lambda p=p: w4a16_gemm(x, *p, w.n, w.k, w.gs, cfg) for p in w.packed_copies]
+    )
     if m <= TINYGEMM_MAX_M:
         try:
-            packed, pairs = w.tinygemm()
             mm = torch.ops.aten._weight_int4pack_mm
-            out["tiny_err"] = rel_err(mm(x, packed, w.gs, pairs), ref)
-            out["tiny_ms"] = graph_ms(lambda: mm(x, packed, w.gs, pairs))
+            tiny = [lambda p=p: mm(x, p[0], w.gs, p[1]) for p in w.tinygemm_copies]
+            out["tiny_err"] = rel_err(tiny[0](), ref)
+            out["tiny_ms"] = graph_ms(tiny)
         except (RuntimeError, NotImplementedError) as e:  # not in this torch build
             out["tiny_note"] = str(e).splitlines()[0][:80]
     return out
@@ -194,7 +227,7 @@ def sweep(
         err = rel_err(run(), ref)
         if err > ERR_LIMIT:
             raise SystemExit(f"{shape} M={m} {label(p)}: relative error {err:.1e}")
-        timed.append((None if quick else graph_ms(run), p))
+        timed.append((None if quick else graph_ms(csrc_calls(lib, w, x, p)), p))
     if quick:
         print(f"| {shape} | {m} | {label(plans[0])} | {len(timed)} launches, all within error |")
         return
@@ -272,7 +305,10 @@ def main() -> None:
     gs = QUICK_GROUP if a.quick else GROUP
     name = "CPU (emulated)" if a.quick else torch.cuda.get_device_name(device)
     print(f"# csrc W4A16 GEMM on {name}, torch {torch.__version__}")
-    print(f"group {gs}, bf16 activations, {sms} SMs planned; CUDA-graph replays\n")
+    print(f"group {gs}, bf16 activations, {sms} SMs planned; {TIMING}\n")
+    if not a.quick:
+        floor = launch_floor_ms(device)
+        print(f"One launch a graph replay takes at least {floor:.4f} ms on this host.\n")
     print(
         "| shape | M | plan | csrc ms | TB/s | dense ms | vs dense | tinygemm ms | "
         "vs tinygemm | triton ms | vs triton | fused kernel ms | err | tinygemm err |"
