@@ -339,7 +339,7 @@ def test_gpu_one_launch_merge_replays_in_a_cuda_graph(device):
     """The last partition to finish merges in the decode launch, counting in on counters that
     it sets back to 0: captured in a CUDA graph (as the engine's decode steps are) and replayed
     on new queries and longer contexts, the output equals an eager launch's, bit for bit, and
-    the capture stream's counters are 0 after every replay."""
+    the device's counters are 0 after every replay."""
     ctx = [700, 33, 1200]
     cache, tables, gen = build("int8", BF16, 16, ctx, 2, 64, seed=21)
     layer = on_device(cache, device).layer(1)
@@ -351,8 +351,7 @@ def test_gpu_one_launch_merge_replays_in_a_cuda_graph(device):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         out = paged_decode_attention(q, layer, tables, lens, 0.125)
-    with torch.cuda.stream(stream):
-        counters = arrival_counters(device)
+    counters = arrival_counters(device)
     for step in range(3):
         q.copy_(torch.randn(q.shape, generator=gen).to(device, BF16))
         lens.add_(step)

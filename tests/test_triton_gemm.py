@@ -496,7 +496,7 @@ def test_gpu_real_sizes(n: int, k: int, gs: int, dtype: torch.dtype, device: tor
 def test_gpu_split_k_sums_replay_in_a_cuda_graph(device: torch.device) -> None:
     """Split-K summed in the launch, captured in a CUDA graph as the engine's decode steps
     are: replayed on new activations, the one-row kernel and a split tile config give an eager
-    launch's bits, and the capture stream's counters are 0 after every replay."""
+    launch's bits, and the device's counters are 0 after every replay."""
     torch.manual_seed(22)
     n, k, gs = 1000, 2048, 128
     qweight, qparams = make_weight(n, k, gs, device)
@@ -514,8 +514,7 @@ def test_gpu_split_k_sums_replay_in_a_cuda_graph(device: torch.device) -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         outs = [run() for run in runs]
-    with torch.cuda.stream(stream):
-        counters = arrival_counters(device)
+    counters = arrival_counters(device)
     for step in range(3):
         x1.copy_(torch.randn_like(x1))
         x2.copy_(torch.randn_like(x2))
@@ -524,3 +523,23 @@ def test_gpu_split_k_sums_replay_in_a_cuda_graph(device: torch.device) -> None:
         for out, run in zip(outs, runs, strict=True):
             assert torch.equal(out, run()), step
         assert not counters.any(), step
+
+
+@pytest.mark.gpu
+def test_gpu_counters_are_made_outside_captures(device: torch.device) -> None:
+    """One zeroed buffer a device, whatever stream captures or replays: the engine captures a
+    decode graph per batch bucket, largest first, and replays the smaller ones first; a buffer
+    first made inside one capture would be zeroed only by that graph's replays (2026-12-05's
+    review found exactly that). Inside a capture, a buffer too small is refused, not made."""
+    counters = arrival_counters(device)
+    stream = torch.cuda.Stream(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        assert arrival_counters(device) is counters
+        assert arrival_counters(torch.device("cuda")) is counters  # the current device
+        with pytest.raises(RuntimeError, match="outside the capture first"):
+            arrival_counters(device, counters.numel() + 1)
+        done = counters[:1] + 1  # something to capture
+    graph.replay()
+    torch.cuda.synchronize(device)
+    assert done.item() == 1 and not counters.any()

@@ -413,32 +413,6 @@ def cmd_decode(a: argparse.Namespace) -> None:
     del engine
     free(device)
 
-    for field, value, what in (
-        ("enforce_eager", True, "CUDA graphs against eager decode"),
-        ("overlap_schedule", False, "overlapped scheduling against step by step"),
-    ):
-        compare_decode(a, fields, runs, start_s, field, value, what)
-    if fused_env:  # the backend's switch (cuda, triton): its pointwise kernels or torch's ops
-        what = f"backend {backend}'s pointwise kernels (rotary + KV write, add + RMSNorm, "
-        what += f"SiLU-and-mul) against torch's ops ({fused_env}=0)"
-        with mock.patch.dict(os.environ, {fused_env: "0"}):
-            compare_decode(a, fields, runs, start_s, "", None, what)
-    if backend == "cuda":
-        what = "programmatic dependent launch (sm_90) against plain stream order"
-        with mock.patch.dict(os.environ, {PDL_ENV: "0"}):
-            compare_decode(a, fields, runs, start_s, "", None, what)
-        what = f"the GEMM plans with the swapped decode tiles against those without ({SWAP_ENV}=0)"
-        with mock.patch.dict(os.environ, {SWAP_ENV: "0"}):
-            compare_decode(a, fields, runs, start_s, "", None, what)
-    if backend == "triton":  # opt-in there: the other engine is the one with it
-        what = f"plain stream order against programmatic dependent launch ({TRITON_PDL_ENV}=1)"
-        try:  # never run on a GPU before: a failure is a finding, not the end of the stage
-            with mock.patch.dict(os.environ, {TRITON_PDL_ENV: "1"}):
-                compare_decode(a, fields, runs, start_s, "", None, what)
-        except Exception as e:  # noqa: BLE001
-            out(f"\n### {what}\n\nfailed: {type(e).__name__}: {str(e)[:300]}")
-            free(device)
-
     if a.source:
         hf_baseline(a.source, batches, a.hf_new_tokens, vocab, a.prompt_len, device, runs)
 
@@ -471,6 +445,34 @@ def cmd_decode(a: argparse.Namespace) -> None:
             "no compile (<= 2x)",
             first_request_ratio <= 2.0,
         )
+
+    # the A/B comparisons last: each starts another engine (Triton's PDL one recompiles every
+    # kernel), so a stage cut short by its time limit has printed the targets already
+    for field, value, what in (
+        ("enforce_eager", True, "CUDA graphs against eager decode"),
+        ("overlap_schedule", False, "overlapped scheduling against step by step"),
+    ):
+        compare_decode(a, fields, runs, start_s, field, value, what)
+    if fused_env:  # the backend's switch (cuda, triton): its pointwise kernels or torch's ops
+        what = f"backend {backend}'s pointwise kernels (rotary + KV write, add + RMSNorm, "
+        what += f"SiLU-and-mul) against torch's ops ({fused_env}=0)"
+        with mock.patch.dict(os.environ, {fused_env: "0"}):
+            compare_decode(a, fields, runs, start_s, "", None, what)
+    if backend == "cuda":
+        what = "programmatic dependent launch (sm_90) against plain stream order"
+        with mock.patch.dict(os.environ, {PDL_ENV: "0"}):
+            compare_decode(a, fields, runs, start_s, "", None, what)
+        what = f"the GEMM plans with the swapped decode tiles against those without ({SWAP_ENV}=0)"
+        with mock.patch.dict(os.environ, {SWAP_ENV: "0"}):
+            compare_decode(a, fields, runs, start_s, "", None, what)
+    if backend == "triton":  # opt-in there: the other engine is the one with it
+        what = f"plain stream order against programmatic dependent launch ({TRITON_PDL_ENV}=1)"
+        try:  # never run on a GPU before: a failure is a finding, not the end of the stage
+            with mock.patch.dict(os.environ, {TRITON_PDL_ENV: "1"}):
+                compare_decode(a, fields, runs, start_s, "", None, what)
+        except Exception as e:  # noqa: BLE001
+            out(f"\n### {what}\n\nfailed: {type(e).__name__}: {str(e)[:300]}")
+            free(device)
 
 
 def compare_decode(

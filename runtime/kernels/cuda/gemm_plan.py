@@ -62,7 +62,7 @@ M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # 512 means 512+
 DECODE_ROWS = 16  # m up to this runs the 16-row (decode) configs
 MAX_SPLIT_K = 32
 # Output tiles a split-K launch can count in its per-tile counters (runtime/kernels/counters.py
-# holds COUNTERS per device and stream) and so sum in the same launch; more take a second kernel,
+# holds COUNTERS per device) and so sum in the same launch; more take a second kernel,
 # the reduction.
 SPLIT_COUNTERS = COUNTERS
 # a tile's pinned form (TileConfig.shape), split_k aside
