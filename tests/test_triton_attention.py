@@ -114,6 +114,10 @@ CASES = [
     ("int4", F16, 16, 8, 2, 32, [70, 1, 40], 17),
     ("int4", BF16, 32, 9, 3, 16, [1, 17, 70], 20),
     ("int4", F16, 128, 6, 2, 24, [150, 3], 70),  # head_dim 24: padded to a 32-wide tile
+    # 32-token tiles with their nibbles joined (fp32 activations; head_dim 256 on 16-bit ones):
+    # the join was wrong in 16 x 32 and 32 x 16 tiles on an H200, right in 64-token ones
+    ("int4", F32, 32, 4, 2, 32, [70, 33], 30),
+    ("int4", BF16, 32, 4, 2, 256, [70, 1], 40),
 ]
 
 
@@ -167,6 +171,7 @@ PREFILL_CASES = [
     ("int4", F16, 16, 4, 4, 16, MIXED, 20),
     ("int4", BF16, 32, 6, 2, 16, MIXED, 64),
     ("int4", F16, 64, 8, 1, 24, [(150, 150), (17, 1)], 40),  # several query tiles per sequence
+    ("int4", BF16, 32, 4, 2, 256, MIXED, 20),  # head_dim 256: joined tiles of 16 or 32 tokens
 ]
 
 

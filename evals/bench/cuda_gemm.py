@@ -158,12 +158,12 @@ def row(lib, shape: str, w: Weight, m: int, sms: int, arch: str, quick: bool) ->
     if plans[0] is not fused:
         out["fused_ms"] = graph_ms(csrc_calls(lib, w, x, fused))
     out["dense_ms"] = graph_ms([lambda d=d: torch.matmul(x, d.T) for (d,) in w.dense_copies])
-    from runtime.kernels.triton.gemm import heuristic_config, w4a16_gemm
+    from runtime.kernels.triton.gemm import choose_config, w4a16_linear
 
-    cfg = heuristic_config(m, w.n, w.k, w.gs)
-    out["triton_ms"] = graph_ms(
-        [lambda p=p: w4a16_gemm(x, *p, w.n, w.k, w.gs, cfg) for p in w.packed_copies]
-    )
+    cfg = choose_config(m, w.n, w.k, w.gs)  # the triton backend's launch without pins
+    triton = [lambda p=p: w4a16_linear(x, *p, w.n, w.k, w.gs, cfg) for p in w.packed_copies]
+    out["triton_err"] = rel_err(triton[0](), ref)
+    out["triton_ms"] = graph_ms(triton)
     if m <= TINYGEMM_MAX_M:
         try:
             mm = torch.ops.aten._weight_int4pack_mm
@@ -191,7 +191,8 @@ def print_row(r: dict, w: Weight) -> None:
     print(
         f"| {r['label']} | {r['m']} | {r['plan']} | {fmt(ms)} | {fmt(tb_s, '.2f')} | "
         f"{fmt(dense)} | {ratio(dense)} | {fmt(tiny)} | {tiny_cell} | {fmt(triton)} | "
-        f"{ratio(triton)} | {fused} | {r['err']:.1e} | {fmt(r.get('tiny_err'), '.1e')} |"
+        f"{ratio(triton)} | {fused} | {r['err']:.1e} | {fmt(r.get('tiny_err'), '.1e')} | "
+        f"{fmt(r.get('triton_err'), '.1e')} |"
     )
 
 
@@ -213,25 +214,29 @@ def targets(rows: list[dict]) -> None:
 
 def sweep(
     lib, shape: str, w: Weight, m: int, sms: int, arch: str, quick: bool, sink: Path | None
-) -> None:
+) -> list[str]:
     """Every fused candidate of one shape and M timed (emulated and checked with --quick): the
     planned one against the fastest, with the model's estimates; each timing also appended to
-    ``sink`` as a JSON line."""
+    ``sink`` as a JSON line. Returns the launches whose output was wrong (not timed)."""
     x = torch.randn(m, w.k, device=w.qweight.device).to(torch.bfloat16)
     ref = x.double() @ w.exact.double().T
     plans = gemm_plan.ranked(gemm_plan.configs(lib), m, w.n, w.k, w.gs, sms, arch)
     fused = [p for p in plans if isinstance(p, gemm_plan.GemmPlan)]
-    timed = []
+    timed, wrong = [], []
     for p in fused:
         run = csrc_call(lib, w, x, p, quick)
         err = rel_err(run(), ref)
-        if err > ERR_LIMIT:
-            raise SystemExit(f"{shape} M={m} {label(p)}: relative error {err:.1e}")
+        if err > ERR_LIMIT:  # reported, and the script fails once every launch has run
+            wrong.append(f"{shape} M={m} {label(p)}: relative error {err:.1e}")
+            continue
         timed.append((None if quick else graph_ms(csrc_calls(lib, w, x, p)), p))
-    if quick:
-        print(f"| {shape} | {m} | {label(plans[0])} | {len(timed)} launches, all within error |")
-        return
-    planned = next(ms for ms, p in timed if p is plans[0]) if plans[0] in fused else None
+    if wrong:
+        print("\n".join(f"WRONG: {line}" for line in wrong))
+    if quick or not timed:
+        ok = f"{len(timed)} of {len(fused)} launches within error"
+        print(f"| {shape} | {m} | {label(plans[0])} | {ok} |")
+        return wrong
+    planned = next((ms for ms, p in timed if p is plans[0]), None)
     best_ms, best = min(timed, key=lambda t: t[0])
 
     def est(p: gemm_plan.GemmPlan) -> float:
@@ -253,6 +258,7 @@ def sweep(
         f"{label(best)} | {best_ms:.4f} | {est(best):.4f} | {ratio} | "
         f"{fused.index(best) + 1} of {len(fused)} | {swap_speedup(timed)} | {top} |"
     )
+    return wrong
 
 
 def swap_speedup(timed: list[tuple[float, gemm_plan.GemmPlan]]) -> str:
@@ -273,7 +279,8 @@ def print_sweep(
     arch: str,
     device,
     sink: Path | None,
-):
+) -> list[str]:
+    """The sweep's table; returns the launches whose output was wrong."""
     quick = device.type == "cpu"
     sink = None if quick else sink  # nothing timed to fit
     print(f"\n## Every fused launch at M = {', '.join(map(str, sweep_ms))}\n")
@@ -285,10 +292,12 @@ def print_sweep(
             "fastest's model rank | unswapped / swapped | measured top 5 (config/split ms) |\n"
             "|---|---:|---|---:|---:|---|---:|---:|---:|---|---:|---|"
         )
+    wrong = []
     for name, ((n, k), _) in runs.items():
         w = Weight(n, k, gs, device)
         for m in sweep_ms:
-            sweep(lib, name, w, m, sms, arch, quick, sink)
+            wrong += sweep(lib, name, w, m, sms, arch, quick, sink)
+    return wrong
 
 
 def main() -> None:
@@ -311,9 +320,9 @@ def main() -> None:
         print(f"One launch a graph replay takes at least {floor:.4f} ms on this host.\n")
     print(
         "| shape | M | plan | csrc ms | TB/s | dense ms | vs dense | tinygemm ms | "
-        "vs tinygemm | triton ms | vs triton | fused kernel ms | err | tinygemm err |"
+        "vs tinygemm | triton ms | vs triton | fused kernel ms | err | tinygemm err | triton err |"
     )
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
     rows = []
     torch.manual_seed(0)
     arch = "sm_90" if a.quick else gpu_arch(device)
@@ -326,7 +335,9 @@ def main() -> None:
         targets(rows)
     if sweep_ms:
         swept = {k: v for k, v in runs.items() if not a.quick or k == SWEEP_QUICK}
-        print_sweep(lib, swept, gs, sweep_ms, sms, arch, device, a.sweep_json)
+        wrong = print_sweep(lib, swept, gs, sweep_ms, sms, arch, device, a.sweep_json)
+        if wrong:
+            raise SystemExit(f"{len(wrong)} launches gave wrong outputs: " + "; ".join(wrong))
 
 
 if __name__ == "__main__":

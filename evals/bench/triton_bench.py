@@ -112,13 +112,16 @@ def gemm_row(label, x, qweight, qparams, dense, candidates, device, copy_bw: flo
     """One table row: the fastest of `candidates` on x, against torch's dense matmul."""
     m, k = x.shape
     n = dense.shape[0]
-    timed = []
+    timed, failed = [], []
     for cfg in candidates:
         run = partial(w4a16_linear, x, qweight, qparams, n, k, GROUP, cfg)
         try:
             timed.append((bench(run, device), cfg))
-        except Exception:  # a config the compiler rejects here
-            continue
+        except Exception as e:  # a config the compiler or the launch rejects here
+            failed.append(f"{config_label(cfg)}: {type(e).__name__}: {str(e)[:100]}")
+    if not timed:  # a finding for this row; the other rows and the attention still run
+        print(f"| {label} | {m} | failed: {failed[0]} | - | - | - | - | - | - |")
+        return
     t, cfg = min(timed, key=lambda p: p[0])
     t_ref = bench(partial(torch.matmul, x, dense.T), device)
     nbytes = qweight.numel() * 4 + qparams.numel() * 2 + (m * k + m * n) * 2

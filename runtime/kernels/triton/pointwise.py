@@ -15,7 +15,12 @@ Numerics, against torch's ops in the activations' dtype:
   reference, not bit for bit (``F.rms_norm``, what the unfused backend runs, itself rounds the
   normalized row before the weight multiply: it too is one step from the reference at most);
 * SiLU-and-mul rounds as ``F.silu(gate) * up`` does: the SiLU in fp32 rounded to the dtype, then
-  the product rounded again; ``exp`` is the GPU's, so a result may be one step off torch's.
+  the product rounded again. Compiled, the SiLU is torch's CUDA formula with its operations:
+  libdevice's ``expf`` (what CUDA's ``expf`` is) and a correctly rounded division, where
+  Triton's ``exp`` and ``/`` are approximations (``ex2.approx``, ``div.full``) a few fp32 ulps
+  off, enough to move a rounded SiLU by a step and the product then by two (Triton links
+  libdevice flushing subnormals, which changes no SiLU of a normal gate). Interpreted (the
+  interpreter has no libdevice) the SiLU is numpy's, within an fp32 ulp of torch's CPU one.
 
 Every kernel widens its inputs to fp32 and rounds back with ``rounding.round_to``: the same
 bits compiled and under the interpreter, whose own bf16 arithmetic and casts differ.
@@ -26,8 +31,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from runtime.device import same_device
+from runtime.kernels.ops import interpreting
 from runtime.kernels.triton.gemm import ACTIVATION_DTYPES
 from runtime.kernels.triton.launch import pdl_launch, wait_for_producers
 from runtime.kernels.triton.rounding import round_to
@@ -72,7 +79,14 @@ def _add_rms_norm_kernel(
 
 @triton.jit
 def _silu_mul_kernel(
-    gate_up_ptr, out_ptr, stride_g, stride_o, n, BLOCK: tl.constexpr, PDL: tl.constexpr
+    gate_up_ptr,
+    out_ptr,
+    stride_g,
+    stride_o,
+    n,
+    BLOCK: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -82,7 +96,11 @@ def _silu_mul_kernel(
     gate_row = gate_up_ptr + row * stride_g
     gate = tl.load(gate_row + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_row + n + offs, mask=mask, other=0.0).to(tl.float32)
-    act = round_to(gate / (1.0 + tl.exp(-gate)), dtype).to(tl.float32)
+    if LIBDEVICE:  # torch's CUDA SiLU, bit for bit (module docstring)
+        act = tl.math.div_rn(gate, 1.0 + libdevice.exp(-gate))
+    else:
+        act = gate / (1.0 + tl.exp(-gate))
+    act = round_to(act, dtype).to(tl.float32)
     tl.store(out_ptr + row * stride_o + offs, round_to(act * up, dtype), mask=mask)
 
 
@@ -159,6 +177,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         out.stride(0),
         n,
         BLOCK=block,
+        LIBDEVICE=not interpreting(),  # compiled: libdevice is there
         num_warps=4,
         **pdl_launch(gate_up.device),
     )
