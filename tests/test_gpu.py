@@ -40,6 +40,7 @@ from runtime.engine.sampler import SamplingParams
 from runtime.engine.sequence import Sequence
 from runtime.kernels.cuda.backend import FUSED_ENV, PDL_ENV
 from runtime.kernels.triton.launch import PDL_ENV as TRITON_PDL_ENV
+from runtime.kernels.triton.launch import set_programmatic_launch
 from tests import cuda_lib
 from tests.test_triton_engine import engine_config, mixed_prompts
 
@@ -318,15 +319,18 @@ def test_triton_programmatic_launch_changes_no_bit(
         temperature=0, max_new_tokens=8, ignore_eos=True, logprobs=0, prompt_logprobs=0
     )
     runs = {}
-    for pdl in ("0", "1"):
-        with monkeypatch.context() as patch:
-            patch.setenv(TRITON_PDL_ENV, pdl)
-            engine = Engine(rtn_artifact, engine_config("triton", kv_quant=kv_quant))
-            sm90 = torch.cuda.get_device_capability(engine.ops.device)[0] >= 9
-            assert engine.ops.triton_pdl == (pdl == "1" and sm90)
-            seqs = engine.generate(mixed_prompts(), params)
-            runs[pdl] = ([s.output_ids for s in seqs], logprobs(seqs))
-            del engine
+    try:
+        for pdl in ("0", "1"):
+            with monkeypatch.context() as patch:
+                patch.setenv(TRITON_PDL_ENV, pdl)
+                engine = Engine(rtn_artifact, engine_config("triton", kv_quant=kv_quant))
+                sm90 = torch.cuda.get_device_capability(engine.ops.device)[0] >= 9
+                assert engine.ops.triton_pdl == (pdl == "1" and sm90)
+                seqs = engine.generate(mixed_prompts(), params)
+                runs[pdl] = ([s.output_ids for s in seqs], logprobs(seqs))
+                del engine
+    finally:  # the setting is per process: later tests in this worker launch without it
+        set_programmatic_launch(torch.device("cpu"))
     assert runs["0"][0] == runs["1"][0]
     assert all(torch.equal(a, b) for a, b in zip(runs["0"][1], runs["1"][1], strict=True))
 
