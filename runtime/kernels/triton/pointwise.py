@@ -32,9 +32,9 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+from triton.runtime.interpreter import InterpretedFunction
 
 from runtime.device import same_device
-from runtime.kernels.ops import interpreting
 from runtime.kernels.triton.gemm import ACTIVATION_DTYPES
 from runtime.kernels.triton.launch import pdl_launch, wait_for_producers
 from runtime.kernels.triton.rounding import round_to
@@ -177,7 +177,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         out.stride(0),
         n,
         BLOCK=block,
-        LIBDEVICE=not interpreting(),  # compiled: libdevice is there
+        LIBDEVICE=not isinstance(_silu_mul_kernel, InterpretedFunction),  # compiled: it is there
         num_warps=4,
         **pdl_launch(gate_up.device),
     )
