@@ -23,7 +23,8 @@ from lite.cli import main
 from runtime.config import EngineConfig
 from runtime.engine.engine import Engine
 from runtime.engine.sampler import SamplingParams
-from runtime.kernels import native
+from runtime.kernels import cpu_dispatch, native
+from runtime.kernels.cpu_dispatch import ROW_POINTS, Choice
 
 pytestmark = pytest.mark.skipif(
     not native.load()[0], reason="the C kernels do not build on this machine"
@@ -52,6 +53,7 @@ def _generate(art: Path, kv_quant: str, fuse: bool, monkeypatch: pytest.MonkeyPa
     """(tokens, logprob lists, whether each layer call ran fused) of greedy generation on four
     prompts, the last arriving while the others decode."""
     monkeypatch.setenv("LITESERVE_CPU_FUSE", "1" if fuse else "0")
+    _pinned_dispatch(monkeypatch)
     cfg = EngineConfig(kv_quant=kv_quant, session_len=256, max_batch_size=4, dtype="float32")
     engine = Engine(art, cfg)
     calls = []
@@ -78,6 +80,22 @@ def _generate(art: Path, kv_quant: str, fuse: bool, monkeypatch: pytest.MonkeyPa
         engine.step()
     engine.close()
     return [s.output_ids for s in seqs], [s.logprobs for s in seqs], calls
+
+
+def _pinned_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both runs on the same paths whatever the dispatch table measured: the linears on the
+    int8 path the fused layer runs, the logits in torch's fp32. A table measured on a busy host
+    is not cached, so each engine measures its own, and a disturbed one may put one run's
+    linears or logits on another path (other numerics: logprobs 5e-4 apart), or leave the fused
+    run without its path (CI, 2026-12-05, with other tests beside it)."""
+    measured = cpu_dispatch.cached_choices
+    always = {"int4": "int8", "logits": "torch"}
+
+    def pinned(*args, **kwargs):
+        table = measured(*args, **kwargs)
+        return {**table, **{op: Choice(((ROW_POINTS[-1], p),)) for op, p in always.items()}}
+
+    monkeypatch.setattr(cpu_dispatch, "cached_choices", pinned)
 
 
 @pytest.mark.parametrize("kv_quant", ["int8", "int4", "none"])
