@@ -1,5 +1,5 @@
 // Process-wide launch settings of the csrc kernels: whether they use programmatic dependent
-// launch (common.cuh, lsq_launch). Host code only.
+// launch (common.cuh, lsq_launch); and whether they can run on this machine at all.
 
 #include <atomic>
 
@@ -9,6 +9,10 @@ namespace {
 
 std::atomic<int> g_pdl{1};                  // wanted: 1 on (where supported), 0 off
 std::atomic<uint64_t> g_known{0}, g_sm90{0};  // a bit per device: capability read, and >= 9.0
+
+// Loaded by lsq_probe only: every kernel of the library is built for the same architectures,
+// so whether this one's image loads on a device says it for all of them.
+__global__ void lsq_probe_kernel() {}
 
 }  // namespace
 
@@ -36,5 +40,26 @@ int32_t lsq_programmatic_launch(int32_t on) {
   if (on == 0 || on == 1) g_pdl.store(on);
   return before;
 }
+
+// Whether this library's kernels can run on the calling thread's current device: the
+// cudaError_t of loading a kernel's image there (0: they can). A library that loads and whose
+// launches then all fail is what a GPU older than sm_80 (no image), or a driver older than the
+// CUDA runtime linked in (cudaErrorInsufficientDriver), would otherwise give at the first
+// step; the caller picks another backend instead. Also reports the linked runtime's version
+// and the driver's (0: no driver), e.g. 13000 for CUDA 13.0.
+int lsq_probe(int32_t* runtime_version, int32_t* driver_version) {
+  int runtime = 0, driver = 0;
+  cudaRuntimeGetVersion(&runtime);
+  cudaDriverGetVersion(&driver);
+  *runtime_version = runtime;
+  *driver_version = driver;
+  cudaFuncAttributes attributes;
+  const cudaError_t err = cudaFuncGetAttributes(&attributes, lsq_probe_kernel);
+  cudaGetLastError();  // not sticky, but leave nothing for torch's next check to report
+  return (int)err;
+}
+
+// cudaGetErrorName of a status the entry points returned ("cudaErrorInsufficientDriver").
+const char* lsq_error_name(int32_t status) { return cudaGetErrorName((cudaError_t)status); }
 
 }  // extern "C"

@@ -57,6 +57,29 @@ def test_build_kernels_without_nvcc_says_how_to_get_it(monkeypatch, tmp_path) ->
         library.build()
 
 
+def test_a_cuda_library_that_cannot_run_here_says_why_and_what_to_do(tmp_path) -> None:
+    """The reasons auto passes over cuda for (and `--backend cuda` is refused with), from the
+    library's probe of the device: on the GPU machines this project meets, not simulable here."""
+    path = tmp_path / "liteserve_cuda-0123.so"
+    ok = library.Probe(0, "cudaSuccess", 13000, 13000)
+    assert library.unrunnable(ok, (9, 0), path) is None
+    assert library.unrunnable(ok, (12, 0), path) is None  # newer GPUs JIT the sm_90 PTX
+    old_gpu = library.unrunnable(ok, (7, 5), path)
+    assert "compute capability 8.0 or newer" in old_gpu and "this one is sm_75" in old_gpu
+    assert "--backend triton or cpu" in old_gpu
+    old_driver = library.Probe(35, "cudaErrorInsufficientDriver", 13000, 12080)
+    why = library.unrunnable(old_driver, (9, 0), path)
+    assert "links the CUDA 13.0 runtime" in why and "driver supports CUDA 12.8" in why
+    assert "update the driver" in why and f"remove {path}" in why and "build-kernels" in why
+    no_image = library.Probe(209, "cudaErrorNoKernelImageForDevice", 13000, 13000)
+    why = library.unrunnable(no_image, (8, 0), path)
+    assert why.endswith("do not load on this GPU: cudaErrorNoKernelImageForDevice (209)")
+    assert old_driver.versions() == "CUDA 13.0 runtime, driver 12.8"
+    no_driver = library.Probe(35, "cudaErrorInsufficientDriver", 13000, 0)
+    assert no_driver.versions() == "CUDA 13.0 runtime, driver none"
+    assert "no NVIDIA driver answers" in library.unrunnable(no_driver, (9, 0), path)
+
+
 class _Made:
     def __init__(self, name: str) -> None:
         self.name, self.detail = name, f"{name} detail"

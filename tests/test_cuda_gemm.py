@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from runtime.kernels.cuda import gemm_plan as gp
+from runtime.kernels.cuda import library
 from tests import cuda_lib
 from tests.conftest import GPU
 
@@ -409,6 +410,27 @@ def test_a_valid_call_reaches_cuda(lib: ctypes.CDLL) -> None:
     for config, split in ((0, 1), (1, 5)):  # below and above 48 KiB of shared memory
         rc = _call(lib, m=1, config=config, split_k=split)
         assert rc not in (0, INVALID), rc
+
+
+def test_the_library_says_whether_its_kernels_load_here(lib: ctypes.CDLL, build) -> None:
+    """What `--backend auto` asks before it takes cuda (a library that loads is not enough: a
+    GPU older than sm_80 or a driver older than the linked CUDA runtime fails every launch).
+    Without a GPU or driver the answer names why; launch errors are named the same way."""
+    found = library.probe(lib)
+    assert found.runtime >= 12000, found  # the CUDA runtime nvcc linked in
+    if GPU:
+        capability = torch.cuda.get_device_capability()
+        assert found.status == 0 and library.unrunnable(found, capability, build.path) is None
+    else:
+        assert found.status != 0 and found.name.startswith("cudaError"), found
+        why = library.unrunnable(found, (9, 0), build.path)
+        assert why is not None and found.name in why
+    named = r"lsq_w4a16_gemm: CUDA error 35 \(cudaErrorInsufficientDriver\) at launch"
+    with pytest.raises(RuntimeError, match=named):
+        library.check(lib, 35, "lsq_w4a16_gemm")
+    with pytest.raises(ValueError, match="lsq_silu_mul: arguments refused"):
+        library.check(lib, INVALID, "lsq_silu_mul")
+    library.check(lib, 0, "lsq_silu_mul")
 
 
 # ---------------------------------------------------------------------------------------------

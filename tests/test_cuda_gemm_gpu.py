@@ -21,11 +21,14 @@ without a GPU (and without nvcc).
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
 import pytest
 import torch
 
 from runtime.kernels.cuda import gemm_plan as gp
+from runtime.kernels.cuda import library
+from runtime.kernels.ops import select_backend
 from tests import cuda_lib
 from tests.cuda_lib import (
     GEMM_DTYPES,
@@ -56,6 +59,16 @@ def lib() -> ctypes.CDLL:
 @pytest.fixture(scope="module")
 def table(lib: ctypes.CDLL) -> tuple[gp.TileConfig, ...]:
     return gp.configs(lib)
+
+
+def test_the_library_runs_here_and_the_backend_says_with_what(lib: ctypes.CDLL) -> None:
+    """The probe `--backend auto` asks before taking cuda passes on this GPU, and the backend's
+    detail line (logs, /health, `runtime check`) names the CUDA runtime and driver."""
+    found = library.probe(lib)
+    assert found.status == 0, found
+    assert library.unrunnable(found, torch.cuda.get_device_capability(), Path(lib._name)) is None
+    backend = select_backend("cuda", {})
+    assert found.versions() in backend.detail, backend.detail
 
 
 @pytest.mark.parametrize("dtype", GEMM_DTYPES)

@@ -13,6 +13,7 @@ import logging
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -292,7 +293,14 @@ def _cuda(pinned: dict[str, dict[str, dict[str, int]]], device: str) -> Backend:
         lib = library.library()
     except BuildUnavailable as e:
         raise BackendError(f"the csrc CUDA library is unavailable: {e}") from e
-    return CudaBackend(_gpu_device(device, "cuda"), pinned, lib)
+    gpu = _gpu_device(device, "cuda")
+    if gpu.type == "cuda":  # not the emulator
+        why = library.unrunnable(
+            library.probe(lib), torch.cuda.get_device_capability(gpu), Path(lib._name)
+        )
+        if why:
+            raise BackendError(f"the csrc CUDA library cannot run here: {why}")
+    return CudaBackend(gpu, pinned, lib)
 
 
 def _gpu_device(requested: str, backend: str) -> torch.device:

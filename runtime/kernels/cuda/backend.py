@@ -39,7 +39,7 @@ import torch
 from runtime.device import check_devices
 from runtime.kernels.counters import arrival_counters
 from runtime.kernels.cuda import gemm_plan, w4a16
-from runtime.kernels.cuda.library import check
+from runtime.kernels.cuda.library import check, probe
 from runtime.kernels.gpu import (
     FusedInt4,
     GpuBackend,
@@ -99,7 +99,7 @@ class CudaBackend(GpuBackend):
         # Triton's prefill attention compiles per size (nothing to warm up when emulated)
         self.warmup_tokens = () if self.emulated else gemm_plan.M_BUCKETS
         tuned = f"{len(self.pinned)} pinned GEMM configs" if self.pinned else "planned GEMM configs"
-        where = ", emulated on the CPU" if self.emulated else ""
+        where = ", emulated on the CPU" if self.emulated else f", {probe(lib).versions()}"
         unfused = "" if self.fused else f", torch's pointwise ops ({FUSED_ENV}=0)"
         serial = "" if self.pdl else f", no programmatic launch ({PDL_ENV}=0)"
         unswapped = "" if self.swap else f", no swapped GEMM tiles ({SWAP_ENV}=0)"
@@ -149,7 +149,7 @@ class CudaBackend(GpuBackend):
             status = getattr(self.lib, f"lsq_emulate_{name[4:]}")(*args)
         else:
             status = getattr(self.lib, name)(*args, self._stream())
-        check(status, name)
+        check(self.lib, status, name)
 
     def add_rms_norm(self, x, delta, weight, eps):
         tensors = (x, weight) if delta is None else (x, weight, delta)
@@ -243,7 +243,7 @@ class CudaBackend(GpuBackend):
             status = self.lib.lsq_kv_write(*inputs, *rest, self._stream())
         else:
             status = self.lib.lsq_kv_write_i32(*inputs, *rest, self._stream())
-        check(status, "lsq_kv_write")
+        check(self.lib, status, "lsq_kv_write")
 
     def attention(self, q, kv: LayerKV, attn: KernelTensors, scale, sliding_window):
         if not attn.all_decode:
@@ -295,7 +295,7 @@ class CudaBackend(GpuBackend):
             status = self.lib.lsq_emulate_paged_decode_attention(*args)
         else:
             status = self.lib.lsq_paged_decode_attention(*args, stream)
-        check(status, "lsq_paged_decode_attention")
+        check(self.lib, status, "lsq_paged_decode_attention")
         return out
 
     @functools.cache  # noqa: B019 (one backend per engine; says it once)

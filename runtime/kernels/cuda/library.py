@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.cache import cache_root
@@ -103,6 +104,9 @@ SIGNATURES: dict[str, tuple[list, type]] = {
     "lsq_paged_decode_partition_size": ([_I64] * 6, ctypes.c_int64),
     "lsq_paged_decode_l2_prefetch": ([_I32], ctypes.c_int32),  # tiles ahead; < 0 asks
     "lsq_programmatic_launch": ([_I32], ctypes.c_int32),  # 1 on (sm_90+), 0 off; else asks
+    # runtime and driver versions out; the status of loading a kernel on the current device
+    "lsq_probe": ([ctypes.POINTER(_I32)] * 2, ctypes.c_int),
+    "lsq_error_name": ([_I32], ctypes.c_char_p),
     "lsq_kv_write": (_KV_WRITE, ctypes.c_int),  # int64 slots (the eager step)
     "lsq_kv_write_i32": (_KV_WRITE, ctypes.c_int),  # int32 slots (the CUDA-graph buffers)
     "lsq_rotary_kv_write": (_ROTARY_KV_WRITE, ctypes.c_int),
@@ -195,10 +199,66 @@ def load(path: Path) -> ctypes.CDLL:
     return load_typed(path, SIGNATURES)
 
 
-def check(status: int, kernel: str) -> None:
-    """Raise on a failed launch: invalid arguments (1) name the kernel; any other code is a
-    CUDA error that torch will also report at the next sync."""
+def check(lib: ctypes.CDLL, status: int, kernel: str) -> None:
+    """Raise on a failed launch of ``lib``'s ``kernel``: invalid arguments (1) name the kernel;
+    any other code is a CUDA error (named by the library) that torch will also report at the
+    next sync."""
     if status == 1:
         raise ValueError(f"{kernel}: arguments refused by the CUDA kernel (cudaErrorInvalidValue)")
     if status != 0:
-        raise RuntimeError(f"{kernel}: CUDA error {status} at launch")
+        name = lib.lsq_error_name(status).decode()
+        raise RuntimeError(f"{kernel}: CUDA error {status} ({name}) at launch")
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Whether the library's kernels load on the current device, and the CUDA versions."""
+
+    status: int  # cudaError_t of loading a kernel's image there: 0 they can
+    name: str  # its cudaGetErrorName
+    runtime: int  # the CUDA runtime linked in, e.g. 13000 for 13.0
+    driver: int  # what the driver supports (0: no driver)
+
+    def versions(self) -> str:
+        return f"CUDA {cuda_version(self.runtime)} runtime, driver {cuda_version(self.driver)}"
+
+
+def probe(lib: ctypes.CDLL) -> Probe:
+    """Ask the library on the calling thread's current device (no launch, no sync)."""
+    runtime, driver = ctypes.c_int32(), ctypes.c_int32()
+    status = lib.lsq_probe(ctypes.byref(runtime), ctypes.byref(driver))
+    return Probe(status, lib.lsq_error_name(status).decode(), runtime.value, driver.value)
+
+
+def cuda_version(code: int) -> str:
+    """CUDA's version integers as people write them: 13000 is 13.0, 12080 is 12.8."""
+    return f"{code // 1000}.{code % 1000 // 10}" if code else "none"
+
+
+# Errors of loading a kernel that a driver older than the linked runtime gives
+_OLD_DRIVER = ("cudaErrorInsufficientDriver", "cudaErrorUnsupportedPtxVersion")
+
+
+def unrunnable(found: Probe, capability: tuple[int, int], path: Path) -> str | None:
+    """Why the library at ``path`` cannot run on a GPU of ``capability`` where it probed as
+    ``found`` (None: it can), with what to do about it; the backend selection then passes over
+    it instead of failing at the first launch."""
+    oldest = min(ARCHS, key=int)
+    if capability < (int(oldest[:-1]), int(oldest[-1])):
+        return (
+            f"the csrc kernels need a GPU of compute capability {oldest[:-1]}.{oldest[-1]} or "
+            f"newer (built for sm_{', sm_'.join(ARCHS)}), this one is "
+            f"sm_{capability[0]}{capability[1]}: use --backend triton or cpu"
+        )
+    if found.status == 0:
+        return None
+    if found.driver == 0:
+        return f"no NVIDIA driver answers on this machine ({found.name}): install one"
+    if found.name in _OLD_DRIVER:
+        return (
+            f"the library links the CUDA {cuda_version(found.runtime)} runtime and this "
+            f"machine's NVIDIA driver supports CUDA {cuda_version(found.driver)} ({found.name}): "
+            "update the driver, or build the kernels with a CUDA toolkit this driver supports "
+            f"(remove {path}, then `runtime build-kernels` with that nvcc on PATH or in NVCC)"
+        )
+    return f"its kernels do not load on this GPU: {found.name} ({found.status})"

@@ -43,7 +43,7 @@ def dequantize(
         status = lib.lsq_emulate_w4a16_dequantize(*args)
     else:
         status = lib.lsq_w4a16_dequantize(*args, _stream(w.device))
-    check(status, "lsq_w4a16_dequantize")
+    check(lib, status, "lsq_w4a16_dequantize")
     return w
 
 
@@ -81,5 +81,5 @@ def linear(
     # emulated: cp.async copies land at their wait
     run = lib.lsq_emulate_w4a16_gemm if emulated else lib.lsq_w4a16_gemm
     status = run(*args, 0 if emulated else stream)
-    check(status, "lsq_w4a16_gemm")
+    check(lib, status, "lsq_w4a16_gemm")
     return y
