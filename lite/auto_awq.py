@@ -21,7 +21,7 @@ import shutil
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +40,7 @@ from lite.awq import (
 )
 from lite.compute import (
     PeakBytes,
+    available_bytes,
     cuda_version,
     device_label,
     expandable_segments,
@@ -58,7 +59,15 @@ from lite.gptq import DAMP as GPTQ_DAMP
 from lite.gptq import gptq_quantize
 from lite.hf import architecture_from_config, load_config
 from lite.model_card import write_model_card
-from lite.plan import Plan, default_rows, device_rows, layer_memory, make_plan, skeleton
+from lite.plan import (
+    Plan,
+    default_rows,
+    device_rows,
+    layer_memory,
+    make_plan,
+    skeleton,
+    too_large,
+)
 from lite.quantizer import QuantizedWeight, QuantSpec, num_groups, quantize
 from lite.sources import Checkpoint, ModelSource, resolve, resolve_plan
 from runtime import __version__
@@ -754,10 +763,15 @@ def quantize_layers(
             bar.update(1)
 
 
-def dry_run_plan(model: str, cfg: AwqConfig, compute: Compute = Compute()) -> Plan:
-    """The plan of a run, from the config alone, and one layer calibrated once (nothing
-    written) to time it: layer 0 with the weights here, else a layer of random weights of the
-    config's shape (a 70B plan on a machine without its 140 GB)."""
+def dry_run_plan(
+    model: str, cfg: AwqConfig, compute: Compute = Compute()
+) -> tuple[Plan, Callable[[], Plan] | None]:
+    """The plan of a run, from the config alone, and how to time one layer calibrated once
+    (nothing written): layer 0 with the weights here, else a layer of random weights of the
+    config's shape (a 70B plan on a machine without its 140 GB). Apart, so that the plan is
+    shown before that run, which on a CPU takes minutes to hours for a large model's layer (an
+    8B layer 24 min on 2 cores); None, with the plan saying why, where the layer would not fit
+    (the host's OOM killer, or a CUDA error, would end it with nothing to show)."""
     device = pick_device(compute.device)
     path, source = resolve_plan(model)
     config = load_config(path)
@@ -770,14 +784,24 @@ def dry_run_plan(model: str, cfg: AwqConfig, compute: Compute = Compute()) -> Pl
         compute.calib_batch_size,
         free_bytes(device),
     )
-    if source is None:
-        seconds, peak = time_random_layer(config, cfg, device, plan)
-        timed = "a layer of random weights"
-    else:
-        (seconds, peak), timed = time_layer(source, config, cfg, device, plan), plan.timed
-    return dataclasses.replace(
-        plan, layer_seconds=seconds, timed=timed, layer_peak=peak.bytes, peak_where=peak.where
-    )
+    short = too_large(plan, available_bytes(device))
+    if short:
+        return dataclasses.replace(plan, not_timed=short), None
+
+    def timed() -> Plan:
+        if source is None:
+            (seconds, peak), which = time_random_layer(config, cfg, device, plan), None
+        else:
+            (seconds, peak), which = time_layer(source, config, cfg, device, plan), plan.timed
+        return dataclasses.replace(
+            plan,
+            layer_seconds=seconds,
+            timed=which or "a layer of random weights",
+            layer_peak=peak.bytes,
+            peak_where=peak.where,
+        )
+
+    return plan, timed
 
 
 def time_layer(

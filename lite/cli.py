@@ -22,6 +22,13 @@ def _fail(e: Exception) -> None:
     raise click.ClickException(str(e)) from e
 
 
+# shown before a dry run's one-layer run: minutes to hours on a CPU for a large layer
+TIMING = (
+    "timing one decoder layer (loaded, calibrated and packed once; Ctrl-C stops here, the plan "
+    "above stands)..."
+)
+
+
 def _disk_full(e: Exception) -> bool:
     """ENOSPC from Python's writes, or safetensors' own error (its Rust writer reports the OS
     error in its message only)."""
@@ -142,7 +149,7 @@ def auto_awq_cmd(
     --calib-batch-size (after running out of GPU memory, for instance).
     """
     from lite.auto_awq import SEARCHES, AwqConfig, Compute, auto_awq, dry_run_plan
-    from lite.plan import render
+    from lite.plan import render, render_measured
     from lite.quantizer import QuantSpec
     from lite.recipe import Recipe, load_recipe
     from lite.tune import check_device, tune
@@ -170,7 +177,11 @@ def auto_awq_cmd(
         )
         compute = Compute(device, calib_batch_size)
         if dry_run:
-            click.echo(render(dry_run_plan(model, cfg, compute)))
+            plan, timed = dry_run_plan(model, cfg, compute)
+            click.echo(render(plan))
+            if timed is not None:
+                click.echo(TIMING, err=True)
+                click.echo("\n".join(render_measured(timed())))
             return
         command = shlex.join(["lite", *sys.argv[1:]])
         auto_awq(model, work_dir, cfg, command, overwrite, not quiet, compute)

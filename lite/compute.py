@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import psutil
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -91,6 +92,13 @@ def free_bytes(device: torch.device) -> int | None:
         return None
     free, _ = torch.cuda.mem_get_info(device)
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def available_bytes(device: torch.device) -> int:
+    """Memory a new allocation can have: the GPU's free memory (as `free_bytes`), or the
+    host's available memory (page cache counted as reclaimable)."""
+    free = free_bytes(device)
+    return psutil.virtual_memory().available if free is None else free
 
 
 def reset_peak(device: torch.device) -> None:

@@ -198,6 +198,7 @@ class Plan:
     timed: str = "layer 0"  # which: the model's own, or one of random weights (no weights here)
     layer_peak: int | None = None  # bytes its tensors held at most, measured on the same run
     peak_where: str | None = None  # the calls at that peak (measured on the CPU only)
+    not_timed: str | None = None  # why the layer was not run (it would not fit)
 
     @property
     def planned_peak(self) -> int:
@@ -205,6 +206,20 @@ class Plan:
         is the host, the layer's outputs too (the host half of the calibration activations)."""
         host_outputs = self.host_activations // 2 if self.device == "cpu" else 0
         return self.memory.total + host_outputs
+
+
+def too_large(plan: Plan, available: int) -> str | None:
+    """Why one layer's run would not fit in the ``available`` bytes where it runs (None: it
+    fits). On the CPU the calibration activations are there too; on a GPU the chunking
+    already fits what is free, so only the layer's fixed part can be too much."""
+    need = plan.memory.total + (plan.host_activations if plan.device == "cpu" else 0)
+    if need <= available:
+        return None
+    what = "a layer and the calibration activations" if plan.device == "cpu" else "a layer"
+    return (
+        f"{what} need about {_size(need)} and {plan.device} has {_size(available)} available: "
+        "dry-run where the run will go (--device cuda on a GPU with the room)"
+    )
 
 
 def make_plan(
@@ -263,6 +278,12 @@ def render(plan: Plan) -> str:
         f"outputs, fp32) plus one layer as read from the shards",
         f"artifact: about {_size(plan.artifact_bytes)} (fp16 model: {_size(plan.params * STORED)})",
     ]
+    return "\n".join(lines + render_measured(plan))
+
+
+def render_measured(plan: Plan) -> list[str]:
+    """The lines of what one layer's run measured (none before it ran)."""
+    lines = [f"time: not measured: {plan.not_timed}"] if plan.not_timed else []
     if plan.layer_seconds is not None:
         total = plan.layer_seconds * plan.layers
         lines.append(
@@ -277,4 +298,4 @@ def render(plan: Plan) -> str:
             f"memory: {plan.timed} held at most {_size(plan.layer_peak)} in tensors on "
             f"{plan.device}{at} (planned: {_size(plan.planned_peak)}{outputs})"
         )
-    return "\n".join(lines)
+    return lines

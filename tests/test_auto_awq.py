@@ -474,6 +474,25 @@ def test_dry_run_plans_an_8b_config_without_weights(
     assert code != 0 and "config.json lacks hidden_size, intermediate_size" in out, out
 
 
+def test_dry_run_does_not_start_a_layer_that_cannot_fit(tmp_path: Path) -> None:
+    """A layer larger than the memory where it would run (about 1 TiB: no CI host has it) is
+    planned and not run: the host's OOM killer would end the run with nothing shown."""
+    huge = {**LLAMA3_8B, "hidden_size": 131072, "intermediate_size": 524288}
+    huge |= {"num_attention_heads": 1024, "num_key_value_heads": 64, "num_hidden_layers": 2}
+    src = tmp_path / "huge"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({**huge, "vocab_size": 1000}))
+    code, out = lite("auto_awq", str(src), "--dry-run", "--device", "cpu")
+    assert code == 0, out
+    assert "artifact: about" in out and "timing one decoder layer" not in out
+    why = out.split("time: not measured: ")[1]
+    assert why.startswith("a layer and the calibration activations need about") and "GiB" in why
+    assert "cpu has" in why and "--device cuda" in why
+    need = float(why.split("need about ")[1].split()[0])
+    assert need > 1000, why  # GiB: the fp32 weights alone are 1.1 TiB
+    assert sorted(p.name for p in src.iterdir()) == ["config.json"]
+
+
 def test_dry_run_without_weights_times_a_random_layer(
     tiny_models: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -485,6 +504,9 @@ def test_dry_run_without_weights_times_a_random_layer(
     code, out = lite("auto_awq", str(src), "--dry-run", "--device", "cpu", *FAST)
     assert code == 0, out
     assert "(a layer of random weights took" in out and "s on cpu" in out
+    # the plan comes before the layer's run (hours on a CPU for a 70B layer), its time after
+    order = ["artifact: about", "timing one decoder layer", "time: about", "memory: a layer"]
+    assert [out.index(line) for line in order] == sorted(out.index(line) for line in order), out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config-only"]
     assert sorted(p.name for p in src.iterdir()) == ["config.json"]
 
