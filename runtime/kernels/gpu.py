@@ -168,9 +168,15 @@ class GpuBackend(Backend):
         self.triton_pdl = set_programmatic_launch(device)
 
     def default_dtype(self) -> torch.dtype:
-        """bf16 on a GPU (fp16's range overflows on some models' activations); under the Triton
-        interpreter fp16, which numpy computes exactly where its bf16 support is incomplete."""
-        return torch.bfloat16 if self.device.type == "cuda" else torch.float16
+        """bf16 on a GPU (fp16's range overflows on some models' activations) that has it in
+        hardware (sm_80+; before, torch emulates it and Triton's dots do not compile in it);
+        under the Triton interpreter fp16, which numpy computes exactly where its bf16 support
+        is incomplete."""
+        if self.device.type != "cuda":
+            return torch.float16
+        with torch.cuda.device(self.device):
+            native = torch.cuda.is_bf16_supported(including_emulation=False)
+        return torch.bfloat16 if native else torch.float16
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)  # fused on GPUs
