@@ -10,11 +10,15 @@ namespace {
 std::atomic<int> g_pdl{1};                  // wanted: 1 on (where supported), 0 off
 std::atomic<uint64_t> g_known{0}, g_sm90{0};  // a bit per device: capability read, and >= 9.0
 
-// Loaded by lsq_probe only: every kernel of the library is built for the same architectures,
-// so whether this one's image loads on a device says it for all of them.
-__global__ void lsq_probe_kernel() {}
-
 }  // namespace
+
+namespace lsq_image {
+
+// Loaded by lsq_probe, never launched: every kernel of the library is built for the same
+// architectures, so whether this one's image loads on a device says it for all of them.
+__global__ void probe_kernel() {}
+
+}  // namespace lsq_image
 
 bool lsq_pdl_active() {
   if (!g_pdl.load(std::memory_order_relaxed)) return false;
@@ -54,7 +58,7 @@ int lsq_probe(int32_t* runtime_version, int32_t* driver_version) {
   *runtime_version = runtime;
   *driver_version = driver;
   cudaFuncAttributes attributes;
-  const cudaError_t err = cudaFuncGetAttributes(&attributes, lsq_probe_kernel);
+  const cudaError_t err = cudaFuncGetAttributes(&attributes, lsq_image::probe_kernel);
   cudaGetLastError();  // not sticky, but leave nothing for torch's next check to report
   return (int)err;
 }
