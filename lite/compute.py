@@ -15,10 +15,10 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import psutil
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from runtime import host_memory
 from runtime.device import resolve_device
 
 DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
@@ -96,9 +96,9 @@ def free_bytes(device: torch.device) -> int | None:
 
 def available_bytes(device: torch.device) -> int:
     """Memory a new allocation can have: the GPU's free memory (as `free_bytes`), or the
-    host's available memory (page cache counted as reclaimable)."""
+    host's available memory within the process's cgroup limit (a container's)."""
     free = free_bytes(device)
-    return psutil.virtual_memory().available if free is None else free
+    return host_memory.available_bytes() if free is None else free
 
 
 def reset_peak(device: torch.device) -> None:

@@ -215,9 +215,10 @@ def too_large(plan: Plan, available: int) -> str | None:
     need = plan.memory.total + (plan.host_activations if plan.device == "cpu" else 0)
     if need <= available:
         return None
-    what = "a layer and the calibration activations" if plan.device == "cpu" else "a layer"
+    on_host = plan.device == "cpu"
+    what = "a layer and the calibration activations need" if on_host else "a layer needs"
     return (
-        f"{what} need about {_size(need)} and {plan.device} has {_size(available)} available: "
+        f"{what} about {_size(need)} and {plan.device} has {_size(available)} available: "
         "dry-run where the run will go (--device cuda on a GPU with the room)"
     )
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import psutil
 import torch
 from tokenizers import Tokenizer
 
+from runtime import host_memory
 from runtime.artifact.reader import Artifact
 from runtime.config import EngineConfig
 from runtime.device import make_current, on_device
@@ -128,7 +128,7 @@ def _blocks_from_memory(spec: KVSpec, config: EngineConfig, device: torch.device
     if device.type == "cuda":
         available = torch.cuda.mem_get_info(device)[0]
     else:
-        available = psutil.virtual_memory().available // config.tp
+        available = host_memory.available_bytes() // config.tp
     free = available * config.cache_max_entry_count
     per_session = -(-config.session_len // spec.block_size)
     useful = per_session * config.max_batch_size
