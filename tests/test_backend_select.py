@@ -3,6 +3,8 @@ passed over (logs, /health and `runtime check` show the backend's detail line)."
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -125,6 +127,36 @@ def test_first_build_of_the_cuda_library_says_so(monkeypatch, tmp_path, caplog) 
         assert "building the CUDA kernels with nvcc for 80, 86, 89, 90" in caplog.text
         caplog.clear()
         assert library.build() == path and caplog.text == ""
+
+
+def test_first_use_builds_for_this_machines_gpus_unless_every_architecture_is_there(
+    monkeypatch, tmp_path
+) -> None:
+    """A first start-up waits for nvcc: for the GPU kinds present only (a quarter of the time
+    for one), unless the library for every architecture is cached (`runtime build-kernels`, or
+    carried to a machine without nvcc). The compiler is simulated by one that writes its
+    arguments as the library."""
+    monkeypatch.setenv("LITESERVE_CACHE", str(tmp_path / "cache"))
+    fake = tmp_path / "nvcc"
+    fake.write_text(
+        '#!/bin/sh\nargs="$*"\nwhile [ "$1" != "-o" ]; do shift; done\necho "$args" > "$2"\n'
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("NVCC", str(fake))
+
+    def built_for(path) -> list[str]:
+        return re.findall(r"code=sm_(\d+)", path.read_text())
+
+    h100 = library.first_use(("90",))
+    assert h100 == library.target_path(("90",)) and built_for(h100) == ["90"]
+    assert "arch=compute_90,code=compute_90" in h100.read_text()  # PTX for newer GPUs
+    mixed = library.first_use(("90", "80"))
+    assert built_for(mixed) == ["80", "90"]
+    assert built_for(library.first_use(())) == list(library.ARCHS)  # no GPU: every one
+    newer = library.first_use(("120",))  # none of ARCHS exactly: its driver compiles the PTX
+    assert newer == library.target_path() and built_for(newer) == list(library.ARCHS)
+    fake.unlink()  # with every architecture cached, no compiler is needed
+    assert library.first_use(("86",)) == library.target_path()
 
 
 def test_a_gpu_without_pinned_configs_is_told_how_to_pin_them(caplog) -> None:

@@ -3,8 +3,9 @@
 ``nvcc`` compiles every ``csrc/*.cu`` into one ``.so`` holding SASS for sm_80, sm_86, sm_89
 and sm_90 plus sm_90 PTX (newer GPUs JIT it), with the CUDA runtime linked statically, so the
 library loads against any torch build (no torch headers, no torch ABI) and on a machine without
-a GPU. It is built on first use and cached, keyed by the sources and the flags
-(``runtime build-kernels`` builds it ahead of time, also for a GPU machine without nvcc: copy
+a GPU. It is built on first use (for the machine's GPU architectures only) and cached, keyed by
+the sources and the flags (``runtime build-kernels`` builds it ahead of time for every
+architecture, also for a GPU machine without nvcc: copy
 the cache directory there, or point LITESERVE_CACHE at it). Kernels launch on the stream
 the caller passes, torch's current one, so CUDA graphs capture them.
 """
@@ -162,28 +163,47 @@ def compile_command(
     return [compiler, *FLAGS, *gencode(archs), *extra, *map(str, sources()), "-o", out]
 
 
-def build() -> Path:
-    """The library's path, compiling it first when this machine has no cached copy."""
-    digest = hashlib.sha256(" ".join(FLAGS + gencode()).encode())
-    for path in sorted(CSRC.glob("*.cu*")):  # sources and headers
-        digest.update(path.name.encode() + path.read_bytes())
-    # Keyed by what it is built from, not by the nvcc that built it: a library built elsewhere
-    # and carried in LITESERVE_CACHE serves a GPU machine that has no nvcc.
-    target = cache_dir() / f"liteserve_cuda-{digest.hexdigest()[:16]}.so"
+def build(archs: tuple[str, ...] = ARCHS) -> Path:
+    """The library for ``archs`` (every architecture by default), compiling it first when this
+    machine has no cached copy."""
+    target = target_path(archs)
 
     def compile_into(tmp: str) -> None:
         # minutes for every architecture, during which start-up would look hung
         log.warning(
             "building the CUDA kernels with nvcc for %s into %s (once per machine and source; "
-            "`runtime build-kernels` does it ahead of time)",
-            ", ".join(ARCHS),
+            "`runtime build-kernels` does it ahead of time, for every architecture)",
+            ", ".join(archs),
             target.parent,
         )
-        done = subprocess.run(compile_command(nvcc(), tmp), capture_output=True, text=True)
+        done = subprocess.run(
+            compile_command(nvcc(), tmp, (), archs), capture_output=True, text=True
+        )
         if done.returncode != 0:
             raise BuildUnavailable(f"nvcc failed to build csrc/:\n{done.stderr[-3000:]}")
 
     return cached_build(target, compile_into)
+
+
+def target_path(archs: tuple[str, ...] = ARCHS) -> Path:
+    """Where the library for ``archs`` is cached: keyed by what it is built from, not by the nvcc
+    that built it, so one built elsewhere and carried in LITESERVE_CACHE serves a GPU machine
+    that has no nvcc."""
+    digest = hashlib.sha256(" ".join(FLAGS + gencode(archs)).encode())
+    for path in sorted(CSRC.glob("*.cu*")):  # sources and headers
+        digest.update(path.name.encode() + path.read_bytes())
+    return cache_dir() / f"liteserve_cuda-{digest.hexdigest()[:16]}.so"
+
+
+def first_use(gpu_archs: tuple[str, ...]) -> Path:
+    """The library a process uses: the one for every architecture where it is cached (built by
+    `runtime build-kernels`, or carried), else one for this machine's GPUs' architectures
+    alone (``gpu_archs``, e.g. ("90",)), built now: a quarter of the nvcc time for one GPU kind,
+    which a first start-up waits for; else (no GPU, or one that none of ARCHS serves exactly,
+    whose driver compiles the PTX) every one."""
+    if target_path().exists() or not gpu_archs or not set(gpu_archs) <= set(ARCHS):
+        return build()
+    return build(tuple(a for a in ARCHS if a in gpu_archs))
 
 
 @functools.cache
@@ -191,7 +211,17 @@ def library() -> ctypes.CDLL:
     """The loaded library; raises BuildUnavailable with the reason when it cannot be had."""
     if os.environ.get("LITESERVE_CUDA") == "0":
         raise BuildUnavailable("disabled by LITESERVE_CUDA=0")
-    return load(build())
+    return load(first_use(_gpu_archs()))
+
+
+def _gpu_archs() -> tuple[str, ...]:
+    """The visible GPUs' architectures as ARCHS writes them ("90"); none without a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return ()
+    found = (torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count()))
+    return tuple(sorted({f"{major}{minor}" for major, minor in found}))
 
 
 def load(path: Path) -> ctypes.CDLL:
