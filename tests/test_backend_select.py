@@ -132,10 +132,10 @@ def test_first_build_of_the_cuda_library_says_so(monkeypatch, tmp_path, caplog) 
 def test_first_use_builds_for_this_machines_gpus_unless_every_architecture_is_there(
     monkeypatch, tmp_path
 ) -> None:
-    """A first start-up waits for nvcc: for the GPU kinds present only (a quarter of the time
-    for one), unless the library for every architecture is cached (`runtime build-kernels`, or
-    carried to a machine without nvcc). The compiler is simulated by one that writes its
-    arguments as the library."""
+    """A first start-up waits for nvcc: for the GPU kinds present only (less than half the
+    time for one), unless the library for every architecture is cached (`runtime
+    build-kernels`, or carried to a machine without nvcc). The compiler is simulated by one
+    that writes its arguments as the library."""
     monkeypatch.setenv("LITESERVE_CACHE", str(tmp_path / "cache"))
     fake = tmp_path / "nvcc"
     fake.write_text(
