@@ -790,13 +790,14 @@ def dry_run_plan(
 
     def timed() -> Plan:
         if source is None:
-            (seconds, peak), which = time_random_layer(config, cfg, device, plan), None
+            seconds, peak = time_random_layer(config, cfg, device, plan)
+            which = "a layer of random weights"
         else:
             (seconds, peak), which = time_layer(source, config, cfg, device, plan), plan.timed
         return dataclasses.replace(
             plan,
             layer_seconds=seconds,
-            timed=which or "a layer of random weights",
+            timed=which,
             layer_peak=peak.bytes,
             peak_where=peak.where,
         )

@@ -212,10 +212,10 @@ def too_large(plan: Plan, available: int) -> str | None:
     """Why one layer's run would not fit in the ``available`` bytes where it runs (None: it
     fits). On the CPU the calibration activations are there too; on a GPU the chunking
     already fits what is free, so only the layer's fixed part can be too much."""
-    need = plan.memory.total + (plan.host_activations if plan.device == "cpu" else 0)
+    on_host = plan.device == "cpu"
+    need = plan.memory.total + (plan.host_activations if on_host else 0)
     if need <= available:
         return None
-    on_host = plan.device == "cpu"
     what = "a layer and the calibration activations need" if on_host else "a layer needs"
     return (
         f"{what} about {_size(need)} and {plan.device} has {_size(available)} available: "

@@ -93,6 +93,6 @@ def test_a_v1_limit_caps_the_room(tmp_path: Path, own: str) -> None:
     assert host_memory.cgroup_room(over, proc) == 0
 
 
-def test_this_host(tmp_path: Path) -> None:
+def test_this_host() -> None:
     """Whatever cgroup this test runs in, the room is at most the OS's available memory."""
     assert 0 <= host_memory.available_bytes() <= psutil.virtual_memory().total
