@@ -60,11 +60,15 @@ from lite.gptq import gptq_quantize
 from lite.hf import architecture_from_config, load_config
 from lite.model_card import write_model_card
 from lite.plan import (
+    LayerMemory,
     Plan,
+    activation_bytes,
     default_rows,
     device_rows,
     layer_memory,
     make_plan,
+    run_need,
+    shortfall,
     skeleton,
     too_large,
 )
@@ -716,6 +720,23 @@ def calibrate_and_pack(
     return tensors, result.outputs, result.fallbacks
 
 
+def warn_if_short(
+    memory: LayerMemory, config, calib: CalibrationSet | None, device: torch.device
+) -> None:
+    """Say before the first layer when one layer's run would not fit where it runs: on the
+    CPU the OOM killer would end it with nothing shown. A warning, not a refusal: the
+    estimate is an upper bound (the dry run's measured peaks stay under it)."""
+    acts = activation_bytes(config, calib.n_samples, calib.seqlen) if calib else 0
+    short = shortfall(run_need(memory, acts, device.type), available_bytes(device), device.type)
+    if short:
+        print(
+            f"warning: {short}; the run may be killed for memory (it resumes after its last "
+            "finished layer): run it on a GPU with the room (--device cuda), or with fewer "
+            "--calib-samples",
+            file=sys.stderr,
+        )
+
+
 def quantize_layers(
     state: RunState,
     ckpt: Checkpoint,
@@ -740,8 +761,11 @@ def quantize_layers(
         x = state.load_inputs() if state.done >= 0 else embed(ckpt, calib)
         pos = positions(rotary, x, device)
         rows = device_rows(calib_batch_size, layers[0], config, calib.seqlen, calib.n_samples, free)
-    fixed = layer_memory(layers[0], config, calib.seqlen if rows else 0, min(rows, 1))
+    seqlen = calib.seqlen if rows else 0
+    fixed = layer_memory(layers[0], config, seqlen, min(rows, 1))
     room = (fixed.total - fixed.chunk, free)
+    if state.done + 1 < n_layers:
+        warn_if_short(layer_memory(layers[0], config, seqlen, rows), config, calib, device)
     state.add_device(device_label(device))
     with (
         tqdm(

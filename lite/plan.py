@@ -208,19 +208,34 @@ class Plan:
         return self.memory.total + host_outputs
 
 
-def too_large(plan: Plan, available: int) -> str | None:
-    """Why one layer's run would not fit in the ``available`` bytes where it runs (None: it
-    fits). On the CPU the calibration activations are there too; on a GPU the chunking
-    already fits what is free, so only the layer's fixed part can be too much."""
-    on_host = plan.device == "cpu"
-    need = plan.memory.total + (plan.host_activations if on_host else 0)
+def activation_bytes(config, n_samples: int, seqlen: int) -> int:
+    """The calibration activations a run keeps on the host: one layer's inputs and outputs."""
+    return 2 * n_samples * seqlen * config.hidden_size * FP32
+
+
+def run_need(memory: LayerMemory, host_activations: int, device: str) -> int:
+    """What one layer's run holds where it runs: the layer's memory and, on the CPU, the
+    calibration activations too (a layer's inputs and outputs). On a GPU they stay on the host
+    and cross in chunks already sized to what is free."""
+    return memory.total + (host_activations if device == "cpu" else 0)
+
+
+def shortfall(need: int, available: int, device: str) -> str | None:
+    """Why one layer's run, holding `need` bytes where it runs, would not fit the `available`
+    ones (None: it fits)."""
     if need <= available:
         return None
-    what = "a layer and the calibration activations need" if on_host else "a layer needs"
-    return (
-        f"{what} about {_size(need)} and {plan.device} has {_size(available)} available: "
-        "dry-run where the run will go (--device cuda on a GPU with the room)"
-    )
+    what = "a layer and the calibration activations need" if device == "cpu" else "a layer needs"
+    return f"{what} about {_size(need)} and {device} has {_size(available)} available"
+
+
+def too_large(plan: Plan, available: int) -> str | None:
+    """Why the dry run would not time a layer in the ``available`` bytes where it runs (None:
+    it fits)."""
+    need = run_need(plan.memory, plan.host_activations, plan.device)
+    short = shortfall(need, available, plan.device)
+    fix = "dry-run where the run will go (--device cuda on a GPU with the room)"
+    return short and f"{short}: {fix}"
 
 
 def make_plan(
@@ -249,7 +264,7 @@ def make_plan(
         seqlen=seqlen,
         rows=rows,
         memory=layer_memory(layer, config, seqlen, rows),
-        host_activations=2 * n_samples * seqlen * config.hidden_size * FP32,  # in and out
+        host_activations=activation_bytes(config, n_samples, seqlen),
         artifact_bytes=n_layers * layer_artifact_bytes(layer, group_size)
         + sum(p.numel() for p in globals_) * STORED,
     )

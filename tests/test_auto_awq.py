@@ -90,6 +90,7 @@ def test_family_end_to_end(family: str, tiny_models: dict[str, Path], tmp_path: 
         "auto_awq", str(tiny_models[family]), "--work-dir", str(art), *FAST, "--device", "cpu"
     )
     assert code == 0, out
+    assert "warning" not in out and "wrote " in out  # the summary line: stderr is read
     code, out = lite("inspect", str(art), "--verify", "--json")
     assert code == 0, out
     facts = json.loads(out)
@@ -491,6 +492,30 @@ def test_dry_run_does_not_start_a_layer_that_cannot_fit(tmp_path: Path) -> None:
     need = float(why.split("need about ")[1].split()[0])
     assert need > 1000, why  # GiB: the fp32 weights alone are 1.1 TiB
     assert sorted(p.name for p in src.iterdir()) == ["config.json"]
+
+
+def test_a_run_says_before_its_first_layer_when_one_will_not_fit(
+    tiny_models: dict[str, Path], capsys: pytest.CaptureFixture
+) -> None:
+    """On the host's real available memory: a layer planned at 1 TiB is warned of (the OOM
+    killer would end the run with nothing shown), with the way out; the tiny one is not."""
+    from transformers import AutoTokenizer
+
+    from lite.auto_awq import warn_if_short
+    from lite.data import build_calibration
+    from lite.hf import load_config
+    from lite.plan import LayerMemory
+
+    config = load_config(tiny_models["llama"])
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["llama"])
+    calib = build_calibration("pydoc", tokenizer, 4, 64, 0)
+    cpu = torch.device("cpu")
+    warn_if_short(LayerMemory(2**40, 0, 0, 0), config, calib, cpu)
+    err = capsys.readouterr().err
+    assert err.startswith("warning: a layer and the calibration activations need about 1024.00")
+    assert "cpu has" in err and "--device cuda" in err and "--calib-samples" in err, err
+    warn_if_short(LayerMemory(2**20, 2**20, 2**20, 2**20), config, calib, cpu)
+    assert capsys.readouterr().err == ""
 
 
 def test_dry_run_without_weights_times_a_random_layer(
