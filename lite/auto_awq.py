@@ -39,6 +39,7 @@ from lite.awq import (
     soften_clip,
 )
 from lite.compute import (
+    CHUNK_FLAG,
     PeakBytes,
     available_bytes,
     cuda_version,
@@ -724,17 +725,23 @@ def warn_if_short(
     memory: LayerMemory, config, calib: CalibrationSet | None, device: torch.device
 ) -> None:
     """Say before the first layer when one layer's run would not fit where it runs: on the
-    CPU the OOM killer would end it with nothing shown. A warning, not a refusal: the
-    estimate is an upper bound (the dry run's measured peaks stay under it)."""
+    CPU the OOM killer would end it with nothing shown; on a GPU the chunking fits what is
+    free unless the layer alone cannot, or `--calib-batch-size` asked for more. A warning, not
+    a refusal: the estimate is an upper bound (the dry run's measured peaks stay under it)."""
     acts = activation_bytes(config, calib.n_samples, calib.seqlen) if calib else 0
-    short = shortfall(run_need(memory, acts, device.type), available_bytes(device), device.type)
-    if short:
-        print(
-            f"warning: {short}; the run may be killed for memory (it resumes after its last "
-            "finished layer): run it on a GPU with the room (--device cuda), or with fewer "
-            "--calib-samples",
-            file=sys.stderr,
-        )
+    need = run_need(memory, acts, device.type)
+    short = shortfall(need, available_bytes(device), str(device))
+    if not short:
+        return
+    if device.type == "cpu":
+        fix = "run it on a GPU with the room (--device cuda), or with fewer --calib-samples"
+    else:
+        fix = f"run it with a smaller {CHUNK_FLAG}, with --device cpu, or on a freer GPU"
+    print(
+        f"warning: {short}; the run may fail for memory (it resumes after its last finished "
+        f"layer): {fix}",
+        file=sys.stderr,
+    )
 
 
 def quantize_layers(

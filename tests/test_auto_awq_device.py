@@ -143,3 +143,17 @@ def test_cuda_artifact_serves_like_the_cpu_one(
 def test_auto_picks_the_gpu(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     _quantize(tiny_models["llama"], tmp_path / "art", "auto")
     assert Artifact(tmp_path / "art").manifest.producer.devices[0].startswith("cuda:")
+
+
+def test_a_layer_larger_than_the_free_gpu_memory_is_warned_of(
+    tiny_models: dict[str, Path], capsys: pytest.CaptureFixture
+) -> None:
+    """On the GPU's real free memory: a layer planned at 1 TiB gets the GPU's ways out."""
+    from lite.auto_awq import warn_if_short
+    from lite.plan import LayerMemory
+
+    config = load_config(tiny_models["llama"])
+    warn_if_short(LayerMemory(2**40, 0, 0, 0), config, None, _gpu())
+    err = capsys.readouterr().err
+    assert err.startswith("warning: a layer needs about 1024.00 GiB and cuda:"), err
+    assert "--calib-batch-size" in err and "--device cpu" in err, err
