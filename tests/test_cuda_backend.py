@@ -21,7 +21,7 @@ within 0.005 nats, for fp16 and int4 KV, over chunked prefill and batched decode
 activations and the same prefill attention, so they differ only by summation order inside the
 GEMM and the decode attention: measured at most 0.001 (an fp16 step of a logit near ln(512) is
 0.004). head_dim 64, so decode attention is the csrc kernel's. On a GPU host the backend runs
-compiled instead: test_gpu.py::test_cuda_backend_matches_triton.
+compiled instead: test_cuda_engine_gpu.py::test_cuda_backend_matches_triton.
 """
 
 from __future__ import annotations
@@ -41,7 +41,9 @@ from tests.test_gpu import assert_backends_agree
 
 pytestmark = [
     pytest.mark.skipif(cuda_lib.NVCC is None, reason="nvcc not installed"),
-    pytest.mark.skipif(GPU, reason="on a GPU the cuda backend runs compiled (test_gpu.py)"),
+    pytest.mark.skipif(
+        GPU, reason="on a GPU the cuda backend runs compiled (test_cuda_engine_gpu.py)"
+    ),
 ]
 
 TOL = 0.005  # nats; see the module docstring
