@@ -1,5 +1,6 @@
-"""The `lite` command: auto_awq, inspect, ppl. Flag names follow LMDeploy's where they mean
-the same thing, so commands from shell history keep working."""
+"""The `lite` command: auto_awq, inspect, ppl, eval, lm-eval, tune, convert, export. Flag
+names follow LMDeploy's where they mean the same thing, so commands from shell history keep
+working."""
 
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ with the same ones, so the plan and the run agree on what a layer holds:
 
 - on the device, per decoder layer: its weights in fp32 (calibration's compute dtype), one
   Gram matrix per scale group, one chunk of calibration activations going through the forward,
-  and the temporaries of the widest group's scale search;
+  and the larger of the widest group's scale-search temporaries and the widest linear's GPTQ
+  rounding workspace;
 - on the host: the calibration activations, a layer's inputs and its outputs;
 - the artifact: int4 codes and fp16 group parameters for every decoder linear, 16-bit copies of
   everything else.

@@ -1,4 +1,5 @@
-"""The `runtime` command: generate, chat, plan and verify on a serving host (no `lite` needed)."""
+"""The `runtime` command on a serving host (no `lite` needed): serve, check, generate, chat,
+plan, verify and build-kernels."""
 
 from __future__ import annotations
 

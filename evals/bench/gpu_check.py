@@ -380,7 +380,7 @@ def plan(
         cap=240,
         render=render_pytest,
         # 97 s on the H200 (2026-12-04) with fewer tests: without a reserve of its own it would
-        # get what the measuring stages' 410 s of reserves leave of the budget
+        # get what the measuring stages' 440 s of reserves leave of the budget
         reserve=120,
     )
     # The whole suite on the GPU host (issue 11 asks `make test` green there too): the CPU

@@ -1,5 +1,6 @@
-"""Build and load the C files beside this one: the CPU backend's kernels (cpu_decode.c and
-cpu_qlinear.c, one library) and the int4 repacker of checkpoint conversion (repack.c).
+"""Build and load the C files beside this one: the CPU backend's kernels (cpu_decode.c,
+cpu_qlinear.c and cpu_layer.c, one library) and the int4 repacker of checkpoint conversion
+(repack.c).
 
 A library is compiled once per machine with the system C compiler (``$CC``, else ``cc``)
 and cached under ``$LITESERVE_CACHE`` (default ``~/.cache/liteserve``), keyed by the sources,

@@ -1,7 +1,8 @@
 """One dispatch point per op: the engine picks a backend once and the model calls its ops.
 
-``cpu`` is torch (reference ops plus torch's int4 CPU matmul) with the C kernels of
-``cpu_decode.c``; ``triton`` is the GPU kernels in ``runtime/kernels/triton/`` (on a CPU only
+``cpu`` is the C kernels (``cpu_decode.c``, ``cpu_qlinear.c``, ``cpu_layer.c``), each op on the
+path ``cpu_dispatch`` measured fastest on the host, with torch's ops where they are faster or
+no compiler is there; ``triton`` is the GPU kernels in ``runtime/kernels/triton/`` (on a CPU only
 under ``TRITON_INTERPRET=1``, which the tests use); ``cuda`` is the csrc library
 (``runtime/kernels/cuda/``). A backend asked for by name that cannot run is refused with the
 reason; ``auto`` takes the first that runs and says what it passed over.

@@ -3,7 +3,8 @@
 Weights are the artifact's packed tensors as on disk (fused by concatenation, as for triton);
 prefill attention is the Triton variable-length kernel (prefill is compute-bound and that
 kernel handles chunked prefill over the paged pool), as is decode attention for a head_dim the
-csrc kernel is not built for (said once in the log); norms and the lm_head are torch's.
+csrc kernel is not built for (said once in the log); Qwen3's q/k norms and the lm_head are
+torch's.
 Every kernel launches on torch's current stream, so the decode CUDA graphs capture them.
 
 The pointwise work between the GEMMs runs as three csrc kernels per sublayer boundary instead
