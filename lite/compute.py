@@ -168,7 +168,7 @@ def tensor_peak(device: torch.device, where: bool = False) -> Iterator[PeakBytes
         if live > result.bytes:
             result.bytes, at = live, ts
     if where and at is not None:
-        result.where = _python_calls_at(events, entered, at)
+        result.where = _python_calls_at(_python_calls(p), entered, at)
 
 
 @contextlib.contextmanager
@@ -191,17 +191,30 @@ def _in_lite(call: str) -> bool:
     return os.path.basename(os.path.dirname(call.split("(", 1)[0])) == __package__
 
 
-def _python_calls_at(events, since: int, ns: int) -> str:
+def _python_calls(p: profile) -> list[tuple[str, int, int]]:
+    """(name, start, end) of every Python call the profiler traced. From its event tree: torch
+    2.11's flat event list leaves Python calls out (2.13's marks them), the tree has them in
+    2.11-2.13 alike."""
+    from torch._C._profiler import _EventType
+
+    calls, nodes = [], list(p.profiler.kineto_results.experimental_event_tree())
+    while nodes:
+        node = nodes.pop()
+        if node.tag == _EventType.PyCall:
+            calls.append((node.name, node.start_time_ns, node.end_time_ns))
+        nodes.extend(node.children)
+    return calls
+
+
+def _python_calls_at(calls: list[tuple[str, int, int]], since: int, ns: int) -> str:
     """The package's Python functions called from `since` on and running at `ns`, outermost
     first: where in the measured block the peak came."""
-    calls = [
-        e
-        for e in events
-        if e.is_python_function() and since <= e.start_ns() <= ns <= e.end_ns()
-        if _in_lite(e.name())
-    ]
-    calls.sort(key=lambda e: e.start_ns())
-    return " > ".join(e.name().rsplit(": ", 1)[-1] for e in calls)
+    running = sorted(
+        (start, name)
+        for name, start, end in calls
+        if since <= start <= ns <= end and _in_lite(name)
+    )
+    return " > ".join(name.rsplit(": ", 1)[-1] for _, name in running)
 
 
 def out_of_memory(
