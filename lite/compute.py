@@ -152,7 +152,10 @@ def tensor_peak(device: torch.device, where: bool = False) -> Iterator[PeakBytes
         torch.cuda.synchronize(device)
         result.bytes = torch.cuda.max_memory_allocated(device) - start
         return
-    p = profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=where)
+    # acc_events: one cycle either way; without it torch 2.11 warns that cycles clear events
+    p = profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=where, acc_events=True
+    )
     with _quiet_stderr():  # the profiler's library logs its start and stop there
         p.start()
     try:
