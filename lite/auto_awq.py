@@ -728,7 +728,8 @@ def warn_if_short(
     CPU the OOM killer would end it with nothing shown; on a GPU the chunking fits what is
     free unless the layer alone cannot, or `--calib-batch-size` asked for more. A warning, not
     a refusal: the estimate is an upper bound (the dry run's measured peaks stay under it)."""
-    acts = activation_bytes(config, calib.n_samples, calib.seqlen) if calib else 0
+    # the layer's inputs are already on the host (embedded or resumed): its outputs are to come
+    acts = activation_bytes(config, calib.n_samples, calib.seqlen) // 2 if calib else 0
     need = run_need(memory, acts, device.type)
     short = shortfall(need, available_bytes(device), str(device))
     if not short:
