@@ -21,6 +21,7 @@ from runtime.kernels.triton.gemm import (
     GEMV_TUNED_BUCKETS,
     M_BUCKETS,
     DequantConfig,
+    DequantTile,
     GemmConfig,
     GemvConfig,
     _activation_pairs,
@@ -428,6 +429,21 @@ def test_dequantize_gives_the_gemms_weights(n: int, k: int, gs: int, device: tor
         if dtype == F16 or device.type == "cuda":
             ref = dequantize(qweight, qparams, n, k, gs).to(dtype)
             assert torch.equal(ref.view(torch.int16), w.view(torch.int16)), dtype
+
+
+def test_every_dequantization_tile_gives_the_same_bits(device: torch.device) -> None:
+    """The tiles a benchmark may try (triton_bench.py's sweep) write the default tile's bits,
+    over N and K that leave every tile partial; a tile the kernel cannot lay out is refused."""
+    n, k, gs = 88, 200, 64
+    torch.manual_seed(5)
+    qweight, qparams = make_weight(n, k, gs, device)
+    want = w4a16_dequantize(qweight, qparams, n, k, gs, F16)
+    for tile in (DequantTile(16, 16, 1), DequantTile(64, 128, 8), DequantTile(32, 32, 2)):
+        got = w4a16_dequantize(qweight, qparams, n, k, gs, F16, tile)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), tile
+    for bad in (DequantTile(128, 64), DequantTile(8, 64), DequantTile(32, 48)):
+        with pytest.raises(ValueError, match="block_k must divide the group size 64"):
+            w4a16_dequantize(qweight, qparams, n, k, gs, F16, bad)
 
 
 @pytest.mark.parametrize("dtype", [F16, BF16])

@@ -7,8 +7,9 @@ at 1-4 rows the one-row and tile kernels' defaults both timed; from 256 rows the
 dequantized and torch's matmul) or, with --tune, the best of `lite tune`'s candidates; prints
 time, achieved GB/s (weights + activations + output read/written once) and TFLOP/s, and ratios
 to the copy bandwidth and to torch.matmul in fp16 on dense weights of the same shape.
-Decode attention: one token per sequence over 1k..32k cached tokens, fp16/int8/int4 KV, Llama-3-8B
-heads (32 query, 8 KV, dim 128); prints time and the KV bytes read per second.
+The dequantization alone, per tile (DEQUANT_TILES), against the copy bandwidth.
+Decode attention: one token per sequence over 1k..32k cached tokens, fp16/int8/int4 KV,
+Llama-3-8B heads (32 query, 8 KV, dim 128); prints time and the KV bytes read per second.
 
 Usage (a CUDA GPU): python evals/bench/triton_bench.py [--tune] [--batch 1,8] [--quick]
 --quick shrinks every shape, e.g. to check the script under TRITON_INTERPRET=1 on a CPU.
@@ -29,6 +30,7 @@ from runtime.kernels.triton.attention import paged_decode_attention
 from runtime.kernels.triton.gemm import (
     GEMV_TUNED_BUCKETS,
     DequantConfig,
+    DequantTile,
     GemvConfig,
     LinearConfig,
     choose_config,
@@ -36,6 +38,7 @@ from runtime.kernels.triton.gemm import (
     heuristic_config,
     m_bucket,
     tune_space,
+    w4a16_dequantize,
     w4a16_linear,
 )
 from runtime.kv.cache import KVCache
@@ -46,6 +49,11 @@ SHAPES["down 4096x14336"] = (4096, 14336)
 MS = (1, 4, 16, 64, 256, 1024, 4096)
 CONTEXTS = (1024, 4096, 16384, 32768)
 GROUP = 128
+# the dequantization feeding prefill GEMMs (the default first): 130-150 GB/s on the H200 at
+# 2026-12-04 with 2-byte stores, against about 1 TB/s for csrc's; which tile is best is open
+DEQUANT_TILES = (DequantTile(), DequantTile(32, 128, 4), DequantTile(64, 64, 4))
+DEQUANT_TILES += (DequantTile(64, 128, 4), DequantTile(64, 128, 8), DequantTile(128, 128, 8))
+DEQUANT_TILES += (DequantTile(128, 256, 8), DequantTile(32, 256, 4))
 
 
 def bench(fn: Callable[[], object], device: torch.device) -> float:
@@ -133,6 +141,27 @@ def gemm_row(label, x, qweight, qparams, dense, candidates, device, copy_bw: flo
     )
 
 
+def dequant_rows(device: torch.device, shapes: dict, copy_bw: float) -> None:
+    """The dequantization alone, per tile: GB/s of int4 words and (s, b) read plus fp16 weights
+    written, against the copy bandwidth."""
+    print(f"\n## W4A16 dequantization to fp16 (group {GROUP}), per tile")
+    print("| shape | tile (k x n / warps) | ms | GB/s | x copy bw |")
+    print("|---|---|---:|---:|---:|")
+    for label, (n, k) in shapes.items():
+        qweight, qparams = random_weight(n, k, device)
+        nbytes = qweight.numel() * 4 + qparams.numel() * 2 + n * k * 2
+        for tile in DEQUANT_TILES:
+            name = f"{tile.block_k} x {tile.block_n} / {tile.num_warps}"
+            run = partial(w4a16_dequantize, qweight, qparams, n, k, GROUP, torch.float16, tile)
+            try:
+                t = bench(run, device)
+            except Exception as e:  # a tile the compiler rejects here: a finding, not the end
+                print(f"| {label} | {name} | failed: {type(e).__name__}: {str(e)[:80]} | - | - |")
+                continue
+            gbs = nbytes / t / 1e6
+            print(f"| {label} | {name} | {t:.4f} | {gbs:.0f} | {gbs / copy_bw:.2f} |")
+
+
 def attention_rows(device: torch.device, contexts: tuple[int, ...], batch: int, heads: tuple):
     h, hkv, d = heads
     print(f"\n## Paged decode attention (batch {batch}, {h} heads / {hkv} KV heads, dim {d})")
@@ -176,7 +205,9 @@ def main() -> None:
     ms = (1, 4, 17, 300) if a.quick else MS
     contexts = (70,) if a.quick else CONTEXTS
     heads = (6, 2, 16) if a.quick else (32, 8, 128)
-    gemm_rows(device, a.tune, shapes, ms, copy_bandwidth(device, 2**20 if a.quick else 2**30))
+    copy_bw = copy_bandwidth(device, 2**20 if a.quick else 2**30)
+    gemm_rows(device, a.tune, shapes, ms, copy_bw)
+    dequant_rows(device, shapes, copy_bw)
     for batch in (int(b) for b in a.batch.split(",")):
         attention_rows(device, contexts, batch, heads)
 

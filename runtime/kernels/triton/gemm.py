@@ -730,7 +730,14 @@ def _dequant_kernel(
     tl.store(out, w, mask=(offs_k < K)[:, None] & n_mask[None, :])
 
 
-_DEQUANT_BLOCK_K, _DEQUANT_BLOCK_N = 32, 64  # 32 divides every group size: one group a tile
+@dataclass(frozen=True)
+class DequantTile:
+    """A launch of :func:`_dequant_kernel`: block_k divides the group size (one group's (s, b) a
+    tile) and block_n holds whole 16-column units; both powers of two (``tl.arange``)."""
+
+    block_k: int = 32  # 32 divides every group size
+    block_n: int = 64
+    num_warps: int = 4
 
 
 def _check_weight(
@@ -924,17 +931,27 @@ def w4a16_dequantize(
     k: int,
     group_size: int,
     dtype: torch.dtype,
+    tile: DequantTile = DequantTile(),
 ) -> torch.Tensor:
     """W_hat [n, k] in ``dtype`` (fp16 or bf16; a transposed view of a contiguous [k, n]): the
     weights :func:`w4a16_gemm` multiplies, bit for bit (the fp32 fma of the reference
-    dequantization, rounded once to ``dtype``)."""
+    dequantization, rounded once to ``dtype``). ``tile`` is for benchmarks to try others."""
     _check_weight(qweight, qparams, n, k, group_size)
     if dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"the weights dequantize to float16 or bfloat16, not {dtype}")
-    # stored k-major ([k, n] contiguous, returned transposed): a tile row is then 64 adjacent
+    if (
+        group_size % tile.block_k
+        or min(tile.block_k, tile.block_n) < TILE
+        or not _is_pow2(tile.block_n)
+    ):
+        raise ValueError(
+            f"{tile}: block_k must divide the group size {group_size} and be at least {TILE}, "
+            f"block_n a power of two from {TILE}"
+        )
+    # stored k-major ([k, n] contiguous, returned transposed): a tile row is then block_n adjacent
     # columns, where an [n, k] store would scatter 2-element runs; matmul reads either layout
     w = torch.empty(k, n, dtype=dtype, device=qweight.device).T
-    grid = (triton.cdiv(k, _DEQUANT_BLOCK_K), triton.cdiv(n, _DEQUANT_BLOCK_N))
+    grid = (triton.cdiv(k, tile.block_k), triton.cdiv(n, tile.block_n))
     _dequant_kernel[grid](
         qweight,
         qparams,
@@ -946,8 +963,9 @@ def w4a16_dequantize(
         *w.stride(),
         _TWO23_BITS.value,
         GROUP_SIZE=group_size,
-        BLOCK_K=_DEQUANT_BLOCK_K,
-        BLOCK_N=_DEQUANT_BLOCK_N,
+        BLOCK_K=tile.block_k,
+        BLOCK_N=tile.block_n,
+        num_warps=tile.num_warps,
     )
     return w
 
