@@ -690,10 +690,10 @@ def test_a_reader_behind_the_engine_gets_its_backlog_as_one_update(
     params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
 
     async def read():
-        gen = srv.state.engine.generate(ids, params)
-        first = await gen.__anext__()
+        (updates,) = await srv.state.engine.submit([(ids, params)])
+        first = await updates.__anext__()
         wait_idle(srv)  # blocks this loop while the engine finishes the request
-        return first, [u async for u in gen]
+        return first, [u async for u in updates]
 
     first, rest = asyncio.run(read())
     assert len(rest) == 1 and rest[0].finish_reason == "length", rest
@@ -719,8 +719,8 @@ def test_a_request_whose_event_loop_closed_does_not_stop_the_engine(
     ids = _tokens(http, prompt=PROMPT)
     params = SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)
     loop = asyncio.new_event_loop()
-    gen = srv.state.engine.generate(ids, params)
-    loop.run_until_complete(gen.__anext__())
+    (updates,) = loop.run_until_complete(srv.state.engine.submit([(ids, params)]))
+    loop.run_until_complete(updates.__anext__())
     loop.close()  # the engine still runs the request, and publishes to the closed loop
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 40, "ignore_eos": True}
     r = http.post("/v1/completions", json=body)
@@ -794,16 +794,81 @@ def test_streaming_client_gone_before_the_first_byte(srv: Served) -> None:
     assert grew(m, before, ABORTS) == 3 and grew(m, before, GENERATED) < 3 * 300
 
 
-def test_a_refused_prompt_aborts_the_ones_already_started(srv: Served) -> None:
-    """Prompts of one request start one by one; when a later one is refused (400), the
-    earlier ones must not run on for a client that got an error."""
+def test_a_refused_prompt_starts_none_of_the_request(srv: Served) -> None:
+    """The prompts of one request are admitted together: when a later one is refused (400),
+    the earlier ones never run a step for a client that got an error."""
     before = metrics(srv.url)
     body = {"model": MODEL, "prompt": [[5, 6, 7], [5] * 900], "max_tokens": 600, "ignore_eos": True}
     r = httpx2.post(srv.url + "/v1/completions", json=body, headers=AUTH, timeout=30)
     assert r.status_code == 400 and "over session_len" in r.json()["error"]["message"]
     wait_idle(srv, timeout=10)
     m = metrics(srv.url)
-    assert grew(m, before, ABORTS) == 1 and grew(m, before, GENERATED) < 600
+    assert grew(m, before, GENERATED) == 0 and grew(m, before, "liteserve:prompt_tokens_total") == 0
+
+
+def test_the_choices_of_a_request_start_in_one_step(http: httpx2.Client) -> None:
+    """n choices and several prompts are admitted together, so every sequence has its first
+    token before any has its last (one at a time, the first of 2-token choices ended before
+    the fourth began, and nothing was streamed until the last had a token)."""
+    body = {"model": MODEL, "max_tokens": 2, "ignore_eos": True, "stream": True}
+    for extra in ({"prompt": PROMPT, "n": 4}, {"prompt": [PROMPT, OTHER, "a", "b"]}):
+        seen: list[tuple[int, str | None]] = []
+        with http.stream("POST", "/v1/completions", json={**body, **extra}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    (choice,) = json.loads(line[6:])["choices"]
+                    seen.append((choice["index"], choice["finish_reason"]))
+        first_end = next(i for i, (_, finish) in enumerate(seen) if finish)
+        assert {k for k, _ in seen[:first_end]} == {0, 1, 2, 3}, seen
+
+
+def test_a_client_that_leaves_while_queued_is_aborted_at_once(artifact: Path) -> None:
+    """One sequence at a time: a second request waits for the first one's slot. When its
+    client leaves, it is aborted there and then, its place in the queue and its concurrency
+    slot freed, never prefilled for nobody."""
+    s = serve(artifact, config=engine_config(max_batch_size=1), max_concurrent_requests=2)
+    real = s.engine.step
+
+    def slow_step():  # the first request holds the slot for seconds, whatever the machine
+        time.sleep(0.02)
+        return real()
+
+    s.engine.step = slow_step
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True}
+    try:
+        with httpx2.stream("POST", s.url + "/v1/completions", json={**body, "stream": True}) as r:
+            lines = r.iter_lines()
+            for _ in range(3):  # the first request runs, and the gauges have seen a step of it
+                assert '"text"' in next(line for line in lines if line)
+            before = metrics(s.url)
+            assert before["liteserve:num_requests_running"] == 1
+            for left, stream in enumerate((False, True), start=1):
+                with pytest.raises(httpx2.ReadTimeout):
+                    queued = {**body, "stream": stream}
+                    with httpx2.stream(
+                        "POST",
+                        s.url + "/v1/completions",
+                        json=queued,
+                        timeout=httpx2.Timeout(5.0, read=0.5),
+                    ) as q:
+                        q.read()
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline:
+                    m = metrics(s.url)
+                    if grew(m, before, ABORTS) == left and s.state.in_flight == 1:
+                        break
+                    time.sleep(0.05)
+                assert grew(m, before, ABORTS) == left and s.state.in_flight == 1, stream
+                assert m["liteserve:num_requests_waiting"] == 0
+                assert m["liteserve:num_requests_running"] == 1  # the first one, still going
+            assert grew(m, before, "liteserve:prompt_tokens_total") == 2 * len(
+                s.state.encode_prompt(PROMPT)
+            )
+            assert s.state.in_flight == 1
+        wait_idle(s, timeout=10)
+    finally:
+        s.engine.step = real
+        s.stop()
 
 
 def test_engine_failure_is_a_500_and_an_error_event(

@@ -28,7 +28,7 @@ from runtime.chat_template import ChatTemplate, ChatTemplateError
 from runtime.engine.grammar import GrammarError, schema_key
 from runtime.engine.sampler import SamplingParams, TokenLogprobs
 from runtime.server import protocol as p
-from runtime.server.async_engine import AsyncEngine, StepFailure, Update, merge
+from runtime.server.async_engine import AsyncEngine, StepFailure, Update, Updates, merge
 from runtime.server.tools import Delta, ToolCallParser, forced_schema, merge_calls, syntax_for
 
 MAX_SEQUENCES = 1024  # prompts x n in one request: a bound on what one body can ask for
@@ -206,28 +206,6 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     return app
 
 
-class _Opened:
-    """A request the engine accepted: its first update, then the rest. aclose() aborts it
-    even if it was never iterated (an async generator closed before it started would skip its
-    cleanup, and the request would run to its end)."""
-
-    def __init__(self, first: Update, gen: AsyncGenerator[Update, None]) -> None:
-        self._first: Update | None = first
-        self._gen = gen
-
-    def __aiter__(self) -> _Opened:
-        return self
-
-    async def __anext__(self) -> Update:
-        if self._first is not None:
-            first, self._first = self._first, None
-            return first
-        return await self._gen.__anext__()
-
-    async def aclose(self) -> None:
-        await self._gen.aclose()
-
-
 class _EventStream(StreamingResponse):
     """SSE that releases its requests however it ends: finished, failed, its client gone
     mid-stream, or gone before the body started (the body generator then never runs, and
@@ -392,7 +370,7 @@ class _State:
         ]
         jobs = [(k, pi, ids, params) for k, (_, pi, ids, params) in enumerate(jobs)]
         self.in_flight += 1
-        streams: list[_Opened] = []
+        streams: list[Updates] = []
         released = False
 
         async def release() -> None:
@@ -405,8 +383,7 @@ class _State:
                     await s.aclose()
 
         try:
-            for _, _, ids, params in jobs:
-                streams.append(await self._open(ids, params))
+            streams += await self._open([(ids, params) for _, _, ids, params in jobs])
             if req.stream:  # the response releases them when it ends
                 return _EventStream(self._sse(req, jobs, streams, chat), release)
         except BaseException:
@@ -417,16 +394,15 @@ class _State:
         finally:
             await release()
 
-    async def _open(self, ids: list[int], params: SamplingParams) -> _Opened:
-        """Start a request; the engine's refusal (too long, bad ids) becomes a 400 here."""
-        gen = self.engine.generate(ids, params)
+    async def _open(self, requests: list[tuple[list[int], SamplingParams]]) -> list[Updates]:
+        """Start every sequence of a request in one step; the engine's refusal of any (too
+        long, bad ids) becomes a 400 here, and none of them runs."""
         try:
-            first = await gen.__anext__()
+            return await self.engine.submit(requests)
         except ValueError as e:
             raise ApiError(400, str(e)) from e
         except Exception as e:  # logged by the engine thread; a 500 for this request only
             raise ApiError(500, f"internal error: {type(e).__name__}: {e}", "internal_error") from e
-        return _Opened(first, gen)
 
     async def _whole(self, request: Request, req, jobs, streams, chat: bool) -> Response:
         async def collect(stream) -> list[Update]:

@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -107,6 +107,37 @@ class _Stream:
     last_token: float | None = None
 
 
+class Updates:
+    """One admitted request's updates until it finishes. aclose() aborts it if it has not
+    finished, read or not (an async generator closed before it started would skip its
+    cleanup, and the request would run to its end)."""
+
+    def __init__(self, owner: AsyncEngine, seq_id: int, out: asyncio.Queue) -> None:
+        self._owner = owner
+        self.seq_id = seq_id
+        self._out = out
+        self._pending: deque[Update] = deque()
+        self._done = False
+
+    def __aiter__(self) -> Updates:
+        return self
+
+    async def __anext__(self) -> Update:
+        if self._done:
+            raise StopAsyncIteration
+        if not self._pending:
+            self._pending.append(await self._out.get())
+        while not self._out.empty():
+            self._pending.append(self._out.get_nowait())
+        update = AsyncEngine._next(self._pending)
+        self._done = update.finish_reason is not None or update.error is not None
+        return update
+
+    async def aclose(self) -> None:
+        self._done = True
+        self._owner.abort(self.seq_id)
+
+
 class AsyncEngine:
     probe_interval = 5.0  # seconds between probe requests while the steps are failing
 
@@ -131,30 +162,33 @@ class AsyncEngine:
         self._thread.join(timeout=10)
         self.alive = False
 
-    async def generate(
-        self, prompt_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[Update]:
-        """Updates until the request finishes. Raises ValueError before the first update if the
-        engine refuses the request. Leaving early (disconnect, cancel) aborts it."""
+    async def submit(self, requests: list[tuple[list[int], SamplingParams]]) -> list[Updates]:
+        """Admit requests (prompt ids, params) together, in one command: the engine adds them
+        between two steps, so the n choices or prompts of one API request start in the same
+        step. Raises ValueError (nothing admitted) if the engine refuses any of them. Returns
+        once they are admitted, not when they have a token: a client that leaves while they
+        wait for a slot can then be seen leaving, and they are aborted."""
         loop = asyncio.get_running_loop()
-        out: asyncio.Queue = asyncio.Queue()
+        outs: list[asyncio.Queue] = [asyncio.Queue() for _ in requests]
         added: Future = Future()
-        self._inbox.put(("add", prompt_ids, params, loop, out, added))
-        seq_id = (await asyncio.wrap_future(added)).seq_id
-        pending: deque[Update] = deque()
+        self._inbox.put(("add", requests, loop, outs, added))
         try:
-            while True:
-                if not pending:
-                    pending.append(await out.get())
-                while not out.empty():
-                    pending.append(out.get_nowait())
-                update = self._next(pending)
-                yield update
-                if update.finish_reason is not None or update.error is not None:
-                    return
-        finally:
-            if seq_id in self._streams:
-                self._inbox.put(("abort", seq_id))
+            seqs = await asyncio.wrap_future(added)
+        except asyncio.CancelledError:  # cancelled in the engine thread's queue, or aborted
+            added.add_done_callback(self._abort_admitted)
+            raise
+        return [Updates(self, seq.seq_id, out) for seq, out in zip(seqs, outs, strict=True)]
+
+    def _abort_admitted(self, added: Future) -> None:
+        """Requests admitted for a caller that was cancelled meanwhile: nobody reads them."""
+        if not added.cancelled() and added.exception() is None:
+            for seq in added.result():
+                self._inbox.put(("abort", seq.seq_id))
+
+    def abort(self, seq_id: int) -> None:
+        """Stop a request that has not finished (a finished one is left alone)."""
+        if seq_id in self._streams:
+            self._inbox.put(("abort", seq_id))
 
     @staticmethod
     def _next(pending: deque[Update]) -> Update:
@@ -219,26 +253,42 @@ class AsyncEngine:
 
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            _, prompt_ids, params, loop, out, added = cmd
-            try:
-                seq = self.engine.add_request(prompt_ids, params)
-            except ValueError as e:  # refused
-                added.set_exception(e)
-                return
-            except Exception as e:  # failed: that request fails, never the engine thread
-                log.exception("admitting a request failed")
-                added.set_exception(e)
-                return
-            hold = max((len(s) for s in params.stop), default=1) - 1
-            self._streams[seq.seq_id] = _Stream(seq, loop, out, time.perf_counter(), hold)
-            self.metrics.prompt_tokens.inc(len(prompt_ids))
-            added.set_result(seq)
+            self._add(*cmd[1:])
         elif cmd[0] == "probe":
             self._add_probe()
         elif cmd[0] == "abort" and self._streams.pop(cmd[1], None) is not None:
             self.engine.abort(cmd[1])
             self.metrics.requests.labels("abort").inc()
             self.metrics.sync_engine(self.engine)
+
+    def _add(
+        self,
+        requests: list[tuple[list[int], SamplingParams]],
+        loop: asyncio.AbstractEventLoop,
+        outs: list[asyncio.Queue],
+        added: Future,
+    ) -> None:
+        """All of a submission's requests, or none: one refused (ValueError) or failing takes
+        out the ones added before it, which have not run a step yet."""
+        if not added.set_running_or_notify_cancel():  # its caller was cancelled meanwhile
+            return
+        seqs: list[Sequence] = []
+        try:
+            for prompt_ids, params in requests:
+                seqs.append(self.engine.add_request(prompt_ids, params))
+        except Exception as e:  # that submission fails, never the engine thread
+            if not isinstance(e, ValueError):  # a refusal is the client's; anything else ours
+                log.exception("admitting a request failed")
+            for seq in seqs:
+                self.engine.abort(seq.seq_id)
+            added.set_exception(e)
+            return
+        now = time.perf_counter()
+        for seq, out, (prompt_ids, params) in zip(seqs, outs, requests, strict=True):
+            hold = max((len(s) for s in params.stop), default=1) - 1
+            self._streams[seq.seq_id] = _Stream(seq, loop, out, now, hold)
+            self.metrics.prompt_tokens.inc(len(prompt_ids))
+        added.set_result(seqs)
 
     def _add_probe(self) -> None:
         """One greedy token from a one-token prompt, with no stream: its step clears or renews
