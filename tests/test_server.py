@@ -408,6 +408,60 @@ def test_echo_scores_the_prompt(client: openai.OpenAI, http: httpx2.Client, arti
     assert zero.usage.completion_tokens == 0
 
 
+def _piece_bytes(token: str) -> bytes:
+    """A logprobs token back to its bytes: ``bytes:\\xNN...`` for part of a character."""
+    if token.startswith("bytes:"):
+        return bytes(int(h, 16) for h in token.removeprefix("bytes:").split("\\x")[1:])
+    return token.encode()
+
+
+WIDE = "naïve 😀 café – ok"  # characters of 2, 3 and 4 bytes: the tiny BPE splits them
+
+
+def test_logprobs_carry_each_tokens_own_bytes(client: openai.OpenAI, http: httpx2.Client):
+    """A token holding part of a UTF-8 character shows its own bytes (chat's ``bytes``, the
+    legacy ``bytes:\\xNN`` token text), never U+FFFD's; the tokens' bytes join into the text,
+    and text_offset counts characters, a split character at the token that completes it."""
+    ids = _tokens(http, prompt=WIDE)
+    r = client.completions.create(
+        model=MODEL, prompt=WIDE, echo=True, logprobs=3, max_tokens=0, temperature=0
+    )
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) and any(t.startswith("bytes:") for t in lp.tokens)
+    assert b"".join(_piece_bytes(t) for t in lp.tokens) == WIDE.encode()
+    assert "\ufffd" not in "".join(lp.tokens)
+    for top in lp.top_logprobs[1:]:
+        assert len(top) == 3  # partial tokens no longer collapse onto one "\ufffd" key
+    decoded = [len(WIDE.encode()[:n].decode(errors="ignore")) for n in range(len(WIDE.encode()))]
+    starts = [sum(len(_piece_bytes(t)) for t in lp.tokens[:i]) for i in range(len(ids))]
+    assert lp.text_offset == [decoded[b] for b in starts]
+
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": WIDE}],
+        logprobs=True,
+        top_logprobs=2,
+        max_tokens=24,
+        **GREEDY,
+    )
+    for entry in chat.choices[0].logprobs.content:
+        for e in (entry, *entry.top_logprobs):
+            assert bytes(e.bytes) == _piece_bytes(e.token)
+
+
+def test_streamed_logprobs_continue_the_text_offsets(client: openai.OpenAI) -> None:
+    """Each streamed chunk's text_offset goes on from the chunk before (it restarted at 0)."""
+    kw = dict(model=MODEL, prompt=WIDE, logprobs=2, max_tokens=16, **GREEDY)
+    whole = client.completions.create(**kw).choices[0].logprobs
+    tokens, offsets = [], []
+    for chunk in client.completions.create(stream=True, **kw):
+        if chunk.choices and chunk.choices[0].logprobs:
+            tokens += chunk.choices[0].logprobs.tokens
+            offsets += chunk.choices[0].logprobs.text_offset
+    assert tokens == whole.tokens and offsets == whole.text_offset
+    assert offsets == sorted(offsets) and offsets[-1] > 0
+
+
 # ---- raw HTTP ----
 
 

@@ -22,6 +22,7 @@ sequence on the engine's thread).
 from __future__ import annotations
 
 import codecs
+import re
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -186,6 +187,21 @@ class TokenBytes:
                     found = token.encode()
             self._bytes[token_id] = found
         return found
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's tokens for raw bytes
+
+
+def piece_bytes(tokenizer: tokenizers.Tokenizer, table: TokenBytes | None, token_id: int) -> bytes:
+    """One token's own bytes, for logprobs (OpenAI's ``bytes``): a token may hold part of a
+    UTF-8 character, which its decoded text can only show as U+FFFD. From a byte-level
+    tokenizer's table, a SentencePiece byte-fallback token's <0xNN>, else its decoded text."""
+    if table is not None:
+        return table[token_id]
+    found = _BYTE_FALLBACK.fullmatch(tokenizer.id_to_token(token_id) or "")
+    if found:
+        return bytes([int(found.group(1), 16)])
+    return tokenizer.decode([token_id], skip_special_tokens=False).encode()
 
 
 class ByteLevelDetokenizer(_Emitted):

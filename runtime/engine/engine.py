@@ -25,7 +25,7 @@ from runtime.distributed.group import RankFailure, TPGroup
 from runtime.distributed.shard import Shard
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.cuda_graph import DecodeGraphs
-from runtime.engine.detokenizer import TokenBytes, detokenizer
+from runtime.engine.detokenizer import TokenBytes, detokenizer, piece_bytes
 from runtime.engine.grammar import GrammarCompiler
 from runtime.engine.model_runner import ModelRunner
 from runtime.engine.overlap import PLACEHOLDER, PendingStep, TokenFeed, overlappable
@@ -236,6 +236,10 @@ class Engine:
         step after this."""
         if self.workers is not None:
             self.workers.stop()
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes (part of a character, for some): see piece_bytes."""
+        return piece_bytes(self.tokenizer, self._token_bytes, token_id)
 
     def pool_stats(self) -> PoolStats:
         b, sched = self.blocks, self.scheduler

@@ -8,6 +8,7 @@ an internal failure is a 500 for that request only. Streams follow OpenAI's SSE 
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -237,7 +238,7 @@ class _State:
         self.created = int(time.time())
         self.in_flight = 0
         self.draining = False
-        self._token_text: dict[int, str] = {}
+        self._pieces: dict[int, tuple[str, bytes]] = {}
 
     # ---- requests in ----
 
@@ -442,7 +443,7 @@ class _State:
                 {
                     "index": k,
                     "text": self._echo(req, ids) + m.text,
-                    "logprobs": self._completion_logprobs(req, ids, m),
+                    "logprobs": self._completion_logprobs(req, ids, m, _TextOffsets()),
                     "finish_reason": _finish(m.finish_reason),
                 }
                 for (k, _, ids, _), m in zip(jobs, merged, strict=True)
@@ -470,6 +471,7 @@ class _State:
     async def _sse(self, req, jobs, streams, chat: bool) -> AsyncIterator[str]:
         rid = p.new_id("chatcmpl" if chat else "cmpl")
         parsers = [self.tool_parser(req) for _ in jobs]
+        offsets = [_TextOffsets() for _ in jobs]
         created = int(time.time())
         counts = [_Count() for _ in streams]
         echoed: set[int] = set()
@@ -498,7 +500,9 @@ class _State:
                 counts[k].add(update)
                 first = k not in echoed
                 echoed.add(k)
-                chunk = self._chunk(req, rid, created, jobs[k], update, chat, first, parsers[k])
+                chunk = self._chunk(
+                    req, rid, created, jobs[k], update, chat, first, parsers[k], offsets[k]
+                )
                 yield _event(chunk)
             else:
                 if req.stream_options is not None and req.stream_options.include_usage:
@@ -524,6 +528,7 @@ class _State:
         chat: bool,
         first: bool,
         parser: ToolCallParser,
+        offsets: _TextOffsets,
     ) -> p.ChatCompletionChunk | p.CompletionChunk:
         k, _, ids, _ = job
         finish = _finish(u.finish_reason) if u.finish_reason else None
@@ -546,7 +551,7 @@ class _State:
         choice = {
             "index": k,
             "text": text,
-            "logprobs": self._completion_logprobs(req, ids, u, echo=first),
+            "logprobs": self._completion_logprobs(req, ids, u, offsets, echo=first),
             "finish_reason": finish,
         }
         return p.CompletionChunk(id=rid, created=created, model=req.model, choices=[choice])
@@ -565,17 +570,24 @@ class _State:
             "prompt_tokens_details": {"cached_tokens": cached},
         }
 
-    def token_text(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            self._token_text[token_id] = text
-        return text
+    def piece(self, token_id: int) -> tuple[str, bytes]:
+        """A token as logprobs show it: its text and its own bytes. A token holding part of a
+        UTF-8 character has no text of its own; it is written ``bytes:\\xNN...`` (OpenAI's
+        legacy form), so tokens stay distinct where each would otherwise be U+FFFD."""
+        found = self._pieces.get(token_id)
+        if found is None:
+            raw = self.engine.engine.token_bytes(token_id)
+            try:
+                text = raw.decode()
+            except UnicodeDecodeError:
+                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            found = self._pieces[token_id] = (text, raw)
+        return found
 
     def _chat_logprobs(self, lps: list[TokenLogprobs]) -> dict:
         def entry(token_id: int, lp: float) -> dict:
-            text = self.token_text(token_id)
-            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+            text, raw = self.piece(token_id)
+            return {"token": text, "logprob": lp, "bytes": list(raw)}
 
         return {
             "content": [
@@ -585,34 +597,25 @@ class _State:
         }
 
     def _completion_logprobs(
-        self, req, ids: list[int], u: Update, echo: bool = True
+        self, req, ids: list[int], u: Update, offsets: _TextOffsets, echo: bool = True
     ) -> dict | None:
+        """OpenAI's legacy logprobs of one chunk (or a whole completion); ``offsets`` carries
+        the text position across a stream's chunks."""
         if req.logprobs is None:
             return None
-        tokens: list[str] = []
-        values: list[float | None] = []
-        tops: list[dict | None] = []
+        scored: list[tuple[int, float | None, list[tuple[int, float]] | None]] = []
         if req.echo and echo:
-            tokens.append(self.token_text(ids[0]))
-            values.append(None)
-            tops.append(None)
-            for x in u.prompt_logprobs:
-                tokens.append(self.token_text(x.token_id))
-                values.append(x.logprob)
-                tops.append({self.token_text(t): v for t, v in x.top})
-        for x in u.logprobs:
-            tokens.append(self.token_text(x.token_id))
-            values.append(x.logprob)
-            tops.append({self.token_text(t): v for t, v in x.top})
-        offsets, at = [], 0
-        for t in tokens:
-            offsets.append(at)
-            at += len(t)
+            scored.append((ids[0], None, None))
+            scored += [(x.token_id, x.logprob, x.top) for x in u.prompt_logprobs]
+        scored += [(x.token_id, x.logprob, x.top) for x in u.logprobs]
         return {
-            "tokens": tokens,
-            "token_logprobs": values,
-            "top_logprobs": tops,
-            "text_offset": offsets,
+            "tokens": [self.piece(t)[0] for t, _, _ in scored],
+            "token_logprobs": [v for _, v, _ in scored],
+            "top_logprobs": [
+                None if top is None else {self.piece(a)[0]: v for a, v in top}
+                for _, _, top in scored
+            ],
+            "text_offset": [offsets.next(self.piece(t)[1]) for t, _, _ in scored],
         }
 
     def model_card(self) -> dict:
@@ -640,6 +643,21 @@ class _State:
             "chat_template": template.source if template else None,
             **tokens,
         }
+
+
+class _TextOffsets:
+    """Where each token of a completion starts in its text, in characters, across the chunks
+    of a stream: the tokens' bytes go through one UTF-8 decoder, so a character split over
+    several tokens is counted once, at the token that completes it."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._at = 0
+
+    def next(self, raw: bytes) -> int:
+        at = self._at
+        self._at += len(self._decoder.decode(raw))
+        return at
 
 
 def _failing(failure: StepFailure) -> str:
