@@ -340,6 +340,16 @@ def test_seed_reproducible(client: openai.OpenAI) -> None:
     assert c != a
 
 
+def test_the_largest_seed_with_n_choices(client: openai.OpenAI) -> None:
+    """Choice k draws with seed + k; past 2^64 - 1 (torch's range) it wraps instead of
+    failing the request after its first choice started."""
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, n=2)
+    r = client.completions.create(seed=2**64 - 1, extra_body={"ignore_eos": True}, **kw)
+    again = client.completions.create(seed=2**64 - 1, extra_body={"ignore_eos": True}, **kw)
+    assert [c.text for c in r.choices] == [c.text for c in again.choices]
+    assert r.choices[0].text != r.choices[1].text
+
+
 def test_max_tokens_ends_with_length(client: openai.OpenAI) -> None:
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, **GREEDY)
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
@@ -611,6 +621,16 @@ BAD = [
      "invalid_request_error", None, rf"over {BODY_LIMIT} bytes"),
     ("chunked-body-over-limit", "/v1/completions", "chunked", AUTH, 413,
      "invalid_request_error", None, rf"over {BODY_LIMIT} bytes"),
+    ("logit-bias-unicode-digit", "/v1/completions",
+     _j(model=MODEL, prompt="x", logit_bias={"\u00b2": 5}), AUTH, 400,
+     "invalid_request_error", "logit_bias", r"token ids"),
+    ("lone-surrogate-chat", "/v1/chat/completions",
+     _j(model=MODEL, messages=[{"role": "user", "content": "hi \ud83d"}]), AUTH, 400,
+     "invalid_request_error", "messages", r"unpaired UTF-16 surrogate \(\\ud83d at character"),
+    ("lone-surrogate-prompt", "/v1/completions", _j(model=MODEL, prompt=["x", "\udc00 hi"]),
+     AUTH, 400, "invalid_request_error", "prompt", r"surrogate \(\\udc00 at character 0\)"),
+    ("lone-surrogate-tokenize", "/tokenize", _j(prompt="a\ud83d"), AUTH, 400,
+     "invalid_request_error", "prompt", r"surrogate"),
 ]  # fmt: skip
 
 

@@ -262,9 +262,25 @@ class _State:
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=False).ids
+            return self._encode(prompt, "prompt")
         self.check_ids(prompt)
         return list(prompt)
+
+    def _encode(self, text: str, param: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of request text. JSON can carry half of a UTF-16 surrogate pair
+        ("\\ud83d" alone), which no UTF-8 text holds and the tokenizer refuses with a
+        TypeError: a 400 naming it instead."""
+        try:
+            text.encode()
+        except UnicodeEncodeError as e:
+            raise ApiError(
+                400,
+                f"{param} holds an unpaired UTF-16 surrogate (\\u{ord(text[e.start]):04x} at "
+                f"character {e.start}), which is not text: escape a character outside the "
+                "BMP as both halves of its pair, or send it as UTF-8",
+                param=param,
+            ) from e
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_chat(
         self, req: p.ChatCompletionRequest, add_generation_prompt: bool = True
@@ -284,15 +300,13 @@ class _State:
             text = template.render(messages, add_generation_prompt=add_generation_prompt, **extra)
         except ChatTemplateError as e:
             raise ApiError(400, str(e), param="messages") from e
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return self._encode(text, "messages")
 
     def encode_tokenize(self, req: p.TokenizeRequest) -> list[int]:
         if req.messages is not None:
             chat = p.ChatCompletionRequest(model=self.settings.model_name, messages=req.messages)
             return self.encode_chat(chat, req.add_generation_prompt)
-        return self.tokenizer.encode(
-            req.prompt or "", add_special_tokens=req.add_special_tokens
-        ).ids
+        return self._encode(req.prompt or "", "prompt", req.add_special_tokens)
 
     def json_schema(self, req) -> str | None:
         """The compiled schema's key when the output is constrained: a forced tool call's
@@ -332,8 +346,9 @@ class _State:
         if "max_new_tokens" not in fields:  # OpenAI's default: what the session has left
             room = min(self.session_len, self.capacity_tokens)
             fields["max_new_tokens"] = max(room - prompt_len, 1)
-        if "seed" in fields and n_index:
-            fields["seed"] += n_index  # n choices with one seed must still differ
+        if "seed" in fields and n_index:  # n choices with one seed must still differ
+            seed = fields["seed"] + n_index
+            fields["seed"] = seed - 2**64 if seed >= 2**64 else seed  # torch's range, wrapped
         if getattr(req, "echo", False):
             fields["prompt_logprobs"] = fields.get("logprobs") or 0
             # max_tokens 0 with echo scores the prompt alone: one token is run, none returned

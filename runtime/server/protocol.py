@@ -310,11 +310,12 @@ class _SamplingRequest(_Request):
     @field_validator("logit_bias", mode="before")
     @classmethod
     def _bias_keys_are_ids(cls, v: Any) -> Any:
-        if isinstance(v, dict) and not all(isinstance(k, str) and k.isdigit() for k in v):
+        if not isinstance(v, dict):
+            return v
+        # "²" is a digit to str.isdigit, not to int()
+        if not all(isinstance(k, str) and k.isascii() and k.isdigit() for k in v):
             raise ValueError("logit_bias keys must be token ids (strings of digits)")
-        if isinstance(v, dict):  # JSON has no int/float distinction for a bias
-            return {k: float(b) if type(b) is int else b for k, b in v.items()}
-        return v
+        return {k: float(b) if type(b) is int else b for k, b in v.items()}  # JSON: 1 is 1.0
 
 
 class ChatCompletionRequest(_SamplingRequest):
