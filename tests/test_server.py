@@ -215,6 +215,30 @@ def test_models_list(client: openai.OpenAI) -> None:
     card = models[0].model_dump()
     assert card["object"] == "model" and card["max_model_len"] == SESSION_LEN
     assert card["liteserve"]["family"] == "mistral"
+    assert client.models.retrieve(MODEL).model_dump() == card
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("org/other")
+    assert e.value.body["param"] == "model"
+
+
+def test_the_auth_scheme_is_case_insensitive(srv: Served) -> None:
+    for header in (f"bearer {KEY}", f"BEARER  {KEY}"):
+        r = httpx2.get(srv.url + "/v1/models", headers={"Authorization": header})
+        assert r.status_code == 200, header
+    for header in (f"Basic {KEY}", KEY, f"Bearer {KEY}x", "Bearer"):
+        r = httpx2.get(srv.url + "/v1/models", headers={"Authorization": header})
+        assert r.status_code == 401, header
+
+
+def test_developer_messages_are_system_messages_to_a_template_without_them(
+    http: httpx2.Client,
+) -> None:
+    """OpenAI's `developer` role is its newer name for `system`: a template that knows only
+    `system` renders it as one, not as a role the model never saw."""
+    said = {"content": "Answer in French."}
+    dev = _tokens(http, messages=[{"role": "developer", **said}, MESSAGES[1]])
+    system = _tokens(http, messages=[{"role": "system", **said}, MESSAGES[1]])
+    assert dev == system
 
 
 def test_chat_streamed_and_whole_agree_with_usage(

@@ -20,7 +20,7 @@ from click.testing import CliRunner
 
 from lite.cli import main as lite_main
 from runtime.engine.grammar import GrammarCompiler, GrammarError, apply_mask, schema_key
-from tests.test_server import MODEL, engine_config, serve
+from tests.test_server import MODEL, Served, engine_config, serve
 
 # Bounded everywhere, so even a random model finishes well within max_tokens.
 PERSON = {
@@ -64,10 +64,15 @@ ASK = [{"role": "user", "content": "Describe a person as JSON."}]
 
 
 @pytest.fixture(scope="module")
-def client(rtn_artifact: Path) -> Iterator[openai.OpenAI]:
+def served(rtn_artifact: Path) -> Iterator[Served]:
     s = serve(rtn_artifact, config=engine_config())
-    yield openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+    yield s
     s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0)
 
 
 # ---- the grammar on its own ----
@@ -225,24 +230,52 @@ def _calls(r: Any, stream: bool) -> tuple[list[dict[str, str]], str]:
     return [calls[i] for i in sorted(calls)], finish
 
 
-def test_tool_round_trip_renders_through_the_template(client: openai.OpenAI) -> None:
-    call = {
-        "id": "call_1",
-        "type": "function",
-        "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'},
-    }
-    messages = [
-        *ASK,
-        {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 3}'},
-    ]
+CALLED = [
+    *ASK,
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 3}'},
+]
+
+
+def test_tool_round_trip_renders_through_the_template(
+    served: Served, client: openai.OpenAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from runtime.chat_template import ChatTemplate
+
+    monkeypatch.setattr(served.state.settings, "chat_template", ChatTemplate(TOOL_TEMPLATE, {}))
     r = client.chat.completions.create(
-        model=MODEL, messages=messages, tools=[WEATHER], max_tokens=3, temperature=0
+        model=MODEL, messages=CALLED, tools=[WEATHER], max_tokens=3, temperature=0
     )
     assert r.choices[0].message.tool_calls is None or r.choices[0].finish_reason == "tool_calls"
     with pytest.raises(openai.BadRequestError) as e:  # content may be missing only with calls
         client.chat.completions.create(model=MODEL, messages=[{"role": "user"}])
     assert e.value.body["param"] == "messages.0.content"
+
+
+def test_what_a_template_would_drop_is_refused(client: openai.OpenAI) -> None:
+    """The tiny model's template renders neither tools nor tool_calls: tools the model may
+    call (auto) and a conversation with earlier calls are refused, naming the field; forced
+    calls still run, the grammar holding the output to the tool's schema."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=3)
+    assert e.value.body["param"] == "tools" and "does not render tools" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=CALLED, max_tokens=3)
+    assert e.value.body["param"] == "messages.1.tool_calls"
+    r = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=60
+    )
+    assert r.choices[0].finish_reason in ("tool_calls", "length")
 
 
 def test_tool_choice_must_name_a_tool(client: openai.OpenAI) -> None:

@@ -98,8 +98,26 @@ def test_llama3_json_calls(pieces: list[str]) -> None:
     assert calls_of(calls) == [("get_weather", {"city": "Oslo"}), ("noop", {})]
 
 
+def test_llama3_arguments_may_hold_semicolons() -> None:
+    """`;` separates calls only between objects: inside an argument it is the argument's."""
+    text = '{"name": "sql", "parameters": {"q": "select 1; drop t"}};{"name": "noop"} ; '
+    for pieces in splits(text):
+        content, calls = run(ToolCallParser("auto", "llama3"), pieces)
+        assert content == "" and calls_of(calls) == [
+            ("sql", {"q": "select 1; drop t"}),
+            ("noop", {}),
+        ]
+
+
 @pytest.mark.parametrize(
-    "text", ["The weather is fine.", '{"name": "x", "parameters": [1]}', "{oops"]
+    "text",
+    [
+        "The weather is fine.",
+        '{"name": "x", "parameters": [1]}',
+        "{oops",
+        '{"name": "a"} {"name": "b"}',  # no separator
+        '{"name": "a"}; trailing words',
+    ],
 )
 def test_llama3_text_or_malformed_json_is_content(text: str) -> None:
     for pieces in splits(text):

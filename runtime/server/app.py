@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import hmac
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -110,14 +111,21 @@ class _Auth:
             path = scope["path"]
             if path.startswith("/v1") or path in self._GUARDED:
                 header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-                key = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
-                if key not in self.keys:
+                if not self._allowed(header):
                     return await _error(
                         401,
                         "missing or invalid API key: send 'Authorization: Bearer <key>'",
                         "authentication_error",
                     )(scope, receive, send)
         return await self.app(scope, receive, send)
+
+    def _allowed(self, header: str) -> bool:
+        """A known key after `Bearer` (a scheme is case-insensitive, RFC 9110), compared in
+        constant time: how long a refusal takes says nothing of how much of a key was right."""
+        scheme, _, key = header.strip().partition(" ")
+        key_bytes = key.strip().encode("latin-1")
+        known = any(hmac.compare_digest(key_bytes, k.encode()) for k in self.keys)
+        return scheme.lower() == "bearer" and known
 
 
 def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
@@ -176,6 +184,11 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict:
         return p.ModelList(data=[state.model_card()]).model_dump()
+
+    @app.get("/v1/models/{model:path}")  # :path: ids like org/name hold slashes
+    async def model(model: str) -> dict:
+        state.check_model(model)
+        return state.model_card()
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> dict:
@@ -293,13 +306,14 @@ class _State:
                 "start the server with --chat-template FILE",
             )
         messages = [m.template_dict() for m in req.messages]
-        extra = {}
+        if "developer" not in template.source:  # OpenAI's newer name for the system role
+            for m in messages:
+                m["role"] = "system" if m["role"] == "developer" else m["role"]
+        tools = None
         if req.tools and req.tool_choice_mode() != "none":  # as transformers passes them
-            extra["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
-        try:
-            text = template.render(messages, add_generation_prompt=add_generation_prompt, **extra)
-        except ChatTemplateError as e:
-            raise ApiError(400, str(e), param="messages") from e
+            tools = [t.model_dump(exclude_none=True) for t in req.tools]
+        text = _render(template, messages, add_generation_prompt, tools)
+        _check_tools_rendered(template, messages, add_generation_prompt, tools, text, req)
         return self._encode(text, "messages")
 
     def encode_tokenize(self, req: p.TokenizeRequest) -> list[int]:
@@ -658,6 +672,54 @@ class _State:
             "chat_template": template.source if template else None,
             **tokens,
         }
+
+
+def _render(
+    template: ChatTemplate, messages: list[dict], generation_prompt: bool, tools: list | None
+) -> str:
+    try:
+        extra = {"tools": tools} if tools else {}
+        return template.render(messages, add_generation_prompt=generation_prompt, **extra)
+    except ChatTemplateError as e:
+        raise ApiError(400, str(e), param="messages") from e
+
+
+def _check_tools_rendered(
+    template: ChatTemplate,
+    messages: list[dict],
+    generation_prompt: bool,
+    tools: list | None,
+    text: str,
+    req: p.ChatCompletionRequest,
+) -> None:
+    """Refuse what the template would drop without a word (the prompt is the same without
+    it): tools the model is free to call (tool_choice auto), and earlier tool_calls. Forced
+    calls still work without the tools in the prompt: the grammar holds the output to them."""
+    if (
+        tools
+        and req.tool_choice_mode() == "auto"
+        and text == _render(template, messages, generation_prompt, None)
+    ):
+        raise ApiError(
+            400,
+            "this model's chat template does not render tools, so the model would never see "
+            "them: name the function in tool_choice (or 'required'; the output is then held "
+            "to a call of the tools' schema), or serve with --chat-template FILE whose "
+            "template renders `tools`",
+            param="tools",
+        )
+    calls = [i for i, m in enumerate(messages) if m.get("tool_calls")]
+    if not calls:
+        return
+    plain = [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
+    if text == _render(template, plain, generation_prompt, tools):
+        raise ApiError(
+            400,
+            f"this model's chat template drops the tool_calls of messages[{calls[0]}]: serve "
+            "with --chat-template FILE whose template renders them, or send the calls as the "
+            "assistant's content",
+            param=f"messages.{calls[0]}.tool_calls",
+        )
 
 
 class _TextOffsets:

@@ -201,19 +201,30 @@ class ToolCallParser:
         return Delta(content=out)
 
     def _llama3(self, text: str) -> Delta:
-        body = text.strip().removeprefix(PYTHON_TAG).strip()
-        calls = []
-        for part in body.split(";") if body else []:
-            try:
-                call = _as_call(json.loads(part), "parameters")
-            except json.JSONDecodeError:
-                call = None
-            if call is None:
-                return Delta(content=text)  # not (all) calls: the text as it was
-            calls.append(call)
+        calls = _llama3_calls(text.strip().removeprefix(PYTHON_TAG).strip())
         if not calls:
-            return Delta(content=text)
+            return Delta(content=text)  # not (all) calls: the text as it was
         return Delta(tool_calls=[self._next_call(n, a) for n, a in calls])
+
+
+def _llama3_calls(body: str) -> list[tuple[str, str]]:
+    """Llama 3's calls: JSON objects separated by `;`, read one object at a time, since a `;`
+    inside an argument (SQL, code, prose) is no separator. Empty unless all of it is calls."""
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while at < len(body):
+        try:
+            item, at = decoder.raw_decode(body, at)
+        except json.JSONDecodeError:
+            return []
+        call = _as_call(item, "parameters")
+        if call is None:
+            return []
+        calls.append(call)
+        rest = body[at:].lstrip()
+        if rest and not rest.startswith(";"):
+            return []
+        at = len(body) - len(rest.removeprefix(";").lstrip())
+    return calls
 
 
 def merge_calls(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
