@@ -350,7 +350,7 @@ def serve_cmd(
         serve_replicas,
         wants_replicas,
     )
-    from runtime.server.serve import build_app
+    from runtime.server.serve import DrainingServer, build_app
 
     keys = tuple(k.strip() for k in (api_keys or "").split(",") if k.strip())
     replica_kw = pop_replica_options(kw)
@@ -398,7 +398,7 @@ def serve_cmd(
     # uvicorn re-raises the signal it stopped on once it has drained and shut down: a SIGTERM
     # that stopped the server gracefully must end the process with status 0, not by the signal.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    server = uvicorn.Server(
+    server = DrainingServer(
         uvicorn.Config(
             app,
             host=server_name,

@@ -38,7 +38,7 @@ from runtime.cli import main as runtime_main
 from runtime.engine.engine import Engine
 from runtime.engine.sampler import SamplingParams
 from runtime.server.async_engine import AsyncEngine, Update
-from runtime.server.serve import build_app
+from runtime.server.serve import DrainingServer, build_app
 from tests.conftest import make_tiny_model, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,14 +102,21 @@ class Served:
 
 
 def serve(
-    artifact: Path, api_keys: tuple[str, ...] = (), config: EngineConfig | None = None, **kw: Any
+    artifact: Path,
+    api_keys: tuple[str, ...] = (),
+    config: EngineConfig | None = None,
+    grace: float | None = None,
+    **kw: Any,
 ) -> Served:
-    """build_app on a real uvicorn, on a socket bound here (port 0: no race for a port)."""
+    """build_app on runtime serve's uvicorn server, on a socket bound here (port 0: no race for
+    a port); ``grace`` as --grace."""
     app = build_app(pipeline(artifact, config or engine_config()), MODEL, api_keys, **kw)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="warning"))
+    server = DrainingServer(
+        uvicorn.Config(app, log_config=None, log_level="warning", timeout_graceful_shutdown=grace)
+    )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -1193,6 +1200,53 @@ def test_sigterm_drains_in_flight_and_exits_0(artifact: Path) -> None:
     assert "backend cpu on cpu (torch " in line and "on the CPU (" in line and "kernels" in line
     with pytest.raises(httpx2.ConnectError):
         httpx2.get(url + "/health", timeout=1)
+
+
+def test_requests_left_at_the_end_of_the_grace_get_a_503(artifact: Path) -> None:
+    """Shutting down with requests that will not finish within --grace: shortly before it
+    ends they get OpenAI's error shape, a 503 whole or an error event and [DONE] in a stream
+    (cancelled by uvicorn they got a plain-text 500, and a stream cut without its end)."""
+    s = serve(artifact, grace=1.5)
+    real = s.engine.step
+
+    def slow_step():  # neither request can finish its 900 tokens within the grace
+        time.sleep(0.02)
+        return real()
+
+    s.engine.step = slow_step
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True}
+    events: list[str] = []
+    whole: list[httpx2.Response] = []
+
+    def stream() -> None:
+        with httpx2.stream("POST", s.url + "/v1/completions", json={**body, "stream": True}) as r:
+            events.extend(line for line in r.iter_lines() if line)
+
+    readers = [threading.Thread(target=stream, daemon=True)]
+    readers.append(
+        threading.Thread(
+            target=lambda: whole.append(httpx2.post(s.url + "/v1/completions", json=body)),
+            daemon=True,
+        )
+    )
+    try:
+        for t in readers:
+            t.start()
+        deadline = time.monotonic() + 30
+        while len(events) < 3 or len(s.engine.running_ids()) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        s.stop()  # as SIGTERM does: the server's shutdown, with its grace
+        for t in readers:
+            t.join(timeout=10)
+    finally:
+        s.engine.step = real
+    assert events[-1] == "data: [DONE]", events[-3:]
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["type"] == "service_unavailable" and error["code"] == 503
+    assert "--grace 1.5 s" in error["message"]
+    (r,) = whole
+    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
 
 
 # ---- runtime check ----

@@ -456,7 +456,9 @@ class _State:
         results = gather.result()
         for updates in results:
             if updates and updates[-1].error:
-                raise ApiError(500, updates[-1].error, "internal_error")
+                raise ApiError(
+                    updates[-1].error_status, updates[-1].error, _error_type(updates[-1])
+                )
         merged = [_scored_only(req, merge(u)) for u in results]
         usage = self._usage([_Count().add(m) for m in merged], req.n)
         rid = p.new_id("chatcmpl" if chat else "cmpl")
@@ -523,7 +525,8 @@ class _State:
         async with aclosing(_interleave(streams)) as updates:  # a break stops every pump
             async for k, update in updates:
                 if update.error:
-                    yield _event(p.error_body(update.error, "internal_error", None, 500))
+                    kind = _error_type(update)
+                    yield _event(p.error_body(update.error, kind, None, update.error_status))
                     break
                 update = _scored_only(req, update)
                 counts[k].add(update)
@@ -672,6 +675,10 @@ class _State:
             "chat_template": template.source if template else None,
             **tokens,
         }
+
+
+def _error_type(u: Update) -> str:
+    return "service_unavailable" if u.error_status == 503 else "internal_error"
 
 
 def _render(

@@ -63,6 +63,7 @@ class Update:
     cached_tokens: int
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     error: str | None = None
+    error_status: int = 500  # 503 when the server is shutting down: the client may retry
 
 
 def merge(updates: list[Update]) -> Update:
@@ -185,6 +186,11 @@ class AsyncEngine:
             for seq in added.result():
                 self._inbox.put(("abort", seq.seq_id))
 
+    def fail_in_flight(self, message: str) -> None:
+        """End every request with an error now (the server's grace period is running out):
+        their clients get a 503 or a stream's error event instead of a cut connection."""
+        self._inbox.put(("fail", message))
+
     def abort(self, seq_id: int) -> None:
         """Stop a request that has not finished (a finished one is left alone)."""
         if seq_id in self._streams:
@@ -254,6 +260,8 @@ class AsyncEngine:
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "add":
             self._add(*cmd[1:])
+        elif cmd[0] == "fail":
+            self._fail_all(cmd[1])
         elif cmd[0] == "probe":
             self._add_probe()
         elif cmd[0] == "abort" and self._streams.pop(cmd[1], None) is not None:
@@ -351,12 +359,15 @@ class AsyncEngine:
         self.metrics.sync_engine(self.engine)
 
     def _fail_all(self, message: str) -> None:
+        """The server is stopping: every request ends, with a status its client may retry."""
         for seq_id in list(self._streams):
-            self._fail(seq_id, message)
+            self._fail(seq_id, message, 503)
 
-    def _fail(self, seq_id: int, message: str) -> None:
+    def _fail(self, seq_id: int, message: str, status: int = 500) -> None:
         st = self._streams.pop(seq_id, None)
         self.engine.abort(seq_id)
         if st is not None:
-            update = Update("", [], [], None, st.seq.num_prompt, 0, error=message)
+            update = Update(
+                "", [], [], None, st.seq.num_prompt, 0, error=message, error_status=status
+            )
             st.loop.call_soon_threadsafe(st.out.put_nowait, update)

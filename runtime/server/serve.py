@@ -1,9 +1,13 @@
-"""Wiring: a loaded pipeline into an app whose lifespan runs the engine thread."""
+"""Wiring: a loaded pipeline into an app whose lifespan runs the engine thread, and the
+uvicorn server that drains it."""
 
 from __future__ import annotations
 
+import asyncio
+import socket
 from contextlib import asynccontextmanager
 
+import uvicorn
 from fastapi import FastAPI
 
 from runtime.api import Pipeline
@@ -34,3 +38,26 @@ def build_app(
 
     app.router.lifespan_context = lifespan
     return app
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose shutdown (SIGTERM) closes the listening socket at once and
+    gives requests in flight --grace seconds (timeout_graceful_shutdown) to finish. Those
+    still running shortly before the end are ended by the engine, in OpenAI's error shape: a
+    503 `service_unavailable`, or a stream's error event and [DONE]. Left to uvicorn they
+    would be cancelled mid-write: a plain-text 500, a stream cut without its end."""
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        state = self.config.app.state.liteserve
+        state.draining = True
+        grace = self.config.timeout_graceful_shutdown
+        timer = None
+        if grace is not None:
+            message = f"the server is shutting down: not finished within --grace {grace:g} s"
+            at = grace - min(1.0, grace / 2)  # time left for the errors to reach the clients
+            timer = asyncio.get_running_loop().call_later(at, state.engine.fail_in_flight, message)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if timer is not None:
+                timer.cancel()
