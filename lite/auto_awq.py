@@ -88,6 +88,7 @@ from runtime.artifact.manifest import (
     SourceModel,
 )
 from runtime.artifact.writer import (
+    check_replaceable,
     file_entries,
     publish,
     save_tensors_atomic,
@@ -252,8 +253,7 @@ def fingerprint(source: ModelSource, cfg: AwqConfig, calib: CalibrationSet | Non
 
 def check_writable(work_dir: Path, overwrite: bool) -> None:
     """Fail before hours of calibration, not after."""
-    if work_dir.exists() and not overwrite:
-        raise FileExistsError(f"{work_dir} already exists; pass --overwrite to replace it")
+    check_replaceable(work_dir, overwrite)
     try:
         work_dir.parent.mkdir(parents=True, exist_ok=True)
         probe = work_dir.parent / f".{work_dir.name}.probe"

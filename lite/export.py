@@ -24,7 +24,7 @@ from runtime.artifact.hf_config import TOKENIZER_FILES
 from runtime.artifact.layout import unpack_qparams, unpack_qweight
 from runtime.artifact.manifest import CHAT_TEMPLATE_FILE, Manifest
 from runtime.artifact.reader import Artifact
-from runtime.artifact.writer import publish, write_json_atomic, write_shards
+from runtime.artifact.writer import check_replaceable, publish, write_json_atomic, write_shards
 
 FORMATS = ("compressed-tensors", "autoawq")
 # |-z*s - b| within 2^-10 of |b|: b is -z*s from the fp32 scale, rounded to fp16 once.
@@ -193,13 +193,12 @@ def export(artifact: Path, fmt: str, output: Path, overwrite: bool = False) -> P
     """Write `output` (staged beside it, published by one rename; nothing left on error)."""
     art = Artifact(artifact)
     _check(art.manifest, fmt)
-    if output.exists() and not overwrite:
-        raise FileExistsError(f"{output} already exists; pass --overwrite to replace it")
+    check_replaceable(output, overwrite, "config.json")
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.export-", dir=output.parent))
     try:
         _write(art, fmt, staging)
-        publish(staging, output, overwrite)
+        publish(staging, output, overwrite, "config.json")
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return output

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -235,6 +236,26 @@ def test_existing_work_dir_needs_overwrite(tiny_models: dict[str, Path], tmp_pat
     assert code != 0 and "--overwrite" in out
     assert lite(*args, "--overwrite")[0] == 0
     Artifact(art)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(art.stat().st_mode) == 0o777 & ~umask  # as mkdir makes it, not 0700
+
+    # --overwrite deletes the old target: only an artifact, or an empty directory
+    mine = tmp_path / "mine"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "sub" / "notes.txt").write_text("precious")
+    (tmp_path / "a-file").write_text("also precious")
+    for target, why in (
+        (mine, "holds files but no manifest.json"),
+        (tmp_path / "a-file", "not a directory"),
+    ):
+        code, out = lite(*args[:3], str(target), *args[4:], "--overwrite")
+        assert code != 0 and why in out and "Traceback" not in out, out
+    assert (mine / "sub" / "notes.txt").read_text() == "precious"
+    assert (tmp_path / "a-file").read_text() == "also precious"
+    assert not list(tmp_path.glob("*.partial")) and not list(tmp_path.glob("*.old"))
+    (tmp_path / "empty").mkdir()
+    assert lite(*args[:3], str(tmp_path / "empty"), *args[4:], "--overwrite")[0] == 0
 
 
 def _cli(*args: str) -> list[str]:

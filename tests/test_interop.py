@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -313,6 +314,19 @@ def test_export_then_convert_round_trips(fmt, gs32_artifact: Path, tmp_path: Pat
     convert(tmp_path / "hf", tmp_path / "back")
     want = artifact_weights(gs32_artifact)
     assert_same_weights(artifact_weights(tmp_path / "back"), want, exact=False)
+    umask = os.umask(0)
+    os.umask(umask)
+    for made in (tmp_path / "hf", tmp_path / "back"):  # readable by a server of another user
+        assert stat.S_IMODE(made.stat().st_mode) == 0o777 & ~umask, made
+    # --overwrite replaces an export; it never deletes a directory that is not one
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("precious")
+    for out in (tmp_path / "hf", tmp_path / "mine"):
+        args = ["export", str(gs32_artifact), "--format", fmt, "--output", str(out), "--overwrite"]
+        result = CliRunner().invoke(lite_main, args)
+        assert (result.exit_code == 0) == (out.name == "hf"), result.output
+    assert "holds files but no config.json" in result.output
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "precious"
 
 
 def unpack_awq(words: torch.Tensor) -> torch.Tensor:

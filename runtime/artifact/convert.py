@@ -44,6 +44,7 @@ from runtime.artifact.manifest import (
     SourceModel,
 )
 from runtime.artifact.writer import (
+    check_replaceable,
     file_entries,
     publish,
     sha256_file,
@@ -357,8 +358,7 @@ def convert(
     """Convert into a staging directory beside `target`, then publish it with one rename; on
     any error the staging directory is removed and `target` is untouched. `files` (name ->
     sha256) when the caller has hashed the source already: hashing 5 GB twice costs seconds."""
-    if target.exists() and not overwrite:
-        raise FileExistsError(f"{target} already exists; pass --overwrite to replace it")
+    check_replaceable(target, overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.convert-", dir=target.parent))
     try:

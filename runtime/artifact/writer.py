@@ -233,11 +233,32 @@ def write_manifest(out_dir: Path, manifest: Manifest) -> None:
     write_json_atomic(manifest.model_dump(mode="json"), out_dir / MANIFEST_FILE)
 
 
-def publish(staging: Path, target: Path, overwrite: bool) -> None:
-    """Move a finished artifact into place in one rename; an old one is replaced only on request."""
+def check_replaceable(target: Path, overwrite: bool, marker: str = MANIFEST_FILE) -> None:
+    """Whether ``target`` may be written: absent, or, with --overwrite, what this tool writes
+    there (a directory holding ``marker``) or an empty directory. --overwrite deletes the old
+    target, so it never takes anything else: not a file, not a directory of the user's."""
+    if not target.name:
+        raise ValueError(f"{str(target)!r} names no directory of its own: name the output's")
+    if not (target.exists() or target.is_symlink()):
+        return
+    if not overwrite:
+        raise FileExistsError(f"{target} already exists; pass --overwrite to replace it")
+    if target.is_symlink() or not target.is_dir():
+        raise FileExistsError(f"{target} is not a directory, so --overwrite will not delete it")
+    if not (target / marker).is_file() and any(target.iterdir()):
+        raise FileExistsError(
+            f"{target} holds files but no {marker}: it is not one this tool wrote, so "
+            "--overwrite will not delete it; choose another output, or remove it yourself"
+        )
+
+
+def publish(staging: Path, target: Path, overwrite: bool, marker: str = MANIFEST_FILE) -> None:
+    """Move a finished artifact into place in one rename; an old one is replaced only on request
+    (and only what check_replaceable allows). The directory gets the mode mkdir gives here:
+    tempfile.mkdtemp's 0700 would keep out a server running under another user."""
+    os.chmod(staging, _mkdir_mode(staging.parent))
+    check_replaceable(target, overwrite, marker)
     if target.exists():
-        if not overwrite:
-            raise FileExistsError(f"{target} already exists; pass --overwrite to replace it")
         trash = target.with_name(target.name + ".old")
         shutil.rmtree(trash, ignore_errors=True)
         os.replace(target, trash)
@@ -245,3 +266,14 @@ def publish(staging: Path, target: Path, overwrite: bool) -> None:
         shutil.rmtree(trash)
     else:
         os.replace(staging, target)
+
+
+def _mkdir_mode(parent: Path) -> int:
+    """What a new directory's mode is under this process's umask (read by making one: setting
+    the umask to read it would race with other threads creating files)."""
+    probe = parent / f".mode-{os.getpid()}-{os.urandom(4).hex()}"
+    probe.mkdir()
+    try:
+        return probe.stat().st_mode & 0o7777
+    finally:
+        probe.rmdir()
