@@ -232,6 +232,38 @@ def test_stream_and_abort(artifacts: dict[str, Path]) -> None:
     engine.blocks.check()
 
 
+def test_a_batch_with_a_refused_prompt_leaves_nothing_running(
+    artifacts: dict[str, Path],
+) -> None:
+    """The Python API's batch is all or nothing: the prompts before a refused one (and those
+    of a step that raised) are not left in the engine, taking steps and KV blocks on every
+    later call for results nobody reads."""
+    pipe = pipeline(artifacts["llama"], _config())
+    engine = pipe.engine
+    gen = GenerationConfig(max_new_tokens=20, ignore_eos=True)
+    with pytest.raises(ValueError, match="empty"):
+        pipe([_ids(8, 4), _ids(9, 5), []], gen)
+    assert not engine.sequences and not engine.has_work()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+    real, steps = engine.step, []
+
+    def failing_step():
+        steps.append(1)
+        if len(steps) == 3:
+            raise RuntimeError("a step failed")
+        return real()
+
+    engine.step = failing_step
+    with pytest.raises(RuntimeError, match="a step failed"):
+        pipe([_ids(8, 4), _ids(9, 5)], gen)
+    engine.step = real
+    assert not engine.sequences and not engine.has_work()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    engine.blocks.check()
+    assert len(pipe([_ids(8, 4)], gen)[0].token_ids) == 20
+
+
 def test_chat_template_is_used(artifacts: dict[str, Path]) -> None:
     pipe = pipeline(artifacts["llama"], _config())
     ids = pipe.encode([{"role": "user", "content": "hi"}])

@@ -517,8 +517,17 @@ class Engine:
         return [torch.cat(s.prompt_logits).cpu() for s in seqs]
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
-        """Run prompts to completion together (continuous batching)."""
-        seqs = [self.add_request(p, params) for p in prompts]
-        while any(not s.finished for s in seqs):
-            self.step()
+        """Run prompts to completion together (continuous batching). All or nothing: if one
+        prompt is refused or a step raises (or the caller interrupts), none of them is left
+        in the engine to take steps and KV blocks for a result nobody reads."""
+        seqs: list[Sequence] = []
+        try:
+            for p in prompts:
+                seqs.append(self.add_request(p, params))
+            while any(not s.finished for s in seqs):
+                self.step()
+        except BaseException:
+            for s in seqs:
+                self.abort(s.seq_id)
+            raise
         return seqs
