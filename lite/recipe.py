@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from runtime.artifact.manifest import LaunchConfig
+from runtime.artifact.manifest import LaunchConfig, validation_summary
 
 
 class Recipe(BaseModel):
@@ -51,4 +51,4 @@ def load_recipe(path: str | Path) -> Recipe:
     try:
         return Recipe.model_validate(data or {})
     except ValidationError as e:
-        raise ValueError(f"recipe {p} has invalid settings:\n{e}") from e
+        raise ValueError(f"recipe {p} has invalid settings: {validation_summary(e)}") from e

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from runtime.artifact.manifest import BLOCK_MULTIPLE, MIN_PREFILL_TOKENS, MIN_SESSION_LEN
 from runtime.kernels.ops import BACKENDS
 from runtime.kv.format import KV_QUANT
 
@@ -48,11 +49,11 @@ class EngineConfig:
             raise bad("dtype", self.dtype, ", ".join(DTYPES))
         if not _device_ok(self.device):
             raise bad("device", self.device, "auto, cpu, cuda or cuda:N")
-        if self.session_len is not None and self.session_len < 2:
-            raise bad("session_len", self.session_len, "an integer >= 2")
+        if self.session_len is not None and self.session_len < MIN_SESSION_LEN:
+            raise bad("session_len", self.session_len, f"an integer >= {MIN_SESSION_LEN}")
         block = self.cache_block_seq_len
-        if block is not None and (block < 1 or block % 16):
-            raise bad("cache_block_seq_len", self.cache_block_seq_len, "a positive multiple of 16")
+        if block is not None and (block < 1 or block % BLOCK_MULTIPLE):
+            raise bad("cache_block_seq_len", block, f"a positive multiple of {BLOCK_MULTIPLE}")
         if not 0 < self.cache_max_entry_count <= 1:
             raise bad("cache_max_entry_count", self.cache_max_entry_count, "a fraction in (0, 1]")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -68,8 +69,9 @@ class EngineConfig:
             )
         if self.tp_timeout <= 0:
             raise bad("tp_timeout", self.tp_timeout, "a positive number of seconds")
-        if self.max_prefill_token_num is not None and self.max_prefill_token_num < 16:
-            raise bad("max_prefill_token_num", self.max_prefill_token_num, "an integer >= 16")
+        prefill = self.max_prefill_token_num
+        if prefill is not None and prefill < MIN_PREFILL_TOKENS:
+            raise bad("max_prefill_token_num", prefill, f"an integer >= {MIN_PREFILL_TOKENS}")
 
     def with_launch_defaults(self, launch: Any) -> EngineConfig:
         """Fill what the user left unset from the artifact's pinned launch config (the

@@ -195,6 +195,29 @@ def test_rtn_and_symmetric(tiny_models: dict[str, Path], tmp_path: Path) -> None
     assert q.calib_tokens_sha256 is None
 
 
+@pytest.mark.parametrize(
+    ("launch", "message"),
+    [
+        ("session_len: -4", "launch.session_len: Input should be greater than or equal to 2"),
+        ("cache_block_seq_len: 17", "launch.cache_block_seq_len: Input should be a multiple of 16"),
+        ("max_batch_size: 0", "launch.max_batch_size: Input should be greater than or equal to 1"),
+        ("kv_quant: int3", "launch.kv_quant: Input should be 'none', 'int8' or 'int4'"),
+    ],
+)
+def test_a_recipe_that_could_not_be_served_is_refused_before_calibrating(
+    tiny_models: dict[str, Path], tmp_path: Path, launch: str, message: str
+) -> None:
+    """Serving settings are checked when the recipe is read, in one line: they were written
+    into an artifact that verified, and only `runtime serve` refused it, hours later."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"calib_samples: 0\nlaunch:\n  {launch}\n")
+    art = tmp_path / "art"
+    args = ["auto_awq", str(tiny_models["llama"]), "--work-dir", str(art), "--recipe", str(recipe)]
+    code, out = lite(*args, "--quiet")
+    assert code != 0 and message in out and len(out.strip().splitlines()) == 1, out
+    assert not art.exists()
+
+
 def test_recipe_with_flag_override(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     recipe = tmp_path / "r.yaml"
     recipe.write_text(

@@ -271,6 +271,17 @@ def test_chat_template_is_used(artifacts: dict[str, Path]) -> None:
     assert text.startswith("<|im_start|>user\nhi<|im_end|>") and text.endswith("assistant\n")
 
 
+def test_the_session_stays_within_the_trained_positions(artifacts: dict[str, Path]) -> None:
+    """The tiny models have 1024 positions: a longer session_len asked for is refused (100M
+    ran the host out of memory building the rotary table), the launch config's 4096 capped."""
+    assert Artifact(artifacts["llama"]).manifest.launch.session_len == 4096
+    with pytest.raises(
+        ValueError, match=r"session_len=1025 is over .* \(1024\).*--session-len 1024"
+    ):
+        Engine(artifacts["llama"], _config(session_len=1025))
+    assert Engine(artifacts["llama"], _config(session_len=None)).config.session_len == 1024
+
+
 def test_bad_input(artifacts: dict[str, Path], tmp_path: Path) -> None:
     engine = Engine(artifacts["llama"], _config(session_len=64))
     with pytest.raises(ValueError, match=r"prompt \(60 tokens\) plus max_new_tokens \(10\)"):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 FORMAT = "liteserve-artifact"
 # 2: producer.devices/torch/cuda (optional: schema-1 manifests still validate).
@@ -115,14 +115,21 @@ class FileEntry(_Strict):
     size: int
 
 
-class LaunchConfig(_Strict):
-    """Recommended serving settings; `kernels` holds tuned tile configs per GPU architecture."""
+# Bounds of the serving settings, shared with EngineConfig.validate (the flags that override them)
+MIN_SESSION_LEN = 2
+BLOCK_MULTIPLE = 16  # KV block lengths: the kernels' token tiles
+MIN_PREFILL_TOKENS = 16
 
-    session_len: int = 4096
+
+class LaunchConfig(_Strict):
+    """Recommended serving settings; `kernels` holds tuned tile configs per GPU architecture.
+    Checked where a recipe is read, before hours of calibration, and where an artifact is."""
+
+    session_len: int = Field(4096, ge=MIN_SESSION_LEN)
     kv_quant: Literal["none", "int8", "int4"] = "int8"
-    cache_block_seq_len: int = 64
-    max_batch_size: int = 64
-    max_prefill_tokens: int = 4096
+    cache_block_seq_len: int = Field(64, ge=BLOCK_MULTIPLE, multiple_of=BLOCK_MULTIPLE)
+    max_batch_size: int = Field(64, ge=1)
+    max_prefill_tokens: int = Field(4096, ge=MIN_PREFILL_TOKENS)
     backend: Literal["auto", "cpu", "triton", "cuda"] = "auto"
     kernels: dict[str, dict[str, dict[str, int]]] = Field(default_factory=dict)
 
@@ -148,3 +155,13 @@ class Manifest(_Strict):
     files: dict[str, FileEntry]  # every file but manifest.json and README.md (the card grows)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
     generation: GenerationDefaults = Field(default_factory=GenerationDefaults)
+
+
+def validation_summary(e: ValidationError) -> str:
+    """pydantic's errors on one line, each with where and what was given (its own rendering
+    spans lines and links to its docs)."""
+    return "; ".join(
+        f"{'.'.join(str(x) for x in err['loc']) or 'the file'}: {err['msg']}"
+        + (f" (got {err['input']!r})" if not isinstance(err["input"], dict | list) else "")
+        for err in e.errors()
+    )

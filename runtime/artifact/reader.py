@@ -16,6 +16,7 @@ from runtime.artifact.manifest import (
     MANIFEST_FILE,
     SCHEMA_VERSION,
     Manifest,
+    validation_summary,
 )
 from runtime.artifact.writer import _SAFETENSORS_DTYPES, sha256_file
 
@@ -58,7 +59,9 @@ def read_manifest(path: str | Path) -> Manifest:
     try:
         return Manifest.model_validate(raw)
     except ValidationError as e:
-        raise ArtifactError(f"{mpath} is corrupted: it does not match schema {version}: {e}") from e
+        raise ArtifactError(
+            f"{mpath} is corrupted: it does not match schema {version}: {validation_summary(e)}"
+        ) from e
 
 
 def verify_files(root: Path, manifest: Manifest, checksums: bool = True) -> None:

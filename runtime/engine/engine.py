@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,6 +18,7 @@ import torch
 from tokenizers import Tokenizer
 
 from runtime import host_memory
+from runtime.artifact.manifest import Architecture
 from runtime.artifact.reader import Artifact
 from runtime.config import EngineConfig
 from runtime.device import make_current, on_device
@@ -135,15 +136,35 @@ def _blocks_from_memory(spec: KVSpec, config: EngineConfig, device: torch.device
     return max(min(KVCache.num_blocks_for(spec, int(free)), useful), per_session)
 
 
+def _within_positions(
+    asked: EngineConfig, config: EngineConfig, arch: Architecture
+) -> EngineConfig:
+    """The session within the positions the model was trained for: a session_len the user set
+    past them is refused (the rotary table would be built for them all, and the model has
+    never seen them: 100M positions ran the host out of memory); the launch config's default
+    is capped to them."""
+    limit = arch.max_position_embeddings
+    if config.session_len <= limit:
+        return config
+    if asked.session_len is not None:
+        raise ValueError(
+            f"session_len={asked.session_len} is over the model's max_position_embeddings "
+            f"({limit}): positions past it were never trained; use --session-len {limit} or less"
+        )
+    return replace(config, session_len=limit)
+
+
 class Engine:
     def __init__(self, artifact: str | Path, config: EngineConfig | None = None) -> None:
         config = config or EngineConfig()
         config.validate()
         self.artifact = Artifact(artifact, checksums=config.verify_checksums)
         manifest = self.artifact.manifest
-        self.config = config.with_launch_defaults(manifest.launch)
-        self.config.validate()
         self.arch = manifest.architecture
+        self.config = _within_positions(
+            config, config.with_launch_defaults(manifest.launch), self.arch
+        )
+        self.config.validate()
         self.workers: Workers | None = None
         shard = group = None
         device = self.config.device
