@@ -249,6 +249,9 @@ def chat_cmd(
         if not line.strip():
             continue
         history.append({"role": "user", "content": line})
+        dropped = _fit_history(pipe, history, max_new_tokens)
+        if dropped:
+            click.echo(f"(the {dropped} oldest messages left the context: session_len)", err=True)
         reply = []
         click.echo("model> ", nl=False)
         try:
@@ -264,6 +267,19 @@ def chat_cmd(
         click.echo()
         history.append({"role": "assistant", "content": "".join(reply)})
         sys.stdout.flush()
+
+
+def _fit_history(pipe, history: list[dict], max_new_tokens: int) -> int:
+    """Drop the oldest exchanges (a user turn and its reply; the system message stays) until
+    the conversation and a full reply fit the session, and say how many messages went: a
+    chat that outgrew session_len refused every later turn, with no way on but a restart."""
+    limit = pipe.engine.config.session_len
+    first = 1 if history[0]["role"] == "system" else 0
+    dropped = 0
+    while len(history) - first > 1 and len(pipe.encode(history)) + max_new_tokens > limit:
+        del history[first : first + 2]
+        dropped += 2
+    return dropped
 
 
 @main.command("plan")

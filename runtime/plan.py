@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.artifact.manifest import BLOCK_MULTIPLE
 from runtime.artifact.reader import Artifact
 from runtime.distributed.shard import plan_shards
 from runtime.kv.format import KV_QUANT, KVSpec
@@ -49,6 +50,19 @@ def ranks(art: Artifact, tp: int) -> list[RankMemory]:
 def plan(art: Artifact, memory: int, avg_len: int, block_size: int, tp: int = 1) -> list[PlanRow]:
     """`memory` is each rank's; the byte columns are the fullest rank's."""
     a = art.manifest.architecture
+    if avg_len < 1:
+        raise ValueError(f"--avg-len {avg_len}: a sequence holds at least one token")
+    if block_size < 1 or block_size % BLOCK_MULTIPLE:
+        raise ValueError(
+            f"--cache-block-seq-len {block_size}: the engine takes a positive multiple of "
+            f"{BLOCK_MULTIPLE}"
+        )
+    weights = max(r.weights for r in ranks(art, tp))
+    if memory <= weights:
+        raise ValueError(
+            f"--memory {memory} bytes ({memory / 2**30:.2f} GiB) does not hold the weights "
+            f"({weights / 2**30:.2f} GiB), so no KV cache fits: give a unit, e.g. 24GiB"
+        )
     rows = []
     for kv in KV_QUANT:
         specs = [

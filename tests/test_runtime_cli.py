@@ -61,6 +61,21 @@ def test_chat_keeps_history_until_eof(art: Path) -> None:
     assert r.output.count("you> ") == 4 and r.output.count("model> ") == 2
 
 
+def test_chat_drops_the_oldest_turns_when_the_session_is_full(art: Path) -> None:
+    """A conversation longer than session_len goes on: the oldest exchanges leave the context
+    (said on stderr) and the system message stays; every turn was refused before."""
+    turn = "tell me more about the weather in the mountains " * 3
+    r = CliRunner().invoke(
+        main,
+        ["chat", str(art), "--max-new-tokens", "40", "--temperature", "0", "--system", "Be brief."]
+        + ENGINE,
+        input=f"{turn}\n" * 8,
+    )
+    assert r.exit_code == 0, r.output
+    assert "error" not in r.output and r.output.count("model> ") == 8, r.output
+    assert "oldest messages left the context" in r.output
+
+
 def test_device_eager_and_overlap_flags_reach_every_engine_command(
     art: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -104,6 +119,19 @@ def test_plan_orders_kv_policies(art: Path) -> None:
     assert tokens["int4"] > tokens["int8"] > tokens["none"] > 0
     # hand check for 'none': 2 layers x 2 kv heads x 16 dims x 2 (K, V) x 2 bytes = 256 B/token
     assert rows["none"][1] == "256"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--memory", "1GiB", "--avg-len", "0"], "--avg-len 0: a sequence holds at least one"),
+        (["--memory", "1GiB", "--cache-block-seq-len", "17"], "a positive multiple of 16"),
+        (["--memory", "24"], "does not hold the weights"),
+    ],
+)
+def test_plan_refuses_what_it_cannot_plan(art: Path, args: list[str], message: str) -> None:
+    r = CliRunner().invoke(main, ["plan", str(art), *args])
+    assert r.exit_code == 1 and message in r.output and "Traceback" not in r.output, r.output
 
 
 def test_parse_bytes() -> None:
