@@ -31,9 +31,31 @@ def load_config(path: Path) -> PretrainedConfig:
             f"{path}/config.json lacks {', '.join(missing)}: transformers would fill in its "
             "defaults, the shape of another model; use the model's own config.json"
         )
+    _check_heads(path, raw)
     config = AutoConfig.from_pretrained(path)
     config._attn_implementation = "sdpa"
     return config
+
+
+def _check_heads(path: Path, raw: dict) -> None:
+    """Shapes no model of these families can have (transformers fails on them later, deep in
+    its validation or in attention, with a traceback)."""
+    heads, hidden = raw["num_attention_heads"], raw["hidden_size"]
+    kv_heads = raw.get("num_key_value_heads") or heads
+    if not all(isinstance(v, int) and v > 0 for v in (heads, hidden, kv_heads)):
+        raise ValueError(
+            f"{path}/config.json: head counts and hidden_size must be positive integers"
+        )
+    if not raw.get("head_dim") and hidden % heads:
+        raise ValueError(
+            f"{path}/config.json: hidden_size {hidden} is not a multiple of num_attention_heads "
+            f"{heads} (and no head_dim is given); use the model's own config.json"
+        )
+    if heads % kv_heads:
+        raise ValueError(
+            f"{path}/config.json: num_attention_heads {heads} is not a multiple of "
+            f"num_key_value_heads {kv_heads}; use the model's own config.json"
+        )
 
 
 def _rope(config: PretrainedConfig) -> tuple[float, dict | None]:

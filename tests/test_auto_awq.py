@@ -517,6 +517,14 @@ def test_dry_run_plans_an_8b_config_without_weights(
     (src / "config.json").write_text(json.dumps({"model_type": "llama"}))
     code, out = lite("auto_awq", str(src), "--dry-run", "--device", "cpu")
     assert code != 0 and "config.json lacks hidden_size, intermediate_size" in out, out
+    # shapes no model has: transformers failed on them later, with a traceback
+    for bad, message in (
+        ({"hidden_size": 100, "num_attention_heads": 3}, "hidden_size 100 is not a multiple"),
+        ({"num_attention_heads": 4, "num_key_value_heads": 3}, "4 is not a multiple of num_key"),
+    ):
+        (src / "config.json").write_text(json.dumps({**LLAMA3_8B, **bad}))
+        code, out = lite("auto_awq", str(src), "--dry-run", "--device", "cpu")
+        assert code != 0 and message in out and "Traceback" not in out, out
 
 
 def test_dry_run_does_not_start_a_layer_that_cannot_fit(tmp_path: Path) -> None:
