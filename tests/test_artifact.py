@@ -87,8 +87,28 @@ def test_manifest_schema_violation(copy: Path) -> None:
     m = _manifest(copy)
     del m["architecture"]["hidden_size"]
     (copy / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(ArtifactError, match="does not match schema"):
+    with pytest.raises(
+        ArtifactError, match=r"does not match schema \d+: architecture.hidden_size: Field required$"
+    ):
         Artifact(copy)
+
+
+def test_manifest_that_disagrees_with_its_tensors(copy: Path) -> None:
+    """Edited by hand: it verified, then the engine failed with a KeyError on a layer."""
+    m = _manifest(copy)
+    for field, value, message in (
+        ("num_layers", m["architecture"]["num_layers"] + 1, r"num_layers is \d+ and its tensors"),
+        ("schema_version", 0, "schema_version 0 is no schema"),
+        ("schema_version", "5", "schema_version '5' is no schema"),
+    ):
+        edited = json.loads(json.dumps(m))
+        if field == "num_layers":
+            edited["architecture"][field] = value
+        else:
+            edited[field] = value
+        (copy / "manifest.json").write_text(json.dumps(edited))
+        with pytest.raises(ArtifactError, match=message):
+            Artifact(copy)
 
 
 def test_foreign_directories(tiny_models: dict[str, Path], tmp_path: Path) -> None:

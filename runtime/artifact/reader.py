@@ -49,19 +49,36 @@ def read_manifest(path: str | Path) -> Manifest:
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise ArtifactError(f"{root} is not a liteserve artifact: {mpath} has no format {FORMAT!r}")
     version = raw.get("schema_version")
-    if not isinstance(version, int):
+    if version is None:
         raise ArtifactError(f"{mpath} is corrupted: schema_version is missing")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise ArtifactError(f"{mpath} is corrupted: schema_version {version!r} is no schema")
     if version > SCHEMA_VERSION:
         raise ArtifactError(
             f"{root} was written with artifact schema {version}, newer than this liteserve "
             f"reads ({SCHEMA_VERSION}); upgrade liteserve"
         )
     try:
-        return Manifest.model_validate(raw)
+        manifest = Manifest.model_validate(raw)
     except ValidationError as e:
         raise ArtifactError(
             f"{mpath} is corrupted: it does not match schema {version}: {validation_summary(e)}"
         ) from e
+    _check_layers(mpath, manifest)
+    return manifest
+
+
+def _check_layers(mpath: Path, manifest: Manifest) -> None:
+    """The tensors hold exactly the layers the architecture counts: a count edited by hand
+    verified, then failed at load with a KeyError on the missing layer's first tensor."""
+    prefix = "model.layers."
+    held = {int(n[len(prefix) :].split(".")[0]) for n in manifest.tensors if n.startswith(prefix)}
+    count = manifest.architecture.num_layers
+    if held != set(range(count)):
+        found = f"layers {min(held)}..{max(held)} ({len(held)})" if held else "no layers"
+        raise ArtifactError(
+            f"{mpath} is corrupted: architecture.num_layers is {count} and its tensors hold {found}"
+        )
 
 
 def verify_files(root: Path, manifest: Manifest, checksums: bool = True) -> None:
