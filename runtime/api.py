@@ -80,11 +80,22 @@ class Pipeline:
             prompt = self.chat_template.render(prompt)
         if isinstance(prompt, str):
             return self.engine.tokenizer.encode(prompt, add_special_tokens=False).ids
+        if not isinstance(prompt, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            raise TypeError(
+                "a prompt is text, a list of token ids (int) or a list of chat messages (dict), "
+                f"not {type(prompt).__name__}"
+                + (f" of {type(prompt[0]).__name__}" if isinstance(prompt, list) else "")
+                + ("; stream() takes one prompt" if isinstance(prompt, list) else "")
+            )
         return list(prompt)
 
     def __call__(
         self, prompts: Prompt | list[Prompt], gen: GenerationConfig | None = None
     ) -> list[Response]:
+        if not isinstance(prompts, (str, list)):
+            raise TypeError(f"prompts are a prompt or a list of them, not {type(prompts).__name__}")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]
         params = self.sampling_params(gen or GenerationConfig())
@@ -116,5 +127,7 @@ class Pipeline:
 def pipeline(
     artifact: str | Path, config: EngineConfig | None = None, chat_template: Path | None = None
 ) -> Pipeline:
+    if config is not None and not isinstance(config, EngineConfig):
+        raise TypeError(f"config must be an EngineConfig, not {type(config).__name__}")
     engine = Engine(artifact, config)
     return Pipeline(engine, ChatTemplate.from_artifact(engine.artifact.path, chat_template))

@@ -264,6 +264,28 @@ def test_a_batch_with_a_refused_prompt_leaves_nothing_running(
     assert len(pipe([_ids(8, 4)], gen)[0].token_ids) == 20
 
 
+def test_the_python_api_names_a_wrong_type(artifacts: dict[str, Path]) -> None:
+    """Wrong types get a TypeError saying what is expected (they were a comparison of int and
+    str deep in the engine, or float ids truncated without a word)."""
+    pipe = pipeline(artifacts["llama"], _config())
+    gen = GenerationConfig(max_new_tokens=2)
+    for bad, message in (
+        (5, "not int"),
+        ([[1.5, 2.0]], "not list of float"),
+        ([[True, 3]], "not list of bool"),
+    ):
+        with pytest.raises(TypeError, match=message):
+            pipe(bad, gen)
+    with pytest.raises(TypeError, match="not list of str; stream.. takes one prompt"):
+        next(pipe.stream(["Hi"], gen))
+    with pytest.raises(TypeError, match="config must be an EngineConfig, not dict"):
+        pipeline(artifacts["llama"], {"kv_quant": "int8"})
+    for field, value in (("temperature", float("inf")), ("seed", 2**70)):
+        with pytest.raises(ValueError, match=field):
+            pipe([[1, 2]], GenerationConfig(max_new_tokens=2, **{field: value}))
+    assert not pipe.engine.sequences
+
+
 def test_chat_template_is_used(artifacts: dict[str, Path]) -> None:
     pipe = pipeline(artifacts["llama"], _config())
     ids = pipe.encode([{"role": "user", "content": "hi"}])

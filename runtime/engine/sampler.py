@@ -81,8 +81,9 @@ class SamplingParams:
         def bad(field: str, allowed: str, value: object) -> ValueError:
             return ValueError(f"{field} must be {allowed}, got {value!r}")
 
-        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
-            raise bad("temperature", ">= 0", self.temperature)
+        t = self.temperature
+        if not (isinstance(t, (int, float)) and 0 <= t < math.inf):  # inf: uniform noise
+            raise bad("temperature", ">= 0 and finite", t)
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise bad("top_p", "in (0, 1]", self.top_p)
         if not (isinstance(self.top_k, int) and self.top_k >= 0):
@@ -103,8 +104,10 @@ class SamplingParams:
             v = getattr(self, field)
             if v is not None and not (isinstance(v, int) and 0 <= v <= MAX_LOGPROBS):
                 raise bad(field, f"None or an integer in [0, {MAX_LOGPROBS}]", v)
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "None or an integer", self.seed)
+        if self.seed is not None and not (
+            isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64
+        ):
+            raise bad("seed", "None or an integer in torch's range [-2^63, 2^64)", self.seed)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "a sequence of non-empty strings", self.stop)
         if any(t < 0 for t in self.stop_token_ids):
