@@ -185,7 +185,13 @@ def auto_awq_cmd(
                 click.echo("\n".join(render_measured(timed())))
             return
         command = shlex.join(["lite", *sys.argv[1:]])
-        auto_awq(model, work_dir, cfg, command, overwrite, not quiet, compute)
+        try:
+            auto_awq(model, work_dir, cfg, command, overwrite, not quiet, compute)
+        except KeyboardInterrupt:
+            raise click.ClickException(
+                f"interrupted; the finished layers are kept in {work_dir}.partial: rerun the "
+                "same command to go on after the last of them"
+            ) from None
         if tune_after:
             tune(work_dir, progress=click.echo)
     except USER_ERRORS as e:
@@ -275,7 +281,7 @@ def tune_cmd(
     from lite.tune import tune
 
     try:
-        chosen = tuple(int(b) for b in _csv(buckets)) or None
+        chosen = tuple(_bucket(b) for b in _csv(buckets)) or None
         winners = tune(
             artifact, chosen, max_configs, getattr(torch, dtype), progress=click.echo,
             backend=backend,
@@ -504,3 +510,9 @@ def lm_eval_cmd(ctx: click.Context) -> None:
 
     sys.argv = ["lm_eval", *ctx.args]
     lm_eval.__main__.cli_evaluate()
+
+
+def _bucket(text: str) -> int:
+    if not text.strip().isdigit():
+        raise ValueError(f"--buckets {text!r}: row buckets are positive integers, e.g. 1,16,256")
+    return int(text)

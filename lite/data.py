@@ -115,7 +115,8 @@ def load_texts(spec: str, tokenizer: Any = None) -> list[str]:
                 )
             raise CalibrationError(f"unknown calibration dataset {spec!r}; {_ACCEPTED}")
         if not path.is_file():
-            raise CalibrationError(f"calibration file {spec!r} does not exist; {_ACCEPTED}")
+            what = "is a directory, not a file" if path.is_dir() else "does not exist"
+            raise CalibrationError(f"calibration file {spec!r} {what}; {_ACCEPTED}")
         if suffix == ".txt":
             texts = [_read_utf8(path)]
         elif suffix == ".jsonl":

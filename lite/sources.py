@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from runtime.artifact.manifest import FAMILIES
+from runtime.artifact.manifest import FAMILIES, MANIFEST_FILE
 from runtime.artifact.writer import sha256_file
 from runtime.cache import cache_root, cached_entry
 
@@ -135,6 +135,11 @@ def _from_dir(path: Path, spec: str, hash_files: bool = True) -> ModelSource:
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
             return _from_gguf(ggufs[0], spec)
+        if (path / MANIFEST_FILE).is_file():
+            raise SourceError(
+                f"{path} is a liteserve artifact, already quantized: serve it with `runtime "
+                "serve`, or quantize its source model"
+            )
         raise SourceError(f"{path} has no config.json: not a Hugging Face model directory")
     _read_config(config_path, str(path))
     shards = shard_files(path)

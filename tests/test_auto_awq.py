@@ -218,6 +218,35 @@ def test_a_recipe_that_could_not_be_served_is_refused_before_calibrating(
     assert not art.exists()
 
 
+def test_user_mistakes_get_one_line_with_the_way_on(
+    tiny_models: dict[str, Path],
+    rtn_artifact: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An artifact given as the model, a directory as the calibration file, letters as tune
+    buckets, and Ctrl-C (click printed a bare "Aborted!", not that a rerun resumes)."""
+    work = ["--work-dir", str(tmp_path / "art"), "--quiet"]
+    code, out = lite("auto_awq", str(rtn_artifact), *work)
+    assert code != 0 and "is a liteserve artifact, already quantized" in out, out
+    (tmp_path / "texts.txt").mkdir()
+    code, out = lite(
+        "auto_awq", str(tiny_models["llama"]), "--calib-dataset", str(tmp_path / "texts.txt"), *work
+    )
+    assert code != 0 and "is a directory, not a file" in out, out
+    code, out = lite("tune", str(rtn_artifact), "--buckets", "1,abc")
+    assert code != 0 and "--buckets 'abc': row buckets are positive integers" in out, out
+
+    def interrupted(*_args, **_kw):
+        raise KeyboardInterrupt
+
+    from lite import auto_awq
+
+    monkeypatch.setattr(auto_awq, "auto_awq", interrupted)
+    code, out = lite("auto_awq", str(tiny_models["llama"]), *work)
+    assert code == 1 and "rerun the same command to go on" in out, out
+
+
 def test_recipe_with_flag_override(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     recipe = tmp_path / "r.yaml"
     recipe.write_text(
