@@ -21,6 +21,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from runtime.artifact.reader import read_manifest
 from runtime.chat_template import ChatTemplate
 from runtime.config import EngineConfig
 from runtime.engine.engine import Engine
@@ -50,9 +51,11 @@ class LiteserveLM(TemplateLM):
         **_ignored: object,  # lm-eval passes device/max_batch_size to every model
     ) -> None:
         super().__init__()
-        self._max_length = int(max_length)
+        # within the positions the model was trained for, which the engine holds sessions to
+        positions = read_manifest(artifact).architecture.max_position_embeddings
+        self._max_gen_toks = min(int(max_gen_toks), positions // 2)
+        self._max_length = min(int(max_length), positions - self._max_gen_toks)
         self._batch_size = 32 if str(batch_size).startswith("auto") else int(batch_size)
-        self._max_gen_toks = int(max_gen_toks)
         block = 64
         per_session = -(-(self._max_length + self._max_gen_toks) // block)
         config = EngineConfig(
