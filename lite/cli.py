@@ -357,6 +357,7 @@ def _eval_options(f):
             is_flag=True,
             help="Write the comparison into each artifact's README.md (Evaluation section).",
         ),
+        click.option("--quiet", is_flag=True, help="No progress bars of liteserve's own."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -393,7 +394,6 @@ def _eval_options(f):
     help="--ppl text (UTF-8); default: the held-out part of the pydoc set.",
 )
 @click.option("--seqlen", default=512, show_default=True, type=click.IntRange(min=2))
-@click.option("--quiet", is_flag=True, help="No progress bars.")
 def eval_cmd(**kw) -> None:
     """Task quality of a source model and its artifacts, each under each KV policy.
 

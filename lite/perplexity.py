@@ -158,6 +158,16 @@ def eval_dtype(dtype: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:  # a ValueError, whose own text names no file
+        raise ValueError(
+            f"--text-file {path} is not valid UTF-8 (byte {e.start}: {e.reason}); re-save it "
+            "as UTF-8"
+        ) from e
+
+
 def run_ppl(
     model: str | None,
     artifacts: tuple[Path, ...],
@@ -183,7 +193,7 @@ def run_ppl(
     source = resolve(model) if model else None
     opened = [Artifact(a) for a in artifacts]
     tokenizer = AutoTokenizer.from_pretrained(source.path if source else opened[0].path)
-    text = text_file.read_text(encoding="utf-8") if text_file else heldout_text()
+    text = _read_text(text_file) if text_file else heldout_text()
     ids = torch.tensor(tokenizer(text, add_special_tokens=False, verbose=False).input_ids)
     batches = windows(ids, seqlen, limit)
     torch_dtype = eval_dtype(dtype)

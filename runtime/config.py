@@ -41,6 +41,10 @@ class EngineConfig:
         def bad(name: str, value: Any, allowed: str) -> ValueError:
             return ValueError(f"{name}={value!r} is invalid: expected {allowed}")
 
+        for name in _INT_FIELDS:  # a string or a float here failed later as a TypeError
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise bad(name, value, "an integer")
         if self.kv_quant is not None and self.kv_quant not in KV_QUANT:
             raise bad("kv_quant", self.kv_quant, " or ".join(KV_QUANT))
         if self.backend not in BACKENDS:
@@ -67,7 +71,7 @@ class EngineConfig:
                 "overlap_schedule is not supported with tp > 1 (the other ranks take each "
                 "step's token ids from the host); leave it unset or turn it off"
             )
-        if self.tp_timeout <= 0:
+        if not 0 < self.tp_timeout < float("inf"):  # NaN fails this too
             raise bad("tp_timeout", self.tp_timeout, "a positive number of seconds")
         prefill = self.max_prefill_token_num
         if prefill is not None and prefill < MIN_PREFILL_TOKENS:
@@ -84,6 +88,16 @@ class EngineConfig:
             max_batch_size=self.max_batch_size or launch.max_batch_size,
             max_prefill_token_num=self.max_prefill_token_num or launch.max_prefill_tokens,
         )
+
+
+_INT_FIELDS = (
+    "session_len",
+    "cache_block_seq_len",
+    "num_blocks",
+    "max_batch_size",
+    "max_prefill_token_num",
+    "tp",
+)
 
 
 def _device_ok(device: str) -> bool:

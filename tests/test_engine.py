@@ -4,6 +4,7 @@ scheduling paths, streaming, abort and bad input."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -280,6 +281,9 @@ def test_the_python_api_names_a_wrong_type(artifacts: dict[str, Path]) -> None:
         next(pipe.stream(["Hi"], gen))
     with pytest.raises(TypeError, match="config must be an EngineConfig, not dict"):
         pipeline(artifacts["llama"], {"kv_quant": "int8"})
+    for field, value in (("session_len", "4096"), ("num_blocks", 2.5), ("tp_timeout", math.nan)):
+        with pytest.raises(ValueError, match=f"{field}=.* is invalid"):
+            EngineConfig(**{field: value}).validate()
     for field, value in (("temperature", float("inf")), ("seed", 2**70)):
         with pytest.raises(ValueError, match=field):
             pipe([[1, 2]], GenerationConfig(max_new_tokens=2, **{field: value}))
@@ -315,6 +319,8 @@ def test_bad_input(artifacts: dict[str, Path], tmp_path: Path) -> None:
         small.add_request(_ids(40, 1), SamplingParams(max_new_tokens=2))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.add_request([1, 2, 10**6], SamplingParams(max_new_tokens=2))
+    with pytest.raises(ValueError, match=r"stop_token_ids \[1000000000\] are outside"):
+        engine.add_request([1, 2], SamplingParams(max_new_tokens=2, stop_token_ids=(10**9,)))
     with pytest.raises(ValueError, match="kv_quant='int3' is invalid: expected none or int8"):
         Engine(artifacts["llama"], _config(kv_quant="int3"))
     newer = Path(shutil.copytree(artifacts["llama"], tmp_path / "newer"))

@@ -99,7 +99,7 @@ def test_ppl_mode_writes_report_and_updates_card(
     out = tmp_path / "report"
     args = ["ppl", "--model", str(tiny_models["llama"]), "--artifact", str(art)]
     args += ["--kv-quant", "none,int8", "--text-file", str(text), "--seqlen", "40"]
-    args += ["--limit", "3", "--output", str(out), "--update-card"]
+    args += ["--limit", "3", "--output", str(out), "--update-card", "--quiet"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     report = json.loads((out / "results.json").read_text())
@@ -141,3 +141,15 @@ def test_bad_input_is_explained(
     result = CliRunner().invoke(main, args)
     assert result.exit_code != 0
     assert message in result.output
+
+
+def test_a_text_file_that_is_not_utf8_is_named(
+    rtn_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    text = tmp_path / "latin1.txt"
+    text.write_bytes("café crème brûlée ".encode("latin-1") * 50)
+    args = ["ppl", "--artifact", str(rtn_artifact), "--text-file", str(text), "--quiet"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code != 0
+    assert f"--text-file {text} is not valid UTF-8 (byte 3" in result.output, result.output

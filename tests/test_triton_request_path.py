@@ -13,6 +13,8 @@ prefill and decode rows, decode batches at every context length, prompt logprobs
 from __future__ import annotations
 
 import contextlib
+import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -157,10 +159,21 @@ def serving_steps() -> Iterator[StepInputs]:
         yield _step([(200, 1), (n, n)], logprob_rows=True)
 
 
+def _with_positions(artifact: Path, positions: int, where: Path) -> Path:
+    """A copy whose model claims ``positions`` trained positions (the tiny models have 1024;
+    the engine holds a session to them): the random weights mean nothing either way."""
+    copy = Path(shutil.copytree(artifact, where / "long"))
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["architecture"]["max_position_embeddings"] = positions
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    return copy
+
+
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 def test_serving_compiles_nothing_after_start(
-    rtn_artifact: Path, monkeypatch: pytest.MonkeyPatch, eager: bool
+    rtn_artifact: Path, monkeypatch: pytest.MonkeyPatch, eager: bool, tmp_path: Path
 ) -> None:
+    rtn_artifact = _with_positions(rtn_artifact, SESSION, tmp_path)
     recorder = Recorder()
     recorder.install(monkeypatch)
     config = engine_config(

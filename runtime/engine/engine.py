@@ -313,11 +313,12 @@ class Engine:
         params.validate()
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        bad = [t for t in prompt_ids if not 0 <= t < self.arch.vocab_size]
-        if bad:
-            raise ValueError(
-                f"token ids {bad[:5]} are outside the vocabulary (0..{self.arch.vocab_size - 1})"
-            )
+        for what, ids in (("token ids", prompt_ids), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < self.arch.vocab_size]
+            if bad:  # a stop id past the vocabulary would never stop anything
+                raise ValueError(
+                    f"{what} {bad[:5]} are outside the vocabulary (0..{self.arch.vocab_size - 1})"
+                )
         total = len(prompt_ids) + params.max_new_tokens
         if total > self.session_len:
             raise ValueError(
