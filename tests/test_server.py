@@ -617,11 +617,11 @@ BAD = [
      "invalid_request_error", "messages.0.role", r"role.*wizard"),
     ("over-session-len", "/v1/completions",
      _j(model=MODEL, prompt=[5] * 30, max_tokens=SESSION_LEN - 10), AUTH, 400,
-     "invalid_request_error", None,
+     "invalid_request_error", "prompt",
      rf"prompt \(30 tokens\).*\({SESSION_LEN - 10}\).*{SESSION_LEN + 20} tokens.*{SESSION_LEN}"),
     ("chat-over-session-len", "/v1/chat/completions",
      _j(model=MODEL, messages=[{"role": "user", "content": "word " * 600}], max_tokens=500),
-     AUTH, 400, "invalid_request_error", None, r"prompt \(\d+ tokens\).*over session_len"),
+     AUTH, 400, "invalid_request_error", "messages", r"prompt \(\d+ tokens\).*over session_len"),
     ("seed-overflow", "/v1/completions", _j(model=MODEL, prompt="x", seed=2**70), AUTH, 400,
      "invalid_request_error", "seed", r"seed"),
     ("not-json-content-type", "/v1/completions", _j(model=MODEL, prompt="x"),
@@ -687,6 +687,16 @@ def test_bad_request(srv: Served, path, body, headers, status, type_, param, pat
         )
         assert ok.status_code == 200, ok.text
     wait_idle(srv)
+
+
+def test_too_long_carries_openais_code(client: openai.OpenAI) -> None:
+    """OpenAI's `context_length_exceeded`: what clients look for to trim a conversation."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=[5] * 30, max_tokens=SESSION_LEN)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "prompt"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=[10**6])
+    assert e.value.code == "400" and e.value.param == "prompt"  # the status, as before
 
 
 def test_openai_client_sees_typed_errors(srv: Served, client: openai.OpenAI) -> None:

@@ -136,6 +136,10 @@ def _blocks_from_memory(spec: KVSpec, config: EngineConfig, device: torch.device
     return max(min(KVCache.num_blocks_for(spec, int(free)), useful), per_session)
 
 
+class ContextLengthError(ValueError):
+    """A request's prompt and max_new_tokens do not fit the session."""
+
+
 def _within_positions(
     asked: EngineConfig, config: EngineConfig, arch: Architecture
 ) -> EngineConfig:
@@ -321,7 +325,7 @@ class Engine:
                 )
         total = len(prompt_ids) + params.max_new_tokens
         if total > self.session_len:
-            raise ValueError(
+            raise ContextLengthError(
                 f"the prompt ({len(prompt_ids)} tokens) plus max_new_tokens "
                 f"({params.max_new_tokens}) is {total} tokens, over session_len "
                 f"{self.session_len}; shorten the prompt or lower max_new_tokens"

@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime import __version__
 from runtime.chat_template import ChatTemplate, ChatTemplateError
+from runtime.engine.engine import ContextLengthError
 from runtime.engine.grammar import GrammarError, schema_key
 from runtime.engine.sampler import SamplingParams, TokenLogprobs
 from runtime.server import protocol as p
@@ -53,10 +54,12 @@ class ApiError(Exception):
         type_: str = "invalid_request_error",
         param: str | None = None,
         headers: dict | None = None,
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type_, param
         self.headers = headers or {}
+        self.code = code  # OpenAI's named codes where a client acts on one; else the status
 
 
 def _error(
@@ -65,10 +68,10 @@ def _error(
     type_: str = "invalid_request_error",
     param: str | None = None,
     headers: dict | None = None,
+    code: str | None = None,
 ) -> JSONResponse:
-    return JSONResponse(
-        p.error_body(message, type_, param, status), status_code=status, headers=headers
-    )
+    body = p.error_body(message, type_, param, code or status)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 class _BodyLimit:
@@ -145,7 +148,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api(_: Request, exc: ApiError) -> JSONResponse:
-        return _error(exc.status, exc.message, exc.type, exc.param, exc.headers)
+        return _error(exc.status, exc.message, exc.type, exc.param, exc.headers, exc.code)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -413,7 +416,8 @@ class _State:
                     await s.aclose()
 
         try:
-            streams += await self._open([(ids, params) for _, _, ids, params in jobs])
+            requests = [(ids, params) for _, _, ids, params in jobs]
+            streams += await self._open(requests, "messages" if chat else "prompt")
             if req.stream:  # the response releases them when it ends
                 return _EventStream(self._sse(req, jobs, streams, chat), release)
         except BaseException:
@@ -424,11 +428,16 @@ class _State:
         finally:
             await release()
 
-    async def _open(self, requests: list[tuple[list[int], SamplingParams]]) -> list[Updates]:
+    async def _open(
+        self, requests: list[tuple[list[int], SamplingParams]], prompt_param: str
+    ) -> list[Updates]:
         """Start every sequence of a request in one step; the engine's refusal of any (too
-        long, bad ids) becomes a 400 here, and none of them runs."""
+        long, bad ids) becomes a 400 here, and none of them runs. Too long for the session
+        carries OpenAI's code, context_length_exceeded: clients trim their history on it."""
         try:
             return await self.engine.submit(requests)
+        except ContextLengthError as e:
+            raise ApiError(400, str(e), param=prompt_param, code="context_length_exceeded") from e
         except ValueError as e:
             raise ApiError(400, str(e)) from e
         except Exception as e:  # logged by the engine thread; a 500 for this request only
