@@ -161,6 +161,12 @@ def auto_awq_cmd(
         if tune_after and not dry_run:
             check_device()  # before hours of calibration, not after
         rec = load_recipe(recipe) if recipe else Recipe()
+        if rec.model and Path(rec.model).name.lower() != Path(model.rstrip("/")).name.lower():
+            click.echo(
+                f"warning: {recipe} was written for {rec.model}; quantizing {model} with its "
+                "settings",
+                err=True,
+            )
         for name, value in rec.flags().items():
             if ctx.get_parameter_source(name) != ParameterSource.COMMANDLINE:
                 flags[name] = value

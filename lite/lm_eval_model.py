@@ -127,14 +127,19 @@ class LiteserveLM(TemplateLM):
         waiting = list(range(len(prompts)))[::-1]
         flight: dict[int, Sequence] = {}
         with tqdm(total=len(prompts), desc=desc, disable=quiet) as bar:
-            while waiting or flight:
-                while waiting and len(flight) < self._batch_size:
-                    i = waiting.pop()
-                    flight[i] = self.engine.add_request(prompts[i], params[i])
-                self.engine.step()
-                for i in [i for i, s in flight.items() if s.finished]:
-                    done[i] = flight.pop(i)
-                    bar.update(1)
+            try:
+                while waiting or flight:
+                    while waiting and len(flight) < self._batch_size:
+                        i = waiting.pop()
+                        flight[i] = self.engine.add_request(prompts[i], params[i])
+                    self.engine.step()
+                    for i in [i for i, s in flight.items() if s.finished]:
+                        done[i] = flight.pop(i)
+                        bar.update(1)
+            except BaseException:  # none left running in the engine for the next call
+                for seq in flight.values():
+                    self.engine.abort(seq.seq_id)
+                raise
         return done  # type: ignore[return-value]
 
     def _loglikelihood_tokens(

@@ -250,6 +250,7 @@ def test_user_mistakes_get_one_line_with_the_way_on(
 def test_recipe_with_flag_override(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     recipe = tmp_path / "r.yaml"
     recipe.write_text(
+        "model: org/some-other-model\n"
         "calib_samples: 4\ncalib_seqlen: 32\nw_group_size: 128\n"
         "launch:\n  session_len: 2048\n  kv_quant: int4\n"
     )
@@ -266,6 +267,7 @@ def test_recipe_with_flag_override(tiny_models: dict[str, Path], tmp_path: Path)
         "--quiet",
     )
     assert code == 0, out
+    assert f"warning: {recipe} was written for org/some-other-model; quantizing" in out
     m = Artifact(art).manifest
     assert m.quantization.group_size == 32  # the flag wins
     assert (m.quantization.calib_samples, m.quantization.calib_seqlen) == (4, 32)

@@ -154,3 +154,23 @@ def test_lite_lm_eval_runs_lm_evals_cli_with_liteserve(rtn_artifact: Path, tmp_p
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "|piqa_local|" in out.stdout and "acc" in out.stdout
+
+
+def test_a_failing_step_leaves_no_request_running(
+    lm: LiteserveLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step that raises mid-batch (or Ctrl-C) ends the call with nothing left in the engine
+    for the next call to step through."""
+    real, calls = lm.engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("a step failed")
+        return real()
+
+    monkeypatch.setattr(lm.engine, "step", failing_step)
+    params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    with pytest.raises(RuntimeError, match="a step failed"):
+        lm._run([[5, 6, 7], [8, 9], [10, 11, 12]], [params] * 3, "test", True)
+    assert not lm.engine.sequences and not lm.engine.has_work()
