@@ -11,7 +11,8 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from runtime.artifact.manifest import LaunchConfig, validation_summary
+from runtime.artifact.manifest import LaunchConfig
+from runtime.validation import validation_message
 
 
 class Recipe(BaseModel):
@@ -51,4 +52,4 @@ def load_recipe(path: str | Path) -> Recipe:
     try:
         return Recipe.model_validate(data or {})
     except ValidationError as e:
-        raise ValueError(f"recipe {p} has invalid settings: {validation_summary(e)}") from e
+        raise ValueError(f"recipe {p} has invalid settings: {validation_message(e)[0]}") from e

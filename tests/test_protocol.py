@@ -56,8 +56,8 @@ from runtime.server.protocol import (
     error_body,
     new_id,
     sampling_fields,
-    validation_message,
 )
+from runtime.validation import validation_message
 
 MSGS = [{"role": "user", "content": "hi"}]
 

@@ -22,8 +22,8 @@ from runtime.server.protocol import (
     REFUSED,
     ChatCompletionRequest,
     CompletionRequest,
-    validation_message,
 )
+from runtime.validation import validation_message
 from tests.test_server import MODEL, engine_config, serve
 
 MSGS = [{"role": "user", "content": "hi"}]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 FORMAT = "liteserve-artifact"
 # 2: producer.devices/torch/cuda (optional: schema-1 manifests still validate).
@@ -155,13 +155,3 @@ class Manifest(_Strict):
     files: dict[str, FileEntry]  # every file but manifest.json and README.md (the card grows)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
     generation: GenerationDefaults = Field(default_factory=GenerationDefaults)
-
-
-def validation_summary(e: ValidationError) -> str:
-    """pydantic's errors on one line, each with where and what was given (its own rendering
-    spans lines and links to its docs)."""
-    return "; ".join(
-        f"{'.'.join(str(x) for x in err['loc']) or 'the file'}: {err['msg']}"
-        + (f" (got {err['input']!r})" if not isinstance(err["input"], dict | list) else "")
-        for err in e.errors()
-    )

@@ -16,9 +16,9 @@ from runtime.artifact.manifest import (
     MANIFEST_FILE,
     SCHEMA_VERSION,
     Manifest,
-    validation_summary,
 )
 from runtime.artifact.writer import _SAFETENSORS_DTYPES, sha256_file
+from runtime.validation import validation_message
 
 Range = tuple[int, int | None]  # [start, stop) of a tensor's dimension; None runs to the end
 Span = tuple[int, int]  # [start, stop) of a linear's logical columns or rows
@@ -62,7 +62,7 @@ def read_manifest(path: str | Path) -> Manifest:
         manifest = Manifest.model_validate(raw)
     except ValidationError as e:
         raise ArtifactError(
-            f"{mpath} is corrupted: it does not match schema {version}: {validation_summary(e)}"
+            f"{mpath} is corrupted: it does not match schema {version}: {validation_message(e)[0]}"
         ) from e
     _check_layers(mpath, manifest)
     return manifest

@@ -33,6 +33,7 @@ from runtime.engine.sampler import SamplingParams, TokenLogprobs
 from runtime.server import protocol as p
 from runtime.server.async_engine import AsyncEngine, StepFailure, Update, Updates, merge
 from runtime.server.tools import Delta, ToolCallParser, forced_schema, merge_calls, syntax_for
+from runtime.validation import validation_message
 
 MAX_SEQUENCES = 1024  # prompts x n in one request: a bound on what one body can ask for
 
@@ -143,7 +144,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         if any(e.get("loc") == ("body",) and isinstance(e.get("input"), bytes) for e in errors):
             # not parsed as JSON: FastAPI reads JSON only under a JSON content type
             return _error(400, "send the body as JSON with 'Content-Type: application/json'")
-        message, param = p.validation_message(errors)
+        message, param = validation_message(errors)
         return _error(400, message, param=param)
 
     @app.exception_handler(ApiError)
