@@ -868,8 +868,9 @@ def _time_layer_0(
         load_layer(layer, weights, "model.layers.0.", device)
         with tensor_peak(device, where=True) as peak:
             calibrate_and_pack(layer, 0, x, pos, cfg, config, rows)
+            seconds = time.perf_counter() - started  # pack_layer's copies to the host synchronize
     peak.bytes += sum(p.nbytes for p in layer.parameters())
-    return time.perf_counter() - started, peak  # pack_layer's copies to the host synchronize
+    return seconds, peak
 
 
 class RandomWeights:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.autograd.profiler import profile
 
 from runtime import host_memory
 from runtime.device import resolve_device
@@ -152,19 +152,19 @@ def tensor_peak(device: torch.device, where: bool = False) -> Iterator[PeakBytes
         torch.cuda.synchronize(device)
         result.bytes = torch.cuda.max_memory_allocated(device) - start
         return
-    # acc_events: one cycle either way; without it torch 2.11 warns that cycles clear events
-    p = profile(
-        activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=where, acc_events=True
-    )
+    # the autograd profiler, not torch.profiler's: that one either warns (torch 2.11) or, with
+    # acc_events, builds Python objects for every event when it stops (10 s a calibration layer,
+    # half again its time); the raw kineto results below are all this reads
+    p = profile(use_cpu=True, profile_memory=True, with_stack=where, use_kineto=True)
     with _quiet_stderr():  # the profiler's library logs its start and stop there
-        p.start()
+        p.__enter__()
     try:
         entered = time.time_ns()  # the profiler's events are stamped in Unix time too
         yield result
     finally:
         with _quiet_stderr():
-            p.stop()
-    events = p.profiler.kineto_results.events()
+            p.__exit__(None, None, None)
+    events = p.kineto_results.events()
     live, at = 0, None
     for ts, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
         live += nbytes
@@ -200,7 +200,7 @@ def _python_calls(p: profile) -> list[tuple[str, int, int]]:
     2.11-2.13 alike."""
     from torch._C._profiler import _EventType
 
-    calls, nodes = [], list(p.profiler.kineto_results.experimental_event_tree())
+    calls, nodes = [], list(p.kineto_results.experimental_event_tree())
     while nodes:
         node = nodes.pop()
         if node.tag == _EventType.PyCall:
