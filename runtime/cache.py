@@ -62,6 +62,7 @@ def cached_entry(target: Path, build: Callable[[Path], None], directory: bool = 
         tmp = _fresh_tmp(target, directory)
         try:
             build(tmp)
+            give_umask_modes(tmp)
             os.replace(tmp, target)  # atomic: a reader sees the whole entry or none
         finally:
             _remove(tmp)
@@ -76,8 +77,30 @@ def _acquire(lock: FileLock, target: Path) -> None:
     try:
         lock.acquire(timeout=0)
     except Timeout:
-        log.info("waiting for another process that is writing %s", target)
+        log.warning("waiting for another process that is writing %s", target)
         lock.acquire()
+
+
+def mkdir_mode(parent: Path) -> int:
+    """What a new directory's mode is under this process's umask (read by making one: setting
+    the umask to read it would race with other threads creating files)."""
+    probe = parent / f".mode-{os.getpid()}-{os.urandom(4).hex()}"
+    probe.mkdir()
+    try:
+        return probe.stat().st_mode & 0o7777
+    finally:
+        probe.rmdir()
+
+
+def give_umask_modes(path: Path) -> None:
+    """The modes mkdir and open would have given `path` and all it holds under this process's
+    umask: tempfile's 0700 and 0600 (which a linker keeps) would lock a server running as
+    another user out of an entry built ahead of time, as root in an image build, say."""
+    base = mkdir_mode(path.parent)
+    for p in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        if not p.is_symlink():
+            executable = p.is_dir() or p.stat().st_mode & 0o111
+            os.chmod(p, base if executable else base & 0o666)
 
 
 def _tmp_prefix(target: Path) -> str:

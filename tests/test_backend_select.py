@@ -50,12 +50,15 @@ def test_build_kernels_without_nvcc_says_how_to_get_it(monkeypatch, tmp_path) ->
     # rightly be served without nvcc
     monkeypatch.setenv("LITESERVE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.setenv("NVCC", str(tmp_path / "absent"))
     monkeypatch.setenv("CUDA_HOME", str(tmp_path))
     result = CliRunner().invoke(main, ["build-kernels"])
     assert result.exit_code == 1
     assert "nvcc is not installed" in result.output and "NVCC" in result.output
+    assert "building" not in result.output  # no promise of a build that cannot start
     with pytest.raises(library.BuildUnavailable, match="nvcc is not installed"):
+        library.build()
+    monkeypatch.setenv("NVCC", str(tmp_path / "absent"))  # a typo is not passed over silently
+    with pytest.raises(library.BuildUnavailable, match=r"NVCC=.*absent is not a file"):
         library.build()
 
 
@@ -118,13 +121,15 @@ def test_first_build_of_the_cuda_library_says_so(monkeypatch, tmp_path, caplog) 
     compiler that writes its output; the second call finds it cached and says nothing."""
     monkeypatch.setenv("LITESERVE_CACHE", str(tmp_path / "cache"))
     fake = tmp_path / "nvcc"
-    fake.write_text('#!/bin/sh\nwhile [ "$1" != "-o" ]; do shift; done\necho built > "$2"\n')
+    fake.write_text(
+        '#!/bin/sh\nwhile [ "$1" != "-o" ]; do shift; done\nprintf "\\177ELF built" > "$2"\n'
+    )
     fake.chmod(0o755)
     monkeypatch.setenv("NVCC", str(fake))
     with caplog.at_level("WARNING", logger="liteserve"):
         path = library.build()
-        assert path.read_text() == "built\n"
-        assert "building the CUDA kernels with nvcc for 80, 86, 89, 90" in caplog.text
+        assert path.read_bytes() == b"\x7fELF built"
+        assert f"building the CUDA kernels with {fake} for 80, 86, 89, 90" in caplog.text
         caplog.clear()
         assert library.build() == path and caplog.text == ""
 
@@ -139,7 +144,8 @@ def test_first_use_builds_for_this_machines_gpus_unless_every_architecture_is_th
     monkeypatch.setenv("LITESERVE_CACHE", str(tmp_path / "cache"))
     fake = tmp_path / "nvcc"
     fake.write_text(
-        '#!/bin/sh\nargs="$*"\nwhile [ "$1" != "-o" ]; do shift; done\necho "$args" > "$2"\n'
+        '#!/bin/sh\nargs="$*"\nwhile [ "$1" != "-o" ]; do shift; done\n'
+        'printf "\\177ELF %s" "$args" > "$2"\n'
     )
     fake.chmod(0o755)
     monkeypatch.setenv("NVCC", str(fake))

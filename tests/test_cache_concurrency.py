@@ -78,7 +78,10 @@ def test_two_processes_build_once_and_both_get_the_entry(tmp_path: Path) -> None
     first = _spawn(BUILD_SCRIPT, str(target), str(counter), str(tmp_path / "a"), "1.5")
     _wait_for(tmp_path / "a", first)  # the first holds the lock and is mid-build
     second = _spawn(BUILD_SCRIPT, str(target), str(counter), str(tmp_path / "b"), "0")
-    assert _finish(first) == _finish(second) == str(target)
+    assert _finish(first) == str(target)
+    out, err = second.communicate(timeout=300)
+    assert second.returncode == 0 and out.strip() == str(target), err
+    assert f"waiting for another process that is writing {target}" in err  # not a silent hang
     assert _runs(counter) == 1 and not (tmp_path / "b").exists()
     assert (target / "whole").read_text() == str(first.pid)
     assert sorted(p.name for p in target.parent.iterdir()) == [".entry.lock", "entry"]
@@ -113,6 +116,58 @@ def test_a_failing_build_leaves_nothing_and_raises(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="compiler crashed"):
         cached_entry(target, build)
     assert [p.name for p in tmp_path.iterdir()] == [".entry.so.lock"]
+
+
+# Under umask 022, entries built as tempfile and a linker leave them (0700 directories, 0600
+# files, a 0711 library) come out as mkdir and open would have made them.
+MODES_SCRIPT = """
+import os, sys, tempfile
+from pathlib import Path
+from runtime.cache import cached_entry
+
+os.umask(0o022)
+root = Path(sys.argv[1])
+
+def fill(tmp: Path) -> None:
+    (tmp / "sub").mkdir(mode=0o700)
+    fd, name = tempfile.mkstemp(dir=tmp / "sub")
+    os.close(fd)
+    os.replace(name, tmp / "sub" / "model.safetensors")
+    (tmp / "tool").write_text("#!/bin/sh")
+    os.chmod(tmp / "tool", 0o700)
+
+def link(tmp: Path) -> None:
+    tmp.write_bytes(b"library")
+    os.chmod(tmp, 0o711)
+
+for p in (cached_entry(root / "dir", fill, directory=True), cached_entry(root / "lib.so", link)):
+    for q in sorted([p, *p.rglob("*")]):
+        print(q.relative_to(root), oct(q.stat().st_mode & 0o777))
+"""
+
+
+def test_entries_get_the_modes_of_the_umask_not_of_tempfile(tmp_path: Path) -> None:
+    """A cache built ahead of time (as root in an image build, say) must be readable by the
+    server's user: a 0700 GGUF conversion or a 0711 kernel library is not."""
+    out = _finish(_spawn(MODES_SCRIPT, str(tmp_path)))
+    assert out.splitlines() == [
+        "dir 0o755",
+        "dir/sub 0o755",
+        "dir/sub/model.safetensors 0o644",
+        "dir/tool 0o755",
+        "lib.so 0o755",
+    ]
+
+
+def test_a_compiler_that_writes_nothing_caches_nothing(tmp_path: Path) -> None:
+    """nvcc or cc exiting 0 with an empty output: refused, not cached as a library that every
+    later run fails to load."""
+    from runtime.kernels.build_cache import BuildUnavailable, cached_build
+
+    target = tmp_path / "lib.so"
+    with pytest.raises(BuildUnavailable, match="wrote no shared library for lib.so"):
+        cached_build(target, lambda tmp: None)
+    assert [p.name for p in tmp_path.iterdir()] == [".lib.so.lock"]
 
 
 # The C kernels through their real build (runtime/kernels/native.py), with a compiler wrapper

@@ -22,6 +22,7 @@ from runtime.artifact.manifest import (
     Manifest,
     TensorEntry,
 )
+from runtime.cache import mkdir_mode
 
 MAX_SHARD_BYTES = 2 * 1024**3
 
@@ -256,7 +257,7 @@ def publish(staging: Path, target: Path, overwrite: bool, marker: str = MANIFEST
     """Move a finished artifact into place in one rename; an old one is replaced only on request
     (and only what check_replaceable allows). The directory gets the mode mkdir gives here:
     tempfile.mkdtemp's 0700 would keep out a server running under another user."""
-    os.chmod(staging, _mkdir_mode(staging.parent))
+    os.chmod(staging, mkdir_mode(staging.parent))
     check_replaceable(target, overwrite, marker)
     if target.exists():
         trash = target.with_name(target.name + ".old")
@@ -266,14 +267,3 @@ def publish(staging: Path, target: Path, overwrite: bool, marker: str = MANIFEST
         shutil.rmtree(trash)
     else:
         os.replace(staging, target)
-
-
-def _mkdir_mode(parent: Path) -> int:
-    """What a new directory's mode is under this process's umask (read by making one: setting
-    the umask to read it would race with other threads creating files)."""
-    probe = parent / f".mode-{os.getpid()}-{os.urandom(4).hex()}"
-    probe.mkdir()
-    try:
-        return probe.stat().st_mode & 0o7777
-    finally:
-        probe.rmdir()

@@ -23,8 +23,18 @@ def cached_build(target: Path, compile_into: Callable[[str], None]) -> Path:
     """``target`` if it exists, else ``compile_into(tmp)`` then an atomic rename to it, under
     the cache's lock (runtime/cache.py), so concurrent processes compile it once.
     ``compile_into`` raises BuildUnavailable when the compiler fails."""
+
+    def build(tmp: Path) -> None:
+        compile_into(str(tmp))
+        with open(tmp, "rb") as f:
+            if f.read(4) != b"\x7fELF":  # a compiler that exits 0 without writing its output
+                raise BuildUnavailable(
+                    f"the compiler exited 0 but wrote no shared library for {target.name}: "
+                    "check the compiler (CC, NVCC) and rerun"
+                )
+
     try:
-        return cached_entry(target, lambda tmp: compile_into(str(tmp)))
+        return cached_entry(target, build)
     except CacheUnwritable as e:
         raise BuildUnavailable(f"cannot write the kernel cache: {e}") from e
 
@@ -34,7 +44,9 @@ def load_typed(path: Path, signatures: dict[str, tuple[list, type | None]]) -> c
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
-        raise BuildUnavailable(f"cannot load {path}: {e}") from e
+        raise BuildUnavailable(
+            f"cannot load {path}: {e}; it is a cache entry: remove it, and the next run rebuilds it"
+        ) from e
     for name, (args, result) in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, result

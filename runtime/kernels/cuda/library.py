@@ -132,8 +132,12 @@ def cache_dir() -> Path:
 
 def nvcc() -> str:
     """$NVCC, nvcc on PATH, or the toolkit's under $CUDA_HOME or /usr/local/cuda."""
+    chosen = os.environ.get("NVCC")
+    if chosen:
+        if not Path(chosen).is_file():
+            raise BuildUnavailable(f"NVCC={chosen} is not a file: point it at nvcc, or unset it")
+        return chosen
     candidates = [
-        os.environ.get("NVCC"),
         shutil.which("nvcc"),
         str(Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin" / "nvcc"),
     ]
@@ -169,18 +173,20 @@ def build(archs: tuple[str, ...] = ARCHS) -> Path:
     target = target_path(archs)
 
     def compile_into(tmp: str) -> None:
+        compiler = nvcc()
         # minutes for every architecture, during which start-up would look hung
         log.warning(
-            "building the CUDA kernels with nvcc for %s into %s (once per machine and source; "
+            "building the CUDA kernels with %s for %s into %s (once per machine and source; "
             "`runtime build-kernels` does it ahead of time, for every architecture)",
+            compiler,
             ", ".join(archs),
             target.parent,
         )
         done = subprocess.run(
-            compile_command(nvcc(), tmp, (), archs), capture_output=True, text=True
+            compile_command(compiler, tmp, (), archs), capture_output=True, text=True
         )
         if done.returncode != 0:
-            raise BuildUnavailable(f"nvcc failed to build csrc/:\n{done.stderr[-3000:]}")
+            raise BuildUnavailable(f"{compiler} failed to build csrc/:\n{done.stderr[-3000:]}")
 
     return cached_build(target, compile_into)
 
