@@ -366,7 +366,7 @@ def serve_cmd(
         serve_replicas,
         wants_replicas,
     )
-    from runtime.server.serve import DrainingServer, build_app
+    from runtime.server.serve import DrainingServer, build_app, listen_socket
 
     keys = tuple(k.strip() for k in (api_keys or "").split(",") if k.strip())
     replica_kw = pop_replica_options(kw)
@@ -385,6 +385,10 @@ def serve_cmd(
             **replica_kw,
         )
         return
+    try:
+        sock = listen_socket(server_name, server_port)
+    except OSError as e:
+        raise click.ClickException(str(e)) from e
     loading = openmp_left_to_the_engine_thread() if kw["tp"] == 1 else contextlib.nullcontext()
     with loading:
         pipe = _pipeline(artifact, kw)
@@ -402,7 +406,7 @@ def serve_cmd(
         artifact,
         app.state.liteserve.settings.model_name,
         server_name,
-        server_port,
+        sock.getsockname()[1],
         engine.backend,
         engine.ops.device,
         f" (rank 0 of {engine.config.tp})" if engine.workers is not None else "",
@@ -426,9 +430,10 @@ def serve_cmd(
     if engine.workers is not None:  # a tensor-parallel rank that dies ends the server
         engine.workers.on_failure.append(lambda _: setattr(server, "should_exit", True))
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         engine.close()
+        sock.close()
     if engine.workers is not None and engine.workers.failure is not None:
         raise click.ClickException(f"stopped: {engine.workers.failure}")
 

@@ -1212,6 +1212,23 @@ def test_sigterm_drains_in_flight_and_exits_0(artifact: Path) -> None:
         httpx2.get(url + "/health", timeout=1)
 
 
+def test_a_port_in_use_is_refused_before_the_model_loads(artifact: Path) -> None:
+    """On a GPU loading means warm-up and graph capture: the port must be checked first, and
+    no line may claim the server is up."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        cmd = [sys.executable, "-m", "runtime", "-v", "serve", str(artifact)]
+        done = subprocess.run(
+            [*cmd, "--server-port", str(port)], cwd=ROOT, capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "--server-port" in done.stderr
+    assert "loading" not in done.stderr.lower() and "serving" not in done.stderr, done.stderr
+
+
 def test_requests_left_at_the_end_of_the_grace_get_a_503(artifact: Path) -> None:
     """Shutting down with requests that will not finish within --grace: shortly before it
     ends they get OpenAI's error shape, a 503 whole or an error event and [DONE] in a stream
