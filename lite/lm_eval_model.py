@@ -44,7 +44,7 @@ class LiteserveLM(TemplateLM):
         kv_quant: str | None = None,
         max_length: int = DEFAULT_MAX_LENGTH,
         dtype: str = "auto",
-        backend: str = "auto",
+        backend: str | None = None,  # None: the artifact's launch config
         batch_size: int | str = 32,
         max_gen_toks: int = 256,
         num_blocks: int | None = None,

@@ -62,8 +62,9 @@ def _engine_options(f):
             click.option(
                 "--backend",
                 type=click.Choice(["auto", "cpu", "triton", "cuda"]),
-                help="Kernels (default: the artifact's launch config; auto = on a CUDA GPU the "
-                "csrc kernels where their library loads, else triton; cpu without a GPU).",
+                help="Kernels (default: the artifact's launch config; auto, given here, overrides "
+                "a backend it pins: on a CUDA GPU the csrc kernels where their library runs, "
+                "else triton; cpu without a GPU).",
             ),
             click.option(
                 "--dtype",

@@ -27,7 +27,8 @@ class EngineConfig:
     # Per-step token budget (chunked prefill beyond it); None: the launch config's.
     max_prefill_token_num: int | None = None
     enable_prefix_caching: bool = False
-    backend: str = "auto"
+    # None: the artifact's launch config; auto: cuda where its library runs, triton, then cpu
+    backend: str | None = None
     dtype: str = "auto"  # activation dtype; auto = the fastest measured for the backend
     device: str = "auto"  # auto, cpu, cuda or cuda:N; auto = the backend's (the current GPU)
     enforce_eager: bool = False  # no CUDA graphs: every decode step runs eagerly
@@ -47,7 +48,7 @@ class EngineConfig:
                 raise bad(name, value, "an integer")
         if self.kv_quant is not None and self.kv_quant not in KV_QUANT:
             raise bad("kv_quant", self.kv_quant, " or ".join(KV_QUANT))
-        if self.backend not in BACKENDS:
+        if self.backend is not None and self.backend not in BACKENDS:
             raise bad("backend", self.backend, ", ".join(BACKENDS))
         if self.dtype not in DTYPES:
             raise bad("dtype", self.dtype, ", ".join(DTYPES))

@@ -333,6 +333,20 @@ def test_bad_input(artifacts: dict[str, Path], tmp_path: Path) -> None:
         Engine(tmp_path, _config())
 
 
+def test_backend_auto_overrides_a_backend_the_artifact_pins(
+    artifacts: dict[str, Path], tmp_path: Path
+) -> None:
+    """A recipe's serving section can pin a backend into the launch config: left unset it
+    applies and a refusal says so; an explicit auto, like any explicit backend, overrides it."""
+    pinned = Path(shutil.copytree(artifacts["llama"], tmp_path / "pinned"))
+    manifest = json.loads((pinned / "manifest.json").read_text())
+    manifest["launch"]["backend"] = "cuda"
+    (pinned / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="not float32; .* pins backend cuda: --backend"):
+        Engine(pinned, _config(device="cpu"))
+    assert Engine(pinned, _config(device="cpu", backend="auto")).backend == "cpu"
+
+
 def test_llama3_rope_scaling_matches_transformers(tokenizer_dir: Path, tmp_path: Path) -> None:
     """Llama-3.1-style frequency scaling, from the config through the manifest to the rotary."""
     from lite.hf import load_dequantized

@@ -46,7 +46,7 @@ def rank_device(config: EngineConfig, backend: str, rank: int) -> str:
 
 
 def _backend(artifact: Artifact, config: EngineConfig) -> str:
-    return artifact.manifest.launch.backend if config.backend == "auto" else config.backend
+    return artifact.manifest.launch.backend if config.backend is None else config.backend
 
 
 def _shard(artifact: Artifact, config: EngineConfig, rank: int) -> Shard:

@@ -40,7 +40,7 @@ from runtime.engine.sampler import (
 )
 from runtime.engine.scheduler import Batch, Scheduler
 from runtime.engine.sequence import Sequence, Status
-from runtime.kernels.ops import Backend, select_backend
+from runtime.kernels.ops import Backend, BackendError, select_backend
 from runtime.kv.cache import KVCache
 from runtime.kv.format import KVSpec
 from runtime.model.llama import LlamaModel
@@ -96,14 +96,24 @@ def load_rank(
     """Backend, model and pool from a config with the artifact's launch defaults filled in:
     the one loading path of the engine's process and of every tensor-parallel worker."""
     manifest = artifact.manifest
-    requested = manifest.launch.backend if config.backend == "auto" else config.backend
-    ops = select_backend(requested, manifest.launch.kernels, device)
+    requested = manifest.launch.backend if config.backend is None else config.backend
+    pinned = config.backend is None and requested != "auto"
+    why = (
+        f" (the artifact's launch config pins backend {requested}: --backend, or "
+        "EngineConfig(backend=...), overrides it)"
+        if pinned
+        else ""
+    )
+    try:
+        ops = select_backend(requested, manifest.launch.kernels, device)
+    except BackendError as e:
+        raise BackendError(f"{e}{why}") from e
     dtype = ops.default_dtype() if config.dtype == "auto" else _DTYPES[config.dtype]
     if dtype not in ops.dtypes:
         names = ", ".join(str(d).removeprefix("torch.") for d in ops.dtypes)
         raise ValueError(
             f"backend {ops.name} runs {names} activations, not "
-            f"{str(dtype).removeprefix('torch.')}; choose one of those as dtype"
+            f"{str(dtype).removeprefix('torch.')}; choose one of those as dtype{why}"
         )
     model = LlamaModel(artifact, dtype, config.session_len, ops, shard, group)
     arch = manifest.architecture
