@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from filelock import FileLock, Timeout
 from safetensors.torch import load_file
 
 from lite.awq import (
@@ -192,6 +193,11 @@ class RunState:
                 )
             kept = {k: saved[k] for k in ("fingerprint", "created", "done", "fallbacks")}
             return cls(partial, **kept, devices=saved.get("devices", []))
+        if partial.is_symlink() or (partial.exists() and any(partial.iterdir())):
+            raise FileExistsError(  # the finished run deletes it: it must be this tool's
+                f"{partial} exists but holds no run of lite auto_awq (no state.json); move it "
+                "away, or choose another --work-dir"
+            )
         partial.mkdir(parents=True, exist_ok=True)
         (partial / "layers").mkdir(exist_ok=True)
         state = cls(partial, fingerprint, utc_now())
@@ -634,20 +640,39 @@ def auto_awq(
     cfg = dataclasses.replace(cfg, dtype=storage_dtype(cfg.dtype, ckpt))
     tokenizer = AutoTokenizer.from_pretrained(source.path)
     calib = _calibration(cfg, tokenizer)
-    state = RunState.open(
-        work_dir.with_name(work_dir.name + ".partial"), fingerprint(source, cfg, calib)
-    )
-    bar_label = f"{cfg.method} {Path(model).name} on {device_label(device)}"
-    reset_peak(device)
-    quantize_layers(
-        state, ckpt, config, calib, cfg, device, compute.calib_batch_size, bar_label, progress
-    )
-    staging = state.dir / "artifact"
-    _assemble(staging, state, source, ckpt, config, tokenizer, cfg, calib, command)
-    publish(staging, work_dir, overwrite)
-    shutil.rmtree(state.dir)
+    with _only_run_on(work_dir):
+        state = RunState.open(
+            work_dir.with_name(work_dir.name + ".partial"), fingerprint(source, cfg, calib)
+        )
+        bar_label = f"{cfg.method} {Path(model).name} on {device_label(device)}"
+        reset_peak(device)
+        quantize_layers(
+            state, ckpt, config, calib, cfg, device, compute.calib_batch_size, bar_label, progress
+        )
+        staging = state.dir / "artifact"
+        _assemble(staging, state, source, ckpt, config, tokenizer, cfg, calib, command)
+        publish(staging, work_dir, overwrite)
+        shutil.rmtree(state.dir)
     print(_summary(work_dir, time.perf_counter() - started, device), file=sys.stderr)
     return work_dir
+
+
+@contextlib.contextmanager
+def _only_run_on(work_dir: Path) -> Iterator[None]:
+    """Hold the work directory's lock for the run: a second run on it would calibrate the same
+    layers again and then fail on the files the first one moved or deleted."""
+    lock = FileLock(work_dir.with_name(f".{work_dir.name}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout as e:
+        raise FileExistsError(
+            f"another lite auto_awq is writing {work_dir} (it holds {lock.lock_file}); wait "
+            "for it to finish, or choose another --work-dir"
+        ) from e
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _summary(work_dir: Path, seconds: float, device: torch.device) -> str:

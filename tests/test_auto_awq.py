@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from filelock import FileLock
 from safetensors.torch import load_file, save_file
 
 from lite import compute
@@ -299,15 +300,41 @@ def test_existing_work_dir_needs_overwrite(tiny_models: dict[str, Path], tmp_pat
     (mine / "sub").mkdir(parents=True)
     (mine / "sub" / "notes.txt").write_text("precious")
     (tmp_path / "a-file").write_text("also precious")
+    web = tmp_path / "web"  # a web app's manifest.json is not an artifact's
+    web.mkdir()
+    (web / "manifest.json").write_text('{"name": "my-pwa"}')
+    (art / "NOTES.md").write_text("mine too")  # a note the user keeps beside an artifact
+    (tmp_path / "art.old").mkdir()  # a name the replacement once used for the old artifact
+    (tmp_path / "art.old" / "kept.txt").write_text("kept")
     for target, why in (
         (mine, "holds files but no manifest.json"),
         (tmp_path / "a-file", "not a directory"),
+        (web, "holds a manifest.json that is not a liteserve artifact's"),
+        (art, "holds files its manifest does not list (NOTES.md)"),
     ):
         code, out = lite(*args[:3], str(target), *args[4:], "--overwrite")
         assert code != 0 and why in out and "Traceback" not in out, out
     assert (mine / "sub" / "notes.txt").read_text() == "precious"
     assert (tmp_path / "a-file").read_text() == "also precious"
-    assert not list(tmp_path.glob("*.partial")) and not list(tmp_path.glob("*.old"))
+    assert (web / "manifest.json").is_file() and (art / "NOTES.md").is_file()
+    assert not list(tmp_path.glob("*.partial"))
+    (art / "NOTES.md").unlink()
+    assert lite(*args, "--overwrite")[0] == 0
+    assert (tmp_path / "art.old" / "kept.txt").read_text() == "kept"
+    assert not list(tmp_path.glob(".art.old-*"))  # the replaced artifact is gone
+
+    # WORK_DIR.partial is deleted when the run ends: it must be a run's, not the user's
+    (tmp_path / "pp.partial").mkdir()
+    (tmp_path / "pp.partial" / "user.txt").write_text("precious")
+    code, out = lite(*args[:3], str(tmp_path / "pp"), *args[4:])
+    assert code != 0 and "pp.partial exists but holds no run of lite auto_awq" in out, out
+    assert (tmp_path / "pp.partial" / "user.txt").read_text() == "precious"
+
+    # two runs on one work dir: the second is refused while the first holds it
+    with FileLock(tmp_path / ".busy.lock"):
+        code, out = lite(*args[:3], str(tmp_path / "busy"), *args[4:])
+    assert code != 0 and f"another lite auto_awq is writing {tmp_path / 'busy'}" in out, out
+    assert not (tmp_path / "busy").exists() and not (tmp_path / "busy.partial").exists()
     (tmp_path / "empty").mkdir()
     assert lite(*args[:3], str(tmp_path / "empty"), *args[4:], "--overwrite")[0] == 0
 

@@ -321,11 +321,17 @@ def test_export_then_convert_round_trips(fmt, gs32_artifact: Path, tmp_path: Pat
     # --overwrite replaces an export; it never deletes a directory that is not one
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("precious")
-    for out in (tmp_path / "hf", tmp_path / "mine"):
+    (tmp_path / "model").mkdir()  # a plain model (the user's source, say) is not an export
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    outputs = []
+    for out in (tmp_path / "hf", tmp_path / "mine", tmp_path / "model"):
         args = ["export", str(gs32_artifact), "--format", fmt, "--output", str(out), "--overwrite"]
         result = CliRunner().invoke(lite_main, args)
         assert (result.exit_code == 0) == (out.name == "hf"), result.output
-    assert "holds files but no config.json" in result.output
+        outputs.append(result.output)
+    assert "holds files but no config.json" in outputs[1]
+    assert "holds a config.json without quantization_config" in outputs[2]
+    assert (tmp_path / "model" / "config.json").is_file()
     assert (tmp_path / "mine" / "notes.txt").read_text() == "precious"
 
 

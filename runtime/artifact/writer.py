@@ -16,6 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from runtime.artifact.manifest import (
+    FORMAT,
     MANIFEST_FILE,
     MODEL_CARD_FILE,
     FileEntry,
@@ -236,8 +237,9 @@ def write_manifest(out_dir: Path, manifest: Manifest) -> None:
 
 def check_replaceable(target: Path, overwrite: bool, marker: str = MANIFEST_FILE) -> None:
     """Whether ``target`` may be written: absent, or, with --overwrite, what this tool writes
-    there (a directory holding ``marker``) or an empty directory. --overwrite deletes the old
-    target, so it never takes anything else: not a file, not a directory of the user's."""
+    there (a directory holding ``marker``, an artifact's manifest or an export's config) or an
+    empty directory. --overwrite deletes the old target, so it never takes anything else: not
+    a file, not a directory of the user's, not files the user added to an artifact."""
     if not target.name:
         raise ValueError(f"{str(target)!r} names no directory of its own: name the output's")
     if not (target.exists() or target.is_symlink()):
@@ -246,11 +248,36 @@ def check_replaceable(target: Path, overwrite: bool, marker: str = MANIFEST_FILE
         raise FileExistsError(f"{target} already exists; pass --overwrite to replace it")
     if target.is_symlink() or not target.is_dir():
         raise FileExistsError(f"{target} is not a directory, so --overwrite will not delete it")
-    if not (target / marker).is_file() and any(target.iterdir()):
+    why = _not_written_here(target, marker)
+    if why:
         raise FileExistsError(
-            f"{target} holds files but no {marker}: it is not one this tool wrote, so "
-            "--overwrite will not delete it; choose another output, or remove it yourself"
+            f"{target} {why}: it is not only what this tool wrote, so --overwrite will not "
+            "delete it; choose another output, or remove it yourself"
         )
+
+
+def _not_written_here(target: Path, marker: str) -> str | None:
+    """Why ``target`` is more than an output of this tool, or None. A file merely named like
+    the marker is not enough: a web app has a manifest.json, a plain model a config.json."""
+    entries = sorted(p.name for p in target.iterdir())
+    if not entries:
+        return None
+    if not (target / marker).is_file():
+        return f"holds files but no {marker}"
+    try:
+        data = json.loads((target / marker).read_text())
+    except (OSError, ValueError):
+        return f"holds a {marker} that is not JSON"
+    if not isinstance(data, dict):
+        return f"holds a {marker} of another kind"
+    if marker != MANIFEST_FILE:  # an export: transformers' layout, no list of its files
+        has = "quantization_config" in data
+        return None if has else f"holds a {marker} without quantization_config (not an export)"
+    if data.get("format") != FORMAT:
+        return f"holds a {marker} that is not a liteserve artifact's"
+    listed = {*(data.get("files") or {}), MANIFEST_FILE, MODEL_CARD_FILE}
+    extra = [e for e in entries if e not in listed]
+    return f"holds files its manifest does not list ({', '.join(extra[:5])})" if extra else None
 
 
 def publish(staging: Path, target: Path, overwrite: bool, marker: str = MANIFEST_FILE) -> None:
@@ -259,9 +286,8 @@ def publish(staging: Path, target: Path, overwrite: bool, marker: str = MANIFEST
     tempfile.mkdtemp's 0700 would keep out a server running under another user."""
     os.chmod(staging, mkdir_mode(staging.parent))
     check_replaceable(target, overwrite, marker)
-    if target.exists():
-        trash = target.with_name(target.name + ".old")
-        shutil.rmtree(trash, ignore_errors=True)
+    if target.exists():  # out of the way under a name no one else uses, then deleted
+        trash = target.with_name(f".{target.name}.old-{os.getpid()}-{os.urandom(4).hex()}")
         os.replace(target, trash)
         os.replace(staging, target)
         shutil.rmtree(trash)
