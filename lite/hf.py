@@ -17,6 +17,7 @@ from runtime.artifact.hf_config import as_list as _as_list
 from runtime.artifact.layout import dequantize
 from runtime.artifact.manifest import Architecture, Manifest
 from runtime.artifact.reader import Artifact
+from runtime.model.rotary import SUPPORTED_SCALING
 
 # a config without one of these gets transformers' defaults (a 7B shape for llama): a plan or a
 # run of a model nobody asked for
@@ -34,7 +35,35 @@ def load_config(path: Path) -> PretrainedConfig:
     _check_heads(path, raw)
     config = AutoConfig.from_pretrained(path)
     config._attn_implementation = "sdpa"
+    _check_runnable(path, config)
     return config
+
+
+def _check_runnable(path: Path, config: PretrainedConfig) -> None:
+    """What the runtime cannot run, refused before hours of calibration rather than when the
+    artifact is served (or, for a window on some layers only, never: it ran as another
+    model)."""
+    kind = (_rope(config)[1] or {}).get("rope_type", "default")
+    if kind not in SUPPORTED_SCALING:
+        raise ValueError(
+            f"{path}/config.json: rope scaling {kind!r} is not supported by the runtime "
+            f"(supported: {', '.join(SUPPORTED_SCALING)}); quantize the model without it"
+        )
+    types = set(getattr(config, "layer_types", None) or ())
+    if len(types) > 1:
+        raise ValueError(
+            f"{path}/config.json: layers of different attention types ({', '.join(sorted(types))}"
+            ", e.g. a sliding window below max_window_layers only) are not supported: the "
+            "runtime gives every layer the same attention"
+        )
+
+
+def _sliding_window(config: PretrainedConfig) -> int | None:
+    """The window every layer attends within (load_config refused models that mix them)."""
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "layer_types", None):
+        return window if config.layer_types[0] == "sliding_attention" else None
+    return window if getattr(config, "use_sliding_window", True) else None
 
 
 def _check_heads(path: Path, raw: dict) -> None:
@@ -90,9 +119,7 @@ def architecture_from_config(config: PretrainedConfig, tokenizer_eos: int | None
         tie_word_embeddings=bool(config.tie_word_embeddings),
         attention_bias=config.model_type == "qwen2" or bool(getattr(config, "attention_bias", 0)),
         qk_norm=config.model_type == "qwen3",
-        sliding_window=getattr(config, "sliding_window", None)
-        if getattr(config, "use_sliding_window", True)
-        else None,
+        sliding_window=_sliding_window(config),
         bos_token_id=config.bos_token_id,
         eos_token_ids=eos,
         pad_token_id=config.pad_token_id,

@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -698,6 +699,36 @@ def test_the_plan_bounds_what_a_layer_holds_in_llama_3_8b_proportions(
     assert code == 0, out
     held, planned = _measured_and_planned(out)
     assert 0.5 * planned <= held <= planned, out
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        (
+            {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
+            "layers of different attention types (full_attention, sliding_attention",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                                 "original_max_position_embeddings": 512}},
+            "rope scaling 'yarn' is not supported by the runtime (supported: default, linear",
+        ),
+    ],
+    ids=["window-on-some-layers", "yarn"],
+)  # fmt: skip
+def test_models_the_runtime_cannot_run_are_refused_before_calibrating(
+    tiny_models: dict[str, Path], tmp_path: Path, change: dict, why: str
+) -> None:
+    """Qwen2's sliding window below max_window_layers became a window on every layer (another
+    model, KL 0.74 against its source); YaRN was calibrated, then refused when served."""
+    src = Path(shutil.copytree(tiny_models["qwen2"], tmp_path / "src"))
+    config = json.loads((src / "config.json").read_text())
+    config.pop("layer_types")  # as Qwen2.5's own config.json: transformers derives them
+    (src / "config.json").write_text(json.dumps({**config, **change}))
+    for extra in (["--dry-run"], ["--work-dir", str(tmp_path / "art")]):
+        code, out = lite("auto_awq", str(src), *extra, *FAST)
+        assert code != 0 and why in out and "Traceback" not in out, out
+    assert not list(tmp_path.glob("art*"))
 
 
 def test_planned_artifact_size_is_exact(tiny_models: dict[str, Path], rtn_artifact: Path) -> None:
