@@ -75,7 +75,7 @@ from lite.plan import (
     too_large,
 )
 from lite.quantizer import QuantizedWeight, QuantSpec, num_groups, quantize
-from lite.sources import Checkpoint, ModelSource, resolve, resolve_plan
+from lite.sources import Checkpoint, ModelSource, SourceError, resolve, resolve_plan
 from runtime import __version__
 from runtime.artifact import layout
 from runtime.artifact.convert import DTYPES, STORED_16BIT
@@ -567,6 +567,36 @@ def build_layers(config) -> tuple[torch.nn.ModuleList, torch.nn.Module]:
     return model.model.layers, rotary
 
 
+def check_weights(ckpt: Checkpoint, config) -> None:
+    """Every tensor the run reads, by name and shape, from the shards' headers: one missing
+    from a shard or unlike config.json was found at its layer (after the layers before it, or
+    after all of them for the final norm), and fixing the source then changes its hash, so the
+    finished layers could not be resumed."""
+    want = {
+        f"model.layers.{i}.{name}": tuple(t.shape)
+        for i, layer in enumerate(build_layers(config)[0])
+        for name, t in layer.state_dict().items()
+    }
+    rows = (config.vocab_size, config.hidden_size)
+    want |= {"model.embed_tokens.weight": rows, "model.norm.weight": (config.hidden_size,)}
+    if not config.tie_word_embeddings:
+        want["lm_head.weight"] = rows
+    missing = [name for name in want if name not in ckpt]
+    if missing:
+        raise SourceError(
+            f"{ckpt.path}: {len(missing)} weight(s) that config.json calls for are not in the "
+            f"checkpoint ({', '.join(missing[:3])}); the shards are incomplete or belong to "
+            "another model"
+        )
+    wrong = [(n, ckpt.shape(n), shape) for n, shape in want.items() if ckpt.shape(n) != shape]
+    if wrong:
+        name, got, shape = wrong[0]
+        raise SourceError(
+            f"{ckpt.path}: {name} is {list(got)} in the checkpoint, config.json says "
+            f"{list(shape)} ({len(wrong)} weight(s) differ); use the model's own config.json"
+        )
+
+
 def load_layer(
     layer: torch.nn.Module, ckpt: Checkpoint, prefix: str, device: torch.device | str = "cpu"
 ) -> None:
@@ -637,6 +667,7 @@ def auto_awq(
     source = resolve(model)
     config = load_config(source.path)
     ckpt = Checkpoint(source.path)
+    check_weights(ckpt, config)
     cfg = dataclasses.replace(cfg, dtype=storage_dtype(cfg.dtype, ckpt))
     tokenizer = AutoTokenizer.from_pretrained(source.path)
     calib = _calibration(cfg, tokenizer)
@@ -870,6 +901,7 @@ def time_layer(
     from transformers import AutoTokenizer
 
     ckpt = Checkpoint(source.path)
+    check_weights(ckpt, config)
     cfg = dataclasses.replace(cfg, dtype=storage_dtype(cfg.dtype, ckpt))
     calib = _calibration(cfg, AutoTokenizer.from_pretrained(source.path))
     layers, rotary = build_layers(config)

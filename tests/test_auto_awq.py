@@ -731,6 +731,41 @@ def test_models_the_runtime_cannot_run_are_refused_before_calibrating(
     assert not list(tmp_path.glob("art*"))
 
 
+def test_weights_unlike_the_config_are_refused_before_layer_0(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Checked from the shards' headers before calibrating: a tensor missing from a shard was
+    found when its layer came (the final norm after every layer), a config.json unlike the
+    weights gave load_state_dict's traceback, and a vocab_size unlike the embedding an
+    artifact that verified."""
+    from safetensors.torch import load_file, save_file
+
+    def source(name: str, config_change: dict, drop: str | None = None) -> Path:
+        src = Path(shutil.copytree(tiny_models["llama"], tmp_path / name))
+        config = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**config, **config_change}))
+        if drop:
+            tensors = load_file(src / "model.safetensors")
+            del tensors[drop]
+            save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+        return src
+
+    config = json.loads((tiny_models["llama"] / "config.json").read_text())
+    cases = [
+        (source("nonorm", {}, "model.norm.weight"), "1 weight(s) that config.json calls for"),
+        (
+            source("inter", {"intermediate_size": 2 * config["intermediate_size"]}),
+            "model.layers.0.mlp.gate_proj.weight is [",
+        ),
+        (source("vocab", {"vocab_size": config["vocab_size"] + 8}), "model.embed_tokens.weight"),
+    ]
+    for src, why in cases:
+        for extra in (["--dry-run"], ["--work-dir", str(tmp_path / "art")]):
+            code, out = lite("auto_awq", str(src), *extra, *FAST)
+            assert code != 0 and why in out and "Traceback" not in out, out
+    assert not list(tmp_path.glob("art*"))
+
+
 def test_planned_artifact_size_is_exact(tiny_models: dict[str, Path], rtn_artifact: Path) -> None:
     """The plan's artifact size against the tensors of a real artifact of the same model."""
     from lite.hf import load_config
