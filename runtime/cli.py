@@ -12,6 +12,7 @@ from pathlib import Path
 
 import click
 
+from runtime.artifact.manifest import DEFAULT_BLOCK_SEQ_LEN
 from runtime.artifact.reader import Artifact, ArtifactError
 from runtime.distributed.group import RankFailure
 from runtime.server.cluster import replica_options
@@ -31,7 +32,8 @@ _UNITS = {
 
 
 def parse_bytes(text: str) -> int:
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    # one decimal point at most, and a digit ("1.2.3GiB" and "." failed in float())
+    m = re.fullmatch(r"\s*([0-9]+\.?[0-9]*|\.[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
         raise click.BadParameter(f"{text!r} is not a size; write e.g. 24GiB, 512MB or 1000000")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
@@ -286,8 +288,13 @@ def _fit_history(pipe, history: list[dict], max_new_tokens: int) -> int:
 @main.command("plan")
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--memory", required=True, help="Memory for the server, e.g. 24GiB.")
-@click.option("--avg-len", default=4000, show_default=True, help="Average tokens per sequence.")
-@click.option("--cache-block-seq-len", default=64, show_default=True)
+@click.option(
+    "--avg-len",
+    type=int,
+    help="Average tokens per sequence (default: 4000, or the model's max_position_embeddings "
+    "if fewer).",
+)
+@click.option("--cache-block-seq-len", default=DEFAULT_BLOCK_SEQ_LEN, show_default=True)
 @click.option(
     "--tp",
     type=click.IntRange(min=1),
@@ -295,16 +302,20 @@ def _fit_history(pipe, history: list[dict], max_new_tokens: int) -> int:
     show_default=True,
     help="Tensor-parallel ranks: --memory is then each rank's (each GPU's).",
 )
-def plan_cmd(artifact: Path, memory: str, avg_len: int, cache_block_seq_len: int, tp: int) -> None:
+def plan_cmd(
+    artifact: Path, memory: str, avg_len: int | None, cache_block_seq_len: int, tp: int
+) -> None:
     """How many tokens and sequences fit, for each KV policy, side by side."""
-    from runtime.plan import plan, render
+    from runtime.plan import default_avg_len, plan, render
 
+    size = parse_bytes(memory)
     try:
         art = Artifact(artifact, checksums=False)
-        rows = plan(art, parse_bytes(memory), avg_len, cache_block_seq_len, tp)
+        avg_len = default_avg_len(art) if avg_len is None else avg_len
+        rows = plan(art, size, avg_len, cache_block_seq_len, tp)
     except (ArtifactError, ValueError) as e:
         raise click.ClickException(str(e)) from e
-    click.echo(render(rows, art, parse_bytes(memory), avg_len, tp))
+    click.echo(render(rows, art, size, avg_len, tp))
 
 
 @main.command("serve")

@@ -9,7 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from runtime.artifact.manifest import BLOCK_MULTIPLE, MIN_PREFILL_TOKENS, MIN_SESSION_LEN
+import torch
+
+from runtime.artifact.manifest import (
+    BLOCK_MULTIPLE,
+    DEFAULT_BLOCK_SEQ_LEN,
+    MIN_PREFILL_TOKENS,
+    MIN_SESSION_LEN,
+)
 from runtime.kernels.ops import BACKENDS
 from runtime.kv.format import KV_QUANT
 
@@ -30,13 +37,21 @@ class EngineConfig:
     # None: the artifact's launch config; auto: cuda where its library runs, triton, then cpu
     backend: str | None = None
     dtype: str = "auto"  # activation dtype; auto = the fastest measured for the backend
-    device: str = "auto"  # auto, cpu, cuda or cuda:N; auto = the backend's (the current GPU)
+    # auto, cpu, cuda or cuda:N; auto = the backend's (the current GPU); a torch.device is
+    # taken as its string
+    device: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs: every decode step runs eagerly
     # Queue step N+1 before reading step N's ids (runtime.engine.overlap); None: on a GPU.
     overlap_schedule: bool | None = None
     verify_checksums: bool = True
     tp: int = 1  # tensor-parallel ranks, one process each (1: this process alone, no collectives)
     tp_timeout: float = 60.0  # seconds a rank waits in a collective before the engine fails
+
+    def __post_init__(self) -> None:
+        """torch.device("cpu") is how Python callers name a device: as its string it is one of
+        the names the engine takes (it failed in validate() with an AttributeError)."""
+        if isinstance(self.device, torch.device):
+            object.__setattr__(self, "device", str(self.device))
 
     def validate(self) -> None:
         def bad(name: str, value: Any, allowed: str) -> ValueError:
@@ -46,6 +61,14 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                 raise bad(name, value, "an integer")
+        for name in _NUMBER_FIELDS:  # a string failed in the range check as a bare TypeError
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise bad(name, value, "a number")
+        for name in _BOOL_FIELDS:  # "no" is truthy: it turned overlap_schedule on
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (name in _OPTIONAL and value is None):
+                raise bad(name, value, "True, False or None" if name in _OPTIONAL else "a bool")
         if self.kv_quant is not None and self.kv_quant not in KV_QUANT:
             raise bad("kv_quant", self.kv_quant, " or ".join(KV_QUANT))
         if self.backend is not None and self.backend not in BACKENDS:
@@ -59,6 +82,7 @@ class EngineConfig:
         block = self.cache_block_seq_len
         if block is not None and (block < 1 or block % BLOCK_MULTIPLE):
             raise bad("cache_block_seq_len", block, f"a positive multiple of {BLOCK_MULTIPLE}")
+        self._check_block_within_session()
         if not 0 < self.cache_max_entry_count <= 1:
             raise bad("cache_max_entry_count", self.cache_max_entry_count, "a fraction in (0, 1]")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -77,6 +101,21 @@ class EngineConfig:
         prefill = self.max_prefill_token_num
         if prefill is not None and prefill < MIN_PREFILL_TOKENS:
             raise bad("max_prefill_token_num", prefill, f"an integer >= {MIN_PREFILL_TOKENS}")
+
+    def _check_block_within_session(self) -> None:
+        """A block never holds tokens of two sessions, so a block longer than one session is
+        memory no sequence can use: --cache-block-seq-len 1048576 took 13 GB for a 4096-token
+        session. The limit is the session rounded up to a legal block length, and never below
+        the default block, so short sessions keep it (the evaluators' windows do)."""
+        block, session = self.cache_block_seq_len, self.session_len
+        if block is None or session is None:
+            return  # checked again once the launch config fills them in
+        limit = max(-(-session // BLOCK_MULTIPLE) * BLOCK_MULTIPLE, DEFAULT_BLOCK_SEQ_LEN)
+        if block > limit:
+            raise ValueError(
+                f"cache_block_seq_len={block} is larger than session_len={session}: a block "
+                f"never holds more than one session; choose at most {limit}"
+            )
 
     def with_launch_defaults(self, launch: Any) -> EngineConfig:
         """Fill what the user left unset from the artifact's pinned launch config (the
@@ -99,9 +138,14 @@ _INT_FIELDS = (
     "max_prefill_token_num",
     "tp",
 )
+_NUMBER_FIELDS = ("cache_max_entry_count", "tp_timeout")
+_BOOL_FIELDS = ("enable_prefix_caching", "enforce_eager", "overlap_schedule", "verify_checksums")
+_OPTIONAL = ("overlap_schedule",)  # None: decided by the device
 
 
-def _device_ok(device: str) -> bool:
+def _device_ok(device: Any) -> bool:
+    if not isinstance(device, str):
+        return False
     if device in ("auto", "cpu", "cuda"):
         return True
     kind, _, index = device.partition(":")

@@ -15,6 +15,8 @@ from runtime.artifact.reader import Artifact
 from runtime.distributed.shard import plan_shards
 from runtime.kv.format import KV_QUANT, KVSpec
 
+DEFAULT_AVG_LEN = 4000
+
 
 @dataclass(frozen=True)
 class PlanRow:
@@ -47,11 +49,23 @@ def ranks(art: Artifact, tp: int) -> list[RankMemory]:
     return [RankMemory(s.rank, s.stored_bytes(art), s.num_kv_heads) for s in shards]
 
 
+def default_avg_len(art: Artifact) -> int:
+    """4000 tokens, or the model's positions if fewer: an explicit --avg-len past them is
+    refused, and a default must not be."""
+    return min(DEFAULT_AVG_LEN, art.manifest.architecture.max_position_embeddings)
+
+
 def plan(art: Artifact, memory: int, avg_len: int, block_size: int, tp: int = 1) -> list[PlanRow]:
     """`memory` is each rank's; the byte columns are the fullest rank's."""
     a = art.manifest.architecture
     if avg_len < 1:
         raise ValueError(f"--avg-len {avg_len}: a sequence holds at least one token")
+    if avg_len > a.max_position_embeddings:
+        raise ValueError(
+            f"--avg-len {avg_len} is over the model's max_position_embeddings "
+            f"({a.max_position_embeddings}), the longest session the engine serves; use "
+            f"--avg-len {a.max_position_embeddings} or less"
+        )
     if block_size < 1 or block_size % BLOCK_MULTIPLE:
         raise ValueError(
             f"--cache-block-seq-len {block_size}: the engine takes a positive multiple of "
@@ -60,8 +74,9 @@ def plan(art: Artifact, memory: int, avg_len: int, block_size: int, tp: int = 1)
     weights = max(r.weights for r in ranks(art, tp))
     if memory <= weights:
         raise ValueError(
-            f"--memory {memory} bytes ({memory / 2**30:.2f} GiB) does not hold the weights "
-            f"({weights / 2**30:.2f} GiB), so no KV cache fits: give a unit, e.g. 24GiB"
+            f"--memory {memory:,} bytes ({memory / 2**30:.2f} GiB) does not hold the weights "
+            f"({weights / 2**30:.2f} GiB), so no KV cache fits: give more, e.g. "
+            f"--memory {weights // 2**30 + 1}GiB"
         )
     rows = []
     for kv in KV_QUANT:

@@ -111,6 +111,29 @@ def test_manifest_that_disagrees_with_its_tensors(copy: Path) -> None:
             Artifact(copy)
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("rms_norm_eps", float("nan")),
+        ("rms_norm_eps", -1e-6),
+        ("rms_norm_eps", float("inf")),
+        ("rope_theta", float("nan")),
+        ("rope_theta", 0.0),
+        ("rope_theta", float("-inf")),
+    ],
+)
+def test_manifest_with_a_meaningless_norm_or_rotary_base(
+    copy: Path, field: str, value: float
+) -> None:
+    """A NaN or negative eps, or a rotary base that is not a positive number, loaded and
+    generated garbage."""
+    m = _manifest(copy)
+    m["architecture"][field] = value
+    (copy / "manifest.json").write_text(json.dumps(m))  # NaN and Infinity, as Python writes them
+    with pytest.raises(ArtifactError, match=f"does not match schema .*architecture.{field}: "):
+        Artifact(copy)
+
+
 def test_foreign_directories(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     with pytest.raises(ArtifactError, match="Hugging Face model directory.*lite auto_awq"):
         Artifact(tiny_models["llama"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -427,3 +428,52 @@ def test_warm_up_prefills_longer_than_a_session_as_several_sequences(
         assert s.logits_indices == [
             sum(s.query_lens[: i + 1]) - 1 for i in range(len(s.query_lens))
         ]
+
+
+def test_engine_config_refuses_wrong_types_and_takes_a_torch_device() -> None:
+    """torch.device("cpu") failed with an AttributeError; overlap_schedule="no" passed and,
+    being truthy, turned overlap on; cache_max_entry_count="0.5" was a bare TypeError."""
+    config = EngineConfig(device=torch.device("cpu"))
+    config.validate()
+    assert config.device == "cpu"
+    for field, value, expected in (
+        ("overlap_schedule", "no", "True, False or None"),
+        ("enable_prefix_caching", 1, "a bool"),
+        ("enforce_eager", None, "a bool"),
+        ("verify_checksums", "false", "a bool"),
+        ("cache_max_entry_count", "0.5", "a number"),
+        ("cache_max_entry_count", True, "a number"),
+        ("tp_timeout", "60", "a number"),
+        ("device", 0, "auto, cpu, cuda or cuda:N"),
+        ("device", torch.device("mps"), "auto, cpu, cuda or cuda:N"),
+    ):
+        with pytest.raises(ValueError, match=f"^{field}=.* is invalid: expected {expected}$"):
+            EngineConfig(**{field: value}).validate()
+
+
+def test_a_block_never_holds_more_than_one_session(rtn_artifact: Path) -> None:
+    """Checked once the launch config fills in the session (4096, capped to the tiny model's
+    1024 positions); a short session may keep the default block of 64."""
+    with pytest.raises(ValueError, match=r"larger than session_len=1024: .*choose at most 1024$"):
+        Engine(rtn_artifact, EngineConfig(cache_block_seq_len=1040, num_blocks=4))
+    with pytest.raises(ValueError, match=r"cache_block_seq_len=128 .* choose at most 112$"):
+        EngineConfig(session_len=100, cache_block_seq_len=128).validate()
+    EngineConfig(session_len=41, cache_block_seq_len=64).validate()  # lite eval's windows
+
+
+def test_an_explicit_pool_must_fit_the_memory_available(
+    rtn_artifact: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """num_blocks past the memory was a traceback from torch's allocator (384 GB tried)."""
+    from runtime.engine import engine as engine_module
+
+    config = _config(session_len=64, num_blocks=11)
+    per_block = 2 * 2 * 16 * 2 * 4 * 16  # layers x kv heads x dims x (K, V) x fp32 x tokens
+    monkeypatch.setattr(engine_module.host_memory, "available_bytes", lambda: 10 * per_block + 1)
+    with pytest.raises(
+        ValueError,
+        match=rf"^num_blocks=11 needs {11 * per_block:,} bytes .* but {10 * per_block + 1:,} "
+        r"bytes .* are available; choose at most num_blocks=10$",
+    ):
+        Engine(rtn_artifact, config)
+    assert Engine(rtn_artifact, replace(config, num_blocks=10)).cache.num_blocks == 10

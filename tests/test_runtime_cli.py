@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -127,15 +128,49 @@ def test_plan_orders_kv_policies(art: Path) -> None:
         (["--memory", "1GiB", "--avg-len", "0"], "--avg-len 0: a sequence holds at least one"),
         (["--memory", "1GiB", "--cache-block-seq-len", "17"], "a positive multiple of 16"),
         (["--memory", "24"], "does not hold the weights"),
+        (["--memory", "100KiB"], "102,400 bytes (0.00 GiB) does not hold the weights"),
+        (
+            ["--memory", "1GiB", "--avg-len", "1025"],
+            "--avg-len 1025 is over the model's max_position_embeddings (1024)",
+        ),
     ],
 )
 def test_plan_refuses_what_it_cannot_plan(art: Path, args: list[str], message: str) -> None:
     r = CliRunner().invoke(main, ["plan", str(art), *args])
+    assert r.exit_code == 1 and message in r.output and "Traceback" not in r.output, r.output
+    assert "give a unit" not in r.output  # said so to --memory 100KiB too
+
+
+def test_plan_defaults_avg_len_to_the_models_positions(art: Path) -> None:
+    """The default 4000 would be refused on a model of 1024 positions: it falls to 1024."""
+    r = CliRunner().invoke(main, ["plan", str(art), "--memory", "1GiB"])
+    assert r.exit_code == 0 and "sequences of 1024 tokens" in r.output, r.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--cache-block-seq-len", "1048576"],
+            "cache_block_seq_len=1048576 is larger than session_len=1024: a block never holds "
+            "more than one session; choose at most 1024",
+        ),
+        (["--num-blocks", "1000000000"], "num_blocks=1000000000 needs "),
+    ],
+)
+def test_generate_refuses_a_pool_the_session_or_memory_cannot_use(
+    art: Path, args: list[str], message: str
+) -> None:
+    """A block longer than the session allocated it whole (13 GB for a 4096-token session);
+    a pool larger than memory ended in a traceback from torch's allocator."""
+    r = CliRunner().invoke(main, ["generate", str(art), "--prompt", "x", *args])
     assert r.exit_code == 1 and message in r.output and "Traceback" not in r.output, r.output
 
 
 def test_parse_bytes() -> None:
     assert parse_bytes("24GiB") == 24 * 2**30
     assert parse_bytes("1.5 GB") == 1_500_000_000
-    with pytest.raises(Exception, match="not a size"):
-        parse_bytes("lots")
+    assert parse_bytes(".5KiB") == 512 and parse_bytes("2.GB") == 2 * 10**9
+    for text in ("lots", "1.2.3GiB", ".", "", "1e3"):  # "1.2.3GiB" and "." failed in float()
+        with pytest.raises(click.BadParameter, match="not a size"):
+            parse_bytes(text)

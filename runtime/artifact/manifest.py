@@ -56,8 +56,10 @@ class Architecture(_Strict):
     num_kv_heads: int
     head_dim: int
     hidden_act: str = "silu"
-    rms_norm_eps: float
-    rope_theta: float
+    # finite and positive: a NaN or negative eps, or a rotary base <= 0, loaded and generated
+    # garbage
+    rms_norm_eps: float = Field(gt=0, allow_inf_nan=False)
+    rope_theta: float = Field(gt=0, allow_inf_nan=False)
     rope_scaling: dict[str, float | int | str] | None = None  # e.g. Llama-3 "llama3" scaling
     max_position_embeddings: int
     tie_word_embeddings: bool
@@ -118,6 +120,7 @@ class FileEntry(_Strict):
 # Bounds of the serving settings, shared with EngineConfig.validate (the flags that override them)
 MIN_SESSION_LEN = 2
 BLOCK_MULTIPLE = 16  # KV block lengths: the kernels' token tiles
+DEFAULT_BLOCK_SEQ_LEN = 64
 MIN_PREFILL_TOKENS = 16
 
 
@@ -127,7 +130,9 @@ class LaunchConfig(_Strict):
 
     session_len: int = Field(4096, ge=MIN_SESSION_LEN)
     kv_quant: Literal["none", "int8", "int4"] = "int8"
-    cache_block_seq_len: int = Field(64, ge=BLOCK_MULTIPLE, multiple_of=BLOCK_MULTIPLE)
+    cache_block_seq_len: int = Field(
+        DEFAULT_BLOCK_SEQ_LEN, ge=BLOCK_MULTIPLE, multiple_of=BLOCK_MULTIPLE
+    )
     max_batch_size: int = Field(64, ge=1)
     max_prefill_tokens: int = Field(4096, ge=MIN_PREFILL_TOKENS)
     backend: Literal["auto", "cpu", "triton", "cuda"] = "auto"

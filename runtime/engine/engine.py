@@ -126,24 +126,45 @@ def load_rank(
         dtype=dtype,
     )
     spec.validate()
-    num_blocks = config.num_blocks or _blocks_from_memory(spec, config, ops.device)
+    num_blocks = _blocks_from_memory(spec, config, ops.device)
     if group is not None:  # every rank's pool holds the blocks rank 0's block manager hands out
         num_blocks = group.min(num_blocks)
     return Rank(ops, dtype, model, spec, KVCache(spec, num_blocks, ops.device))
 
 
 def _blocks_from_memory(spec: KVSpec, config: EngineConfig, device: torch.device) -> int:
-    """cache_max_entry_count of the memory free now, but never more than a full batch of
-    full sessions could use, nor less than one session. Tensor-parallel ranks on the CPU
-    share the host's memory: each takes its share."""
-    if device.type == "cuda":
-        available = torch.cuda.mem_get_info(device)[0]
-    else:
-        available = host_memory.available_bytes() // config.tp
+    """The pool's blocks: num_blocks as given, once the memory free now is known to hold it
+    (else torch's allocator failed with a traceback); unset, cache_max_entry_count of that
+    memory, but never more than a full batch of full sessions could use, nor less than one
+    session."""
+    available = _available_bytes(config, device)
+    if config.num_blocks is not None:
+        return _fitting(spec, config.num_blocks, available)
     free = available * config.cache_max_entry_count
     per_session = -(-config.session_len // spec.block_size)
     useful = per_session * config.max_batch_size
     return max(min(KVCache.num_blocks_for(spec, int(free)), useful), per_session)
+
+
+def _available_bytes(config: EngineConfig, device: torch.device) -> int:
+    """Memory a new pool can have: the GPU's free memory, or the host's available memory, of
+    which tensor-parallel ranks on the CPU (sharing the host) each take their share."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return host_memory.available_bytes() // config.tp
+
+
+def _fitting(spec: KVSpec, num_blocks: int, available: int) -> int:
+    """num_blocks, if its pool fits in `available` bytes."""
+    need = num_blocks * spec.bytes_per_block()
+    if need <= available:
+        return num_blocks
+    fits = KVCache.num_blocks_for(spec, available)
+    fix = f"choose at most num_blocks={fits}" if fits else "free memory first"
+    raise ValueError(
+        f"num_blocks={num_blocks} needs {need:,} bytes ({need / 2**30:.2f} GiB) of KV pool but "
+        f"{available:,} bytes ({available / 2**30:.2f} GiB) are available; {fix}"
+    )
 
 
 class ContextLengthError(ValueError):
