@@ -517,7 +517,22 @@ def pack_layer(
     for pname, p in layer.named_parameters():
         if pname.rsplit(".", 1)[0] not in linears:
             tensors[prefix + pname] = p.data.to(dtype)
-    return {name: t.cpu() for name, t in tensors.items()}
+    return {name: t.cpu() for name, t in stored_finite(tensors).items()}
+
+
+def stored_finite(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors`, once none holds an inf that its 16-bit storage made: values past float16's
+    65504 (in an fp32 or bf16 source, or in a group's scale) were written as inf, and the
+    artifact verified."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            fix = (
+                "its weights' range per group is beyond the fp16 group scales"
+                if name.endswith(".qparams")
+                else "store it with --dtype bfloat16"
+            )
+            raise ValueError(f"{name} does not fit its 16-bit storage (inf or NaN): {fix}")
+    return tensors
 
 
 def _gptq_rounded(
@@ -972,7 +987,7 @@ def _globals(ckpt: Checkpoint, tied: bool, dtype: torch.dtype) -> dict[str, torc
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not tied:
         names.append("lm_head.weight")
-    return {n: ckpt.get(n).to(dtype) for n in names}
+    return stored_finite({n: ckpt.get(n).to(dtype) for n in names})
 
 
 def _assemble(

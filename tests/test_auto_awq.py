@@ -766,6 +766,26 @@ def test_weights_unlike_the_config_are_refused_before_layer_0(
     assert not list(tmp_path.glob("art*"))
 
 
+def test_values_past_float16_are_refused_not_stored_as_inf(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """A final norm weight of 1e6 (fine in bf16 or fp32) became inf in an fp16 artifact that
+    verified; the run now says which tensor and how to store it."""
+    from safetensors.torch import load_file, save_file
+
+    src = Path(shutil.copytree(tiny_models["llama"], tmp_path / "src"))
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.norm.weight"][3] = 1e6
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    args = ["auto_awq", str(src), "--work-dir", str(tmp_path / "art"), *FAST]
+    code, out = lite(*args, "--dtype", "float16")
+    assert code != 0 and "Traceback" not in out, out
+    assert "model.norm.weight does not fit its 16-bit storage" in out, out
+    assert "--dtype bfloat16" in out and not (tmp_path / "art").exists()
+    shutil.rmtree(tmp_path / "art.partial")
+    assert lite(*args, "--dtype", "bfloat16")[0] == 0
+
+
 def test_planned_artifact_size_is_exact(tiny_models: dict[str, Path], rtn_artifact: Path) -> None:
     """The plan's artifact size against the tensors of a real artifact of the same model."""
     from lite.hf import load_config
