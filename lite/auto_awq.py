@@ -59,7 +59,7 @@ from lite.data import CalibrationSet, build_calibration
 from lite.families import LAYER_GROUPS, NO_CLIP, ScaleGroup
 from lite.gptq import DAMP as GPTQ_DAMP
 from lite.gptq import gptq_quantize
-from lite.hf import architecture_from_config, load_config
+from lite.hf import architecture_from_config, load_config, sliding_window
 from lite.model_card import write_model_card
 from lite.plan import (
     LayerMemory,
@@ -99,6 +99,8 @@ from runtime.artifact.writer import (
     write_manifest,
     write_shards,
 )
+
+WINDOW_ATTR = "calibration_window"  # set on the decoder layers by build_layers
 
 
 class AwqFallbackWarning(UserWarning):
@@ -273,8 +275,21 @@ def check_writable(work_dir: Path, overwrite: bool) -> None:
 
 
 def _layer_call(layer: torch.nn.Module, h: torch.Tensor, pos: tuple) -> torch.Tensor:
-    out = layer(h, attention_mask=None, position_embeddings=pos)
+    out = layer(h, attention_mask=_window_mask(layer, h), position_embeddings=pos)
     return out[0] if isinstance(out, tuple) else out
+
+
+def _window_mask(layer: torch.nn.Module, h: torch.Tensor) -> torch.Tensor | None:
+    """Causal attention within the model's sliding window, as transformers' model builds it
+    for its layers: a layer called alone gets the plain causal default (None), which attends
+    past the window once the calibration blocks are longer than it."""
+    window, n = getattr(layer, WINDOW_ATTR, None), h.shape[1]
+    if window is None or n <= window:
+        return None
+    i = torch.arange(n, device=h.device)
+    allowed = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
+    mask = torch.zeros(n, n, dtype=h.dtype, device=h.device)
+    return mask.masked_fill(~allowed, torch.finfo(h.dtype).min)[None, None]
 
 
 def layer_device(layer: torch.nn.Module) -> torch.device:
@@ -579,6 +594,8 @@ def build_layers(config) -> tuple[torch.nn.ModuleList, torch.nn.Module]:
     """Decoder layer skeletons on the meta device (no memory) and the rotary embedding."""
     model = skeleton(config)
     rotary = type(model.model.rotary_emb)(config=config)
+    for layer in model.model.layers:
+        setattr(layer, WINDOW_ATTR, sliding_window(config))
     return model.model.layers, rotary
 
 

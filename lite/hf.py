@@ -58,7 +58,7 @@ def _check_runnable(path: Path, config: PretrainedConfig) -> None:
         )
 
 
-def _sliding_window(config: PretrainedConfig) -> int | None:
+def sliding_window(config: PretrainedConfig) -> int | None:
     """The window every layer attends within (load_config refused models that mix them)."""
     window = getattr(config, "sliding_window", None)
     if getattr(config, "layer_types", None):
@@ -119,7 +119,7 @@ def architecture_from_config(config: PretrainedConfig, tokenizer_eos: int | None
         tie_word_embeddings=bool(config.tie_word_embeddings),
         attention_bias=config.model_type == "qwen2" or bool(getattr(config, "attention_bias", 0)),
         qk_norm=config.model_type == "qwen3",
-        sliding_window=_sliding_window(config),
+        sliding_window=sliding_window(config),
         bos_token_id=config.bos_token_id,
         eos_token_ids=eos,
         pad_token_id=config.pad_token_id,

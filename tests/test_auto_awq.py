@@ -966,3 +966,29 @@ def test_expandable_segments_unless_the_user_configured_the_allocator(
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert not compute.expandable_segments()
     assert not any(name in os.environ for name in compute.ALLOC_ENV)
+
+
+@pytest.mark.parametrize("window", [16, None])
+def test_calibration_forward_is_the_models_within_a_sliding_window(window: int | None) -> None:
+    """A layer called alone got the plain causal mask and attended past Mistral's window once
+    the calibration blocks were longer than it (layer 0's outputs off by up to 7.35 at 64
+    tokens and a window of 16): its outputs are now transformers' own hidden states."""
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    from lite.auto_awq import build_layers, positions, run_layer
+
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=window,
+    )  # fmt: skip
+    config._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(0, 128, (2, 64))
+    with torch.no_grad():
+        want = model(ids, output_hidden_states=True).hidden_states[1]  # the last is normed
+    layers, rotary = build_layers(config)
+    layers[0].to_empty(device="cpu").load_state_dict(model.model.layers[0].state_dict())
+    x = model.model.embed_tokens(ids).detach()
+    got = run_layer(layers[0], x, positions(rotary, x, torch.device("cpu")))
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
