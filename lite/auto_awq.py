@@ -59,7 +59,7 @@ from lite.data import CalibrationSet, build_calibration
 from lite.families import LAYER_GROUPS, NO_CLIP, ScaleGroup
 from lite.gptq import DAMP as GPTQ_DAMP
 from lite.gptq import gptq_quantize
-from lite.hf import architecture_from_config, load_config, sliding_window
+from lite.hf import architecture_from_config, load_config, load_tokenizer, sliding_window
 from lite.model_card import write_model_card
 from lite.plan import (
     LayerMemory,
@@ -689,7 +689,6 @@ def auto_awq(
     progress: bool = True,
     compute: Compute = Compute(),
 ) -> Path:
-    from transformers import AutoTokenizer
 
     started = time.perf_counter()
     expandable_segments()  # before anything touches CUDA
@@ -701,7 +700,7 @@ def auto_awq(
     ckpt = Checkpoint(source.path)
     check_weights(ckpt, config)
     cfg = dataclasses.replace(cfg, dtype=storage_dtype(cfg.dtype, ckpt))
-    tokenizer = AutoTokenizer.from_pretrained(source.path)
+    tokenizer = load_tokenizer(source.path)
     calib = _calibration(cfg, tokenizer)
     with _only_run_on(work_dir):
         state = RunState.open(
@@ -930,12 +929,11 @@ def time_layer(
 ) -> tuple[float, PeakBytes]:
     """Seconds to load, calibrate and pack layer 0 on the device, as a run would, and the
     peak of its tensors there."""
-    from transformers import AutoTokenizer
 
     ckpt = Checkpoint(source.path)
     check_weights(ckpt, config)
     cfg = dataclasses.replace(cfg, dtype=storage_dtype(cfg.dtype, ckpt))
-    calib = _calibration(cfg, AutoTokenizer.from_pretrained(source.path))
+    calib = _calibration(cfg, load_tokenizer(source.path))
     layers, rotary = build_layers(config)
     x = pos = None
     if calib is not None:

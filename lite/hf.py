@@ -39,6 +39,22 @@ def load_config(path: Path) -> PretrainedConfig:
     return config
 
 
+TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def load_tokenizer(path: Path):
+    """The model's tokenizer. Without its files transformers blames a missing sentencepiece or
+    tiktoken, which is installed; the missing files are the problem."""
+    from transformers import AutoTokenizer
+
+    if not any((path / name).is_file() for name in TOKENIZER_MARKERS):
+        raise ValueError(
+            f"{path} has no tokenizer ({', '.join(TOKENIZER_MARKERS)}): copy the model's "
+            "tokenizer files beside its config.json"
+        )
+    return AutoTokenizer.from_pretrained(path)
+
+
 def _check_runnable(path: Path, config: PretrainedConfig) -> None:
     """What the runtime cannot run, refused before hours of calibration rather than when the
     artifact is served (or, for a window on some layers only, never: it ran as another

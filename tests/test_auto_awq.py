@@ -992,3 +992,12 @@ def test_calibration_forward_is_the_models_within_a_sliding_window(window: int |
     x = model.model.embed_tokens(ids).detach()
     got = run_layer(layers[0], x, positions(rotary, x, torch.device("cpu")))
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def test_a_model_without_tokenizer_files_says_so(tiny_models: dict[str, Path], tmp_path: Path):
+    """transformers' own message blamed sentencepiece and tiktoken, which are installed."""
+    src = Path(shutil.copytree(tiny_models["llama"], tmp_path / "src"))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (src / name).unlink(missing_ok=True)
+    code, out = lite("auto_awq", str(src), "--work-dir", str(tmp_path / "art"), *FAST)
+    assert code != 0 and f"{src} has no tokenizer (tokenizer.json" in out, out
