@@ -822,7 +822,10 @@ def warn_if_short(
     if not short:
         return
     if device.type == "cpu":
-        fix = "run it on a GPU with the room (--device cuda), or with fewer --calib-samples"
+        fix = (
+            f"run it with a smaller {CHUNK_FLAG} or fewer --calib-samples, or on a GPU with "
+            "the room (--device cuda)"
+        )
     else:
         fix = f"run it with a smaller {CHUNK_FLAG}, with --device cpu, or on a freer GPU"
     print(

@@ -235,6 +235,10 @@ def too_large(plan: Plan, available: int) -> str | None:
     it fits)."""
     need = run_need(plan.memory, plan.host_activations, plan.device)
     short = shortfall(need, available, plan.device)
+    one_row = plan.memory.chunk // plan.rows if plan.rows else 0
+    if short and plan.rows > 1 and need - plan.memory.chunk + one_row <= available:
+        rows = max(1, plan.rows * (available - need + plan.memory.chunk) // plan.memory.chunk)
+        return f"{short}: use smaller activation chunks, e.g. --calib-batch-size {rows}"
     fix = "dry-run where the run will go (--device cuda on a GPU with the room)"
     return short and f"{short}: {fix}"
 

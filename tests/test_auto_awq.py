@@ -1001,3 +1001,21 @@ def test_a_model_without_tokenizer_files_says_so(tiny_models: dict[str, Path], t
         (src / name).unlink(missing_ok=True)
     code, out = lite("auto_awq", str(src), "--work-dir", str(tmp_path / "art"), *FAST)
     assert code != 0 and f"{src} has no tokenizer (tokenizer.json" in out, out
+
+
+def test_a_dry_run_that_a_smaller_chunk_would_fit_says_so() -> None:
+    """--calib-batch-size 100000 on an 8B config: the fix is a smaller chunk, which fits,
+    not another device; a layer too large even in chunks of one still says where to go."""
+    from transformers import LlamaConfig
+
+    from lite.plan import make_plan, run_need, too_large
+
+    plan = make_plan(LlamaConfig(**LLAMA3_8B), 128, 128, 512, "cpu", 128, None)
+    need = run_need(plan.memory, plan.host_activations, "cpu")
+    one_row = plan.memory.chunk // plan.rows
+    why = too_large(plan, need - plan.memory.chunk // 2)
+    rows = int(why.rsplit(" ", 1)[1])
+    assert "use smaller activation chunks, e.g. --calib-batch-size" in why and 1 <= rows < 128
+    smaller = make_plan(LlamaConfig(**LLAMA3_8B), 128, 128, 512, "cpu", rows, None)
+    assert too_large(smaller, need - plan.memory.chunk // 2) is None
+    assert "--device cuda" in too_large(plan, need - plan.memory.chunk + one_row - 1)
