@@ -42,7 +42,7 @@ def pick_device(requested: str) -> torch.device:
         device = torch.device(requested)
     except RuntimeError:
         raise ValueError(f"--device {requested!r}: use {DEVICE_CHOICES}") from None
-    if device.type not in ("cpu", "cuda"):
+    if device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index is not None):
         raise ValueError(f"--device {requested!r}: use {DEVICE_CHOICES}")
     return resolve_device(device)
 

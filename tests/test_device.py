@@ -96,3 +96,13 @@ def test_engine_makes_its_device_current_on_the_thread_that_steps_it(
     stepper.start()
     stepper.join()
     assert calls and calls[0] == (engine.ops.device, "stepper")
+
+
+def test_lite_refuses_devices_it_cannot_calibrate_on() -> None:
+    """`cpu:1` was taken silently as the CPU; the others named what torch makes of them."""
+    from lite.compute import pick_device
+
+    assert pick_device("cpu") == torch.device("cpu")
+    for bad in ("cpu:1", "gpu", "mps", "cuda:x"):
+        with pytest.raises(ValueError, match=f"--device '{bad}': use"):
+            pick_device(bad)
