@@ -8,6 +8,7 @@ import errno
 import json
 import shlex
 import sys
+import warnings
 from pathlib import Path
 
 import click
@@ -38,10 +39,24 @@ def _disk_full(e: Exception) -> bool:
     return "No space left on device" in str(e)
 
 
+_SHOW_WARNING = warnings.showwarning
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """This package's warnings as one line, as its errors are: Python's form points at a line
+    of this code, which tells a user nothing. Other libraries' keep Python's form."""
+    if Path(filename).resolve().is_relative_to(PACKAGE_DIR):
+        print(f"warning: {message}", file=file or sys.stderr)
+    else:
+        _SHOW_WARNING(message, category, filename, lineno, file, line)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="liteserve")
 def main() -> None:
     """liteserve's offline side: quantize models into artifacts and measure them."""
+    warnings.showwarning = _show_warning
 
 
 @main.command("auto_awq")

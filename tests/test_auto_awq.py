@@ -1019,3 +1019,14 @@ def test_a_dry_run_that_a_smaller_chunk_would_fit_says_so() -> None:
     smaller = make_plan(LlamaConfig(**LLAMA3_8B), 128, 128, 512, "cpu", rows, None)
     assert too_large(smaller, need - plan.memory.chunk // 2) is None
     assert "--device cuda" in too_large(plan, need - plan.memory.chunk + one_row - 1)
+
+
+def test_the_packages_warnings_are_one_line(tiny_models: dict[str, Path]) -> None:
+    """Python's form ("lite/auto_awq.py:678: UserWarning: ..." and the source line after it)
+    pointed a user at this code; the package's own warnings read as its errors do."""
+    args = ["auto_awq", str(tiny_models["llama"]), "--dry-run", "--calib-samples", "5000"]
+    done = subprocess.run(_cli(*args, "--calib-seqlen", "512"), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    lines = [x for x in done.stderr.splitlines() if "asked for 5000" in x]
+    assert len(lines) == 1 and lines[0].startswith("warning: asked for 5000 calibration"), lines
+    assert "UserWarning" not in done.stderr
