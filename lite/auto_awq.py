@@ -706,6 +706,7 @@ def auto_awq(
         state = RunState.open(
             work_dir.with_name(work_dir.name + ".partial"), fingerprint(source, cfg, calib)
         )
+        resumed_at = state.done + 1  # 0: a fresh run
         bar_label = f"{cfg.method} {Path(model).name} on {device_label(device)}"
         reset_peak(device)
         quantize_layers(
@@ -715,7 +716,10 @@ def auto_awq(
         _assemble(staging, state, source, ckpt, config, tokenizer, cfg, calib, command)
         publish(staging, work_dir, overwrite)
         shutil.rmtree(state.dir)
-    print(_summary(work_dir, time.perf_counter() - started, device), file=sys.stderr)
+    line = _summary(work_dir, time.perf_counter() - started, device)
+    if resumed_at:
+        line += f" (this session, which resumed at layer {resumed_at})"
+    print(line, file=sys.stderr)
     return work_dir
 
 

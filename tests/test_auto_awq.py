@@ -305,6 +305,7 @@ def test_existing_work_dir_needs_overwrite(tiny_models: dict[str, Path], tmp_pat
     web.mkdir()
     (web / "manifest.json").write_text('{"name": "my-pwa"}')
     (art / "NOTES.md").write_text("mine too")  # a note the user keeps beside an artifact
+    (tmp_path / "link").symlink_to(art)
     (tmp_path / "art.old").mkdir()  # a name the replacement once used for the old artifact
     (tmp_path / "art.old" / "kept.txt").write_text("kept")
     for target, why in (
@@ -312,6 +313,7 @@ def test_existing_work_dir_needs_overwrite(tiny_models: dict[str, Path], tmp_pat
         (tmp_path / "a-file", "not a directory"),
         (web, "holds a manifest.json that is not a liteserve artifact's"),
         (art, "holds files its manifest does not list (NOTES.md)"),
+        (tmp_path / "link", "is a symbolic link, so --overwrite will not replace it"),
     ):
         code, out = lite(*args[:3], str(target), *args[4:], "--overwrite")
         assert code != 0 and why in out and "Traceback" not in out, out
@@ -478,6 +480,7 @@ def test_out_of_memory_names_the_flag_and_resumes(
     code, out = lite(*args, "--calib-batch-size", "1", "--work-dir", str(art))
     assert code == 0, out
     assert loaded == ["model.layers.1."]  # resumed: layer 0 came from the partial
+    assert "(this session, which resumed at layer 1)" in out.splitlines()[-1], out
     got, want = Artifact(art), Artifact(ref)
     for name in want.manifest.tensors:
         if name.startswith("model.layers.0."):

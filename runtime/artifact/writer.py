@@ -246,7 +246,12 @@ def check_replaceable(target: Path, overwrite: bool, marker: str = MANIFEST_FILE
         return
     if not overwrite:
         raise FileExistsError(f"{target} already exists; pass --overwrite to replace it")
-    if target.is_symlink() or not target.is_dir():
+    if target.is_symlink():
+        raise FileExistsError(
+            f"{target} is a symbolic link, so --overwrite will not replace it; give the "
+            "directory it points to"
+        )
+    if not target.is_dir():
         raise FileExistsError(f"{target} is not a directory, so --overwrite will not delete it")
     why = _not_written_here(target, marker)
     if why:
