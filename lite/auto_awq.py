@@ -620,7 +620,7 @@ def check_weights(ckpt: Checkpoint, config) -> None:
             f"checkpoint ({', '.join(missing[:3])}); the shards are incomplete or belong to "
             "another model"
         )
-    wrong = [(n, ckpt.shape(n), shape) for n, shape in want.items() if ckpt.shape(n) != shape]
+    wrong = [(n, got, shape) for n, shape in want.items() if (got := ckpt.shape(n)) != shape]
     if wrong:
         name, got, shape = wrong[0]
         raise SourceError(
@@ -689,7 +689,6 @@ def auto_awq(
     progress: bool = True,
     compute: Compute = Compute(),
 ) -> Path:
-
     started = time.perf_counter()
     expandable_segments()  # before anything touches CUDA
     device = pick_device(compute.device)
