@@ -12,6 +12,7 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -704,6 +705,32 @@ def test_the_plan_bounds_what_a_layer_holds_in_llama_3_8b_proportions(
     assert 0.5 * planned <= held <= planned, out
 
 
+def _edited_copy(
+    model: Path, dest: Path, config: dict | None = None, edit: Callable | None = None
+) -> Path:
+    """A copy of a tiny model with keys of its config.json replaced (None: removed) and its
+    weights passed through `edit`."""
+    from safetensors.torch import load_file, save_file
+
+    src = Path(shutil.copytree(model, dest))
+    old = json.loads((src / "config.json").read_text())
+    new = {k: v for k, v in {**old, **(config or {})}.items() if v is not None}
+    (src / "config.json").write_text(json.dumps(new))
+    if edit:
+        tensors = load_file(src / "model.safetensors")
+        edit(tensors)
+        save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    return src
+
+
+def _refused_before_calibrating(src: Path, why: str, tmp_path: Path) -> None:
+    """Refused in one line by the dry run and by the run, which writes nothing."""
+    for extra in (["--dry-run"], ["--work-dir", str(tmp_path / "art")]):
+        code, out = lite("auto_awq", str(src), *extra, *FAST)
+        assert code != 0 and why in out and "Traceback" not in out, out
+    assert not list(tmp_path.glob("art*"))
+
+
 @pytest.mark.parametrize(
     ("change", "why"),
     [
@@ -724,14 +751,9 @@ def test_models_the_runtime_cannot_run_are_refused_before_calibrating(
 ) -> None:
     """Qwen2's sliding window below max_window_layers became a window on every layer (another
     model, KL 0.74 against its source); YaRN was calibrated, then refused when served."""
-    src = Path(shutil.copytree(tiny_models["qwen2"], tmp_path / "src"))
-    config = json.loads((src / "config.json").read_text())
-    config.pop("layer_types")  # as Qwen2.5's own config.json: transformers derives them
-    (src / "config.json").write_text(json.dumps({**config, **change}))
-    for extra in (["--dry-run"], ["--work-dir", str(tmp_path / "art")]):
-        code, out = lite("auto_awq", str(src), *extra, *FAST)
-        assert code != 0 and why in out and "Traceback" not in out, out
-    assert not list(tmp_path.glob("art*"))
+    # without layer_types, as in Qwen2.5's own config.json: transformers derives them
+    src = _edited_copy(tiny_models["qwen2"], tmp_path / "src", {**change, "layer_types": None})
+    _refused_before_calibrating(src, why, tmp_path)
 
 
 def test_weights_unlike_the_config_are_refused_before_layer_0(
@@ -741,32 +763,26 @@ def test_weights_unlike_the_config_are_refused_before_layer_0(
     found when its layer came (the final norm after every layer), a config.json unlike the
     weights gave load_state_dict's traceback, and a vocab_size unlike the embedding an
     artifact that verified."""
-    from safetensors.torch import load_file, save_file
-
-    def source(name: str, config_change: dict, drop: str | None = None) -> Path:
-        src = Path(shutil.copytree(tiny_models["llama"], tmp_path / name))
-        config = json.loads((src / "config.json").read_text())
-        (src / "config.json").write_text(json.dumps({**config, **config_change}))
-        if drop:
-            tensors = load_file(src / "model.safetensors")
-            del tensors[drop]
-            save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
-        return src
-
-    config = json.loads((tiny_models["llama"] / "config.json").read_text())
+    llama = tiny_models["llama"]
+    config = json.loads((llama / "config.json").read_text())
     cases = [
-        (source("nonorm", {}, "model.norm.weight"), "1 weight(s) that config.json calls for"),
         (
-            source("inter", {"intermediate_size": 2 * config["intermediate_size"]}),
+            _edited_copy(llama, tmp_path / "nonorm", edit=lambda t: t.pop("model.norm.weight")),
+            "1 weight(s) that config.json calls for",
+        ),
+        (
+            _edited_copy(
+                llama, tmp_path / "inter", {"intermediate_size": 2 * config["intermediate_size"]}
+            ),
             "model.layers.0.mlp.gate_proj.weight is [",
         ),
-        (source("vocab", {"vocab_size": config["vocab_size"] + 8}), "model.embed_tokens.weight"),
+        (
+            _edited_copy(llama, tmp_path / "vocab", {"vocab_size": config["vocab_size"] + 8}),
+            "model.embed_tokens.weight",
+        ),
     ]
     for src, why in cases:
-        for extra in (["--dry-run"], ["--work-dir", str(tmp_path / "art")]):
-            code, out = lite("auto_awq", str(src), *extra, *FAST)
-            assert code != 0 and why in out and "Traceback" not in out, out
-    assert not list(tmp_path.glob("art*"))
+        _refused_before_calibrating(src, why, tmp_path)
 
 
 def test_values_past_float16_are_refused_not_stored_as_inf(
@@ -774,12 +790,11 @@ def test_values_past_float16_are_refused_not_stored_as_inf(
 ) -> None:
     """A final norm weight of 1e6 (fine in bf16 or fp32) became inf in an fp16 artifact that
     verified; the run now says which tensor and how to store it."""
-    from safetensors.torch import load_file, save_file
 
-    src = Path(shutil.copytree(tiny_models["llama"], tmp_path / "src"))
-    tensors = load_file(src / "model.safetensors")
-    tensors["model.norm.weight"][3] = 1e6
-    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    def too_large(tensors: dict) -> None:
+        tensors["model.norm.weight"][3] = 1e6
+
+    src = _edited_copy(tiny_models["llama"], tmp_path / "src", edit=too_large)
     args = ["auto_awq", str(src), "--work-dir", str(tmp_path / "art"), *FAST]
     code, out = lite(*args, "--dtype", "float16")
     assert code != 0 and "Traceback" not in out, out
