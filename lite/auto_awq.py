@@ -900,6 +900,9 @@ def dry_run_plan(
     device = pick_device(compute.device)
     path, source = resolve_plan(model)
     config = load_config(path)
+    if source is not None and cfg.calib_samples:  # the blocks the text gives, as a run uses
+        calib = _calibration(cfg, load_tokenizer(source.path))
+        cfg = dataclasses.replace(cfg, calib_samples=calib.n_samples)
     plan = make_plan(
         config,
         cfg.spec.group_size,

@@ -1048,3 +1048,6 @@ def test_the_packages_warnings_are_one_line(tiny_models: dict[str, Path]) -> Non
     lines = [x for x in done.stderr.splitlines() if "asked for 5000" in x]
     assert len(lines) == 1 and lines[0].startswith("warning: asked for 5000 calibration"), lines
     assert "UserWarning" not in done.stderr
+    # the plan counts the blocks the text gives (it said 5000 x 512, and their memory)
+    blocks = lines[0].split("has only ")[1].split()[0]
+    assert f"; {blocks} x 512 calibration tokens" in done.stdout + done.stderr
