@@ -195,7 +195,9 @@ class RunState:
                 )
             kept = {k: saved[k] for k in ("fingerprint", "created", "done", "fallbacks")}
             return cls(partial, **kept, devices=saved.get("devices", []))
-        if partial.is_symlink() or (partial.exists() and any(partial.iterdir())):
+        if partial.is_symlink() or (
+            partial.exists() and (not partial.is_dir() or any(partial.iterdir()))
+        ):
             raise FileExistsError(  # the finished run deletes it: it must be this tool's
                 f"{partial} exists but holds no run of lite auto_awq (no state.json); move it "
                 "away, or choose another --work-dir"
@@ -594,8 +596,9 @@ def build_layers(config) -> tuple[torch.nn.ModuleList, torch.nn.Module]:
     """Decoder layer skeletons on the meta device (no memory) and the rotary embedding."""
     model = skeleton(config)
     rotary = type(model.model.rotary_emb)(config=config)
+    window = sliding_window(config)
     for layer in model.model.layers:
-        setattr(layer, WINDOW_ATTR, sliding_window(config))
+        setattr(layer, WINDOW_ATTR, window)
     return model.model.layers, rotary
 
 

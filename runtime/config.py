@@ -117,6 +117,11 @@ class EngineConfig:
                 f"never holds more than one session; choose at most {limit}"
             )
 
+    def backend_from(self, launch: Any) -> str:
+        """The backend asked for: this config's, else the one the artifact's launch config
+        pins (usually auto)."""
+        return launch.backend if self.backend is None else self.backend
+
     def with_launch_defaults(self, launch: Any) -> EngineConfig:
         """Fill what the user left unset from the artifact's pinned launch config (the
         recipe's serving fields land there)."""

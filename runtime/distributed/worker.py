@@ -45,10 +45,6 @@ def rank_device(config: EngineConfig, backend: str, rank: int) -> str:
     return f"cuda:{base + rank}"
 
 
-def _backend(artifact: Artifact, config: EngineConfig) -> str:
-    return artifact.manifest.launch.backend if config.backend is None else config.backend
-
-
 def _shard(artifact: Artifact, config: EngineConfig, rank: int) -> Shard:
     m = artifact.manifest
     return plan_shards(m.architecture, m.quantization.group_size, config.tp)[rank]
@@ -79,7 +75,8 @@ class Workers:
         start ranks 1..tp-1 and join the group as rank 0. `config` has the artifact's launch
         defaults filled in."""
         shard = _shard(artifact, config, 0)
-        devices = [rank_device(config, _backend(artifact, config), r) for r in range(config.tp)]
+        backend = config.backend_from(artifact.manifest.launch)
+        devices = [rank_device(config, backend, r) for r in range(config.tp)]
         for d in devices:  # every rank's GPU exists, before any process starts
             try:
                 resolve_device(d)
@@ -215,7 +212,7 @@ def main(rank: int, path: Path, config: EngineConfig, port: int) -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
     artifact = Artifact(path, checksums=False)  # rank 0 verified it
-    device = rank_device(config, _backend(artifact, config), rank)
+    device = rank_device(config, config.backend_from(artifact.manifest.launch), rank)
     store = TPGroup.store(config.tp, port)
     store.set(f"joining/{rank}", "1")
     group = TPGroup(rank, config.tp, store, torch.device(device), config.tp_timeout)

@@ -96,7 +96,7 @@ def load_rank(
     """Backend, model and pool from a config with the artifact's launch defaults filled in:
     the one loading path of the engine's process and of every tensor-parallel worker."""
     manifest = artifact.manifest
-    requested = manifest.launch.backend if config.backend is None else config.backend
+    requested = config.backend_from(manifest.launch)
     pinned = config.backend is None and requested != "auto"
     why = (
         f" (the artifact's launch config pins backend {requested}: --backend, or "
