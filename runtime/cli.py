@@ -371,7 +371,7 @@ def serve_cmd(
     """Serve ARTIFACT over an OpenAI-compatible HTTP API."""
     import uvicorn
 
-    from runtime.server.async_engine import openmp_left_to_the_engine_thread
+    from runtime.kernels.omp_threads import openmp_left_to_the_engine_thread
     from runtime.server.cluster import (
         pop_replica_options,
         refuse_stray_replica_options,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.kernels import cpu, cpu_dispatch, isa, native
+from runtime.kernels import cpu, cpu_dispatch, isa, native, omp_threads
 from runtime.kernels.cpu_dispatch import Choice
 
 # the path each ISA's build reports; native reports the host's best, and the compiler's default
@@ -393,6 +393,54 @@ def test_backend_builds_only_the_forms_its_table_uses(tmp_path, monkeypatch, cap
         assert kept + caplog.text.count("the next start measures again") == 2
     finally:
         native.library.cache_clear()
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="counts threads in /proc")
+def test_a_single_threaded_load_measures_the_table_with_the_steps_threads(
+    tmp_path, monkeypatch
+) -> None:
+    """`runtime serve` loads with one OpenMP thread and steps with all of them: the table the
+    load measures is the steps' one (measured with their count, named for it), and measuring
+    it leaves the loader single-threaded and no second OpenMP team behind."""
+    monkeypatch.setenv("LITESERVE_CACHE", str(tmp_path))
+    seen: list[int] = []
+    real = cpu.measure_dispatch
+
+    def counting(*args, **kwargs) -> dict[str, Choice]:
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu, "measure_dispatch", counting)
+    steps = 3  # more than the suite's 2, so that it cannot be the count by chance
+    torch.set_num_threads(steps)
+    with omp_threads.openmp_left_to_the_engine_thread():
+        loader_threads = len(os.listdir("/proc/self/task"))
+        backend = cpu.CpuBackend()
+        backend.dispatch(torch.float32)
+        assert torch.get_num_threads() == 1
+        for _ in range(100):  # the measuring team ends with its thread, promptly
+            if len(os.listdir("/proc/self/task")) <= loader_threads:
+                break
+            time.sleep(0.02)
+        assert len(os.listdir("/proc/self/task")) <= loader_threads
+    assert seen == [steps]
+    assert torch.get_num_threads() == steps
+    assert f"({steps} threads)" in backend.detail
+    assert [p.name.split("-float32-")[1] for p in (tmp_path / "dispatch").glob("*.json")] in (
+        [f"{steps}t-v{cpu_dispatch.TABLE_VERSION}.json"],
+        [],  # measured beside other work: used, not kept
+    )
+
+
+def test_work_run_with_other_threads_raises_in_the_caller() -> None:
+    def fails() -> None:
+        raise ValueError("from the measuring thread")
+
+    with pytest.raises(ValueError, match="from the measuring thread"):
+        omp_threads.with_threads(torch.get_num_threads() + 1, fails)
+    assert omp_threads.with_threads(torch.get_num_threads() + 1, torch.get_num_threads) == (
+        torch.get_num_threads() + 1
+    )
 
 
 @pytest.mark.skipif(

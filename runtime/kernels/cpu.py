@@ -12,6 +12,7 @@ bf16 it is fast in bf16 only: 30x slower in fp32). The dense path dequantizes fr
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import logging
 import os
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 
 from runtime.artifact.layout import pack_qparams, pack_qweight, unpack_qparams, unpack_qweight
-from runtime.kernels import cpu_dispatch, cpu_layer, native, reference
+from runtime.kernels import cpu_dispatch, cpu_layer, native, omp_threads, reference
 from runtime.kernels.cpu_dispatch import Choice
 from runtime.kernels.cpu_layer import FusedLayer
 from runtime.kernels.ops import Backend, LayerParts, StepInputs, StepTensors
@@ -668,9 +669,8 @@ class CpuBackend(Backend):
             log.warning("CPU backend without its C kernels: %s", kernels)
         # int8 activations (llama.cpp's Q8 scheme) where measured faster; 0: float math only
         self.int8 = os.environ.get("LITESERVE_CPU_INT8", "1") != "0"
-        self.detail = (
-            f"torch {torch.__version__} on the CPU ({torch.get_num_threads()} threads), {kernels}"
-        )
+        self.threads = omp_threads.engine_threads()  # the steps', also when loading with one
+        self.detail = f"torch {torch.__version__} on the CPU ({self.threads} threads), {kernels}"
         if not self.int8:
             self.detail += ", float activations only (LITESERVE_CPU_INT8=0)"
         self._dispatch: dict[torch.dtype, dict[str, Choice]] = {}
@@ -695,10 +695,10 @@ class CpuBackend(Backend):
         if dtype not in self._dispatch:
             lib = "torch-only" if self.lib is None else Path(self.lib._name).stem
             key = f"{lib}-torch{torch.__version__}-{str(dtype).removeprefix('torch.')}"
-            key += f"-{torch.get_num_threads()}t" + ("" if self.int8 else "-float")
-            table = cpu_dispatch.cached_choices(
-                key, lambda: measure_dispatch(self.lib, dtype, self.int8), torch.get_num_threads()
-            )
+            key += f"-{self.threads}t" + ("" if self.int8 else "-float")
+            measure = functools.partial(measure_dispatch, self.lib, dtype, self.int8)
+            measure = functools.partial(omp_threads.with_threads, self.threads, measure)
+            table = cpu_dispatch.cached_choices(key, measure, self.threads)
             self._dispatch[dtype] = table
             log.info(
                 "CPU dispatch for %s activations (measured on this host): int4 linears %s; "

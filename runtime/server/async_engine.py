@@ -16,12 +16,8 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
 from concurrent.futures import Future
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-
-import torch
 
 from runtime.engine.engine import Engine
 from runtime.engine.sampler import SamplingParams, TokenLogprobs
@@ -29,26 +25,6 @@ from runtime.engine.sequence import Sequence
 from runtime.server.metrics import Metrics
 
 log = logging.getLogger("liteserve")
-
-
-@contextmanager
-def openmp_left_to_the_engine_thread() -> Iterator[None]:
-    """Load the model with torch single-threaded, so that the engine thread's OpenMP team is
-    the process's only one.
-
-    libgomp spins at its barriers only while a process has no more OpenMP threads than cores.
-    Loading with the full thread count leaves the loading thread a team of its own for good;
-    the engine thread's team then comes on top, its spinning is throttled to nothing, and its
-    workers sleep and wake at each of a step's hundreds of parallel regions. Measured on
-    SmolLM2 (2 cores, AVX-512): a batch-1 step ran at 56 tok/s on a thread of its own
-    against 88-95 in the thread that had loaded the model. Not for a tensor-parallel rank 0,
-    whose loading sets its own share of the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @dataclass
