@@ -62,7 +62,9 @@ def test_each_build_reports_its_path(isa_lib) -> None:
     name, lib = isa_lib
     path = native.isa_path(lib)
     assert path == EXPECTED_PATH.get(name, path)
-    assert path in {*EXPECTED_PATH.values(), "avx-vnni", "neon-dotprod"}
+    assert path in {*EXPECTED_PATH.values(), "avx-vnni", "avx512-vnni-amx", "neon-dotprod"}
+    if name == "native" and "amx_int8" in isa.host_flags():
+        assert path == "avx512-vnni-amx"
 
 
 def test_the_loaded_kernels_are_the_selected_build() -> None:
@@ -211,6 +213,37 @@ def test_int8_kernels_give_a_row_the_same_bits_in_any_batch(isa_lib) -> None:
                 assert torch.equal(
                     kernel(x[start : start + m].contiguous()), alone[start : start + m]
                 )
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "gs"), [(37, 192, 32), (37, 192, 64), (50, 384, 96), (50, 384, 128)]
+)
+def test_prefill_panels_give_each_row_its_bits_alone_at_any_row_count(
+    isa_lib, n: int, k: int, gs: int
+) -> None:
+    """The unpacked int4 panels at a prefill's row counts (on AMX hosts, blocks of 16 rows on
+    the tile unit and the rest in 4-row panels): each row's outputs are those of the row alone
+    in the decode tile, bit for bit, for every group size and a last panel short of columns."""
+    _, lib = isa_lib
+    g = torch.Generator().manual_seed(6)
+    nibbles = cpu.tile_codes(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8), gs)
+    scale, offset = (
+        cpu.tile_params(t)
+        for t in (torch.rand(n, k // gs, generator=g) / 50, -torch.rand(n, k // gs, generator=g))
+    )
+
+    def int4(rows: torch.Tensor, unpack: int) -> torch.Tensor:
+        out = torch.empty(rows.shape[0], n)
+        lib.int4_int8_linear(
+            rows.data_ptr(), k, 0, nibbles.data_ptr(), scale.data_ptr(), offset.data_ptr(), 0,
+            out.data_ptr(), rows.shape[0], n, k, gs, unpack,
+        )  # fmt: skip
+        return out
+
+    x = torch.randn(40, k, generator=g)
+    alone = torch.cat([int4(x[i : i + 1], 0) for i in range(40)])
+    for m, start in ((16, 0), (17, 3), (33, 0), (40, 0)):
+        assert torch.equal(int4(x[start : start + m].contiguous(), 1), alone[start : start + m])
 
 
 def test_unknown_or_unrunnable_isa_is_refused_with_the_choices(monkeypatch) -> None:
@@ -449,14 +482,20 @@ def test_work_run_with_other_threads_raises_in_the_caller() -> None:
 )
 @pytest.mark.parametrize(
     ("flags", "path", "encoding"),
-    [(isa.ISAS["avx512"].flags, "avx512-vnni", "EVEX"), (("-march=alderlake",), "avx-vnni", "VEX")],
+    [
+        (isa.ISAS["avx512"].flags, "avx512-vnni", "EVEX"),
+        (("-march=alderlake",), "avx-vnni", "VEX"),
+        (("-march=sapphirerapids",), "avx512-vnni-amx", None),  # with AVX-VNNI: either
+    ],
 )
 def test_vnni_builds_compile_to_their_dot_product(
-    tmp_path, flags: tuple[str, ...], path: str, encoding: str
+    tmp_path, flags: tuple[str, ...], path: str, encoding: str | None
 ) -> None:
     """The VNNI builds, compiled here even where this CPU cannot run them (their code runs in
     the avx512-emulated build): the library names its path and its tiles are `vpdpbusd` in the
-    path's encoding (objdump marks AVX-VNNI's VEX form `{vex}`)."""
+    path's encoding (objdump marks AVX-VNNI's VEX form `{vex}`; where the target has both, GCC
+    takes VEX where the registers allow); with AMX the prefill panels are the tile unit's
+    `tdpbsud` as well."""
     lib = tmp_path / "kernels.so"
     build = subprocess.run(
         [native._compiler(), *native.FLAGS, *flags, *map(str, native.SOURCES),
@@ -467,7 +506,10 @@ def test_vnni_builds_compile_to_their_dot_product(
     assert f"{path}\0".encode() in lib.read_bytes()
     code = subprocess.run(["objdump", "-d", str(lib)], capture_output=True, text=True).stdout
     dots = [line for line in code.splitlines() if "vpdpbusd" in line]
-    assert dots and all(("{vex}" in line) == (encoding == "VEX") for line in dots), dots[:4]
+    assert dots
+    if encoding is not None:
+        assert all(("{vex}" in line) == (encoding == "VEX") for line in dots), dots[:4]
+    assert ("tdpbsud" in code) == path.endswith("amx")
 
 
 ARM_TOOLS = ("aarch64-linux-gnu-gcc", "qemu-aarch64")

@@ -37,7 +37,8 @@
  * (tile_r8: each unpacked weight register meets three rows' activations, which quantize_row
  * then lays out doubled so they are memory operands of the multiply), or, where the dispatch
  * unpacks (prefill), 4 rows by 16 columns of an outer product over a panel unpacked once per
- * call (unpack_panel); the int8 head goes a row at a time over 8 columns. ARM with sdot has the
+ * call (unpack_panel), whose full blocks of 16 rows go to the tile unit where the CPU has AMX
+ * (amx_tile); the int8 head goes a row at a time over 8 columns. ARM with sdot has the
  * same panels; elsewhere, and for the other tiles off x86, RB rows by CB columns.
  *
  * The lm_head (dense in the artifact) is quantized at load to int8 per 32 inputs, symmetric,
@@ -83,7 +84,11 @@ typedef __m256i W;
 typedef __m256i X;
 typedef __m256i I;
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#define PATH "avx512-vnni-amx" /* prefill panels on the tile unit where the OS grants it */
+#else
 #define PATH "avx512-vnni"
+#endif
 static inline I idot(I acc, W w, X x) { return _mm256_dpbusd_epi32(acc, w, x); }
 #elif defined(__AVXVNNI__)
 #define PATH "avx-vnni"
@@ -196,7 +201,7 @@ const char *isa_path(void) { return PATH; }
 enum { RB = 4, CB = 2, DECODE_CB = 8, WIDE_RB = 3, L2_ACTIVATIONS = 96 * 1024 };
 /* prefill panels (unpacked int4, x86 and ARM with sdot): PANEL_RB rows by 16 columns, see
  * unpack_panel */
-enum { PANEL_COLS = 16, PANEL_RB = 4 };
+enum { PANEL_COLS = 16, PANEL_RB = 4, AMX_ROWS = 16 /* AMX's tile rows */ };
 #if defined(__AVX2__) || defined(__ARM_FEATURE_DOTPROD)
 #define HAVE_PANELS
 #endif
@@ -676,6 +681,92 @@ static inline __attribute__((always_inline)) void panel_tile(const int8_t *q, in
     }
 }
 
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512F__)
+/*
+ * Prefill panels on AMX (Intel Xeon since Sapphire Rapids). The panel is already the layout of
+ * the tile multiply's second operand (a 64-byte row: 4 consecutive inputs of 16 columns), and
+ * the quantized activation rows are its first, loaded in place at their stride: one TDPBSUD
+ * (signed activations x unsigned codes) makes a 16 x 16 block of exact int32 sums of 64
+ * inputs, the work of 32 vpdpbusd. The float steps after it are panel_tile's, per (row,
+ * column) in group order, so the outputs are the same bits (the 16-lane vectors only hold
+ * more columns). A panel's sums of every group go to memory first, then each row takes its
+ * groups with its two accumulators in registers: interleaved with the tile multiplies, the
+ * float steps of 16 rows at a time left them on the stack.
+ */
+#define HAVE_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Linux gives a process AMX's 8 KB of tile state only once it asks for it; a kernel that
+ * refuses (before 5.16) leaves the VNNI panels. Asked once per process. */
+static int amx_usable(void) {
+    static int state; /* 0 not asked yet, 1 granted, -1 refused */
+    int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
+    if (s == 0) {
+        s = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0 ? 1 : -1;
+        __atomic_store_n(&state, s, __ATOMIC_RELEASE);
+    }
+    return s > 0;
+}
+
+/* Tiles 0: the sums (16 rows x 16 int32), 1: 16 activation rows of kc bytes, 2: kc / 4 rows
+ * of the panel. Tile state is per thread: each OpenMP thread configures its own. */
+static void amx_configure(int64_t kc) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } __attribute__((packed)) cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    cfg.rows[0] = AMX_ROWS, cfg.colsb[0] = 4 * PANEL_COLS;
+    cfg.rows[1] = AMX_ROWS, cfg.colsb[1] = (uint16_t)kc;
+    cfg.rows[2] = (uint8_t)(kc / 4), cfg.colsb[2] = 4 * PANEL_COLS;
+    _tile_loadconfig(&cfg);
+}
+
+/* A panel's scales and offsets, 16 columns contiguous per group ([groups][2][16] floats), in
+ * panel_tile's lanes (the second tile past n repeats the first's, computed and dropped). */
+static void amx_params(const Weights *w, int64_t j0, int64_t n, float *params) {
+    const int64_t at[2] = {j0 * w->groups, (j0 + 8 < n ? j0 + 8 : j0) * w->groups};
+    for (int64_t g = 0; g < w->groups; g++)
+        for (int v = 0; v < 2; v++) {
+            _mm256_storeu_ps(params + g * 32 + 8 * v, load8(w->scale, w->s_dtype, at[v] + g * 8));
+            _mm256_storeu_ps(params + g * 32 + 16 + 8 * v, load8(w->offset, w->s_dtype, at[v] + g * 8));
+        }
+}
+
+/* AMX_ROWS rows (row stride qs) over a panel's 16 columns [j0, j0 + cols); sums: groups x
+ * 16 x 16 int32 of scratch; kc: the inputs a tile multiply takes (64, or 32 where gs is not a
+ * multiple of 64), as amx_configure set it. */
+static void amx_tile(const int8_t *q, int64_t qs, const float *d, const float *xs,
+                     const Weights *w, const uint8_t *panel, const float *params, int32_t *sums,
+                     int cols, float *out, int64_t n, int64_t j0, int64_t kc) {
+    const int64_t groups = w->groups, gs = w->gs;
+    for (int64_t g = 0; g < groups; g++) {
+        _tile_zero(0);
+        for (int64_t i1 = g * gs; i1 < (g + 1) * gs; i1 += kc) {
+            _tile_loadd(1, q + i1, qs);
+            _tile_loadd(2, panel + i1 * PANEL_COLS, 4 * PANEL_COLS);
+            _tile_dpbsud(0, 1, 2);
+        }
+        _tile_stored(0, sums + g * AMX_ROWS * PANEL_COLS, 4 * PANEL_COLS);
+    }
+    const __mmask16 keep = (__mmask16)((1u << cols) - 1);
+    for (int r = 0; r < AMX_ROWS; r++) {
+        __m512 acc = _mm512_setzero_ps(), bias = _mm512_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            __m512 dr = _mm512_set1_ps(d[r * groups + g]), xr = _mm512_set1_ps(xs[r * groups + g]);
+            __m512i s = _mm512_loadu_si512(sums + (g * AMX_ROWS + r) * PANEL_COLS);
+            __m512 sc = _mm512_loadu_ps(params + g * 32), off = _mm512_loadu_ps(params + g * 32 + 16);
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(sc, dr), acc);
+            bias = _mm512_fmadd_ps(off, xr, bias);
+        }
+        _mm512_mask_storeu_ps(out + r * n + j0, keep, _mm512_add_ps(acc, bias));
+    }
+}
+#endif
+
 #elif defined(__ARM_FEATURE_DOTPROD)
 /*
  * Prefill panels on ARM: the x86 panel's layout ([k / 4][16][4] bytes: 4 columns' codes of 4
@@ -887,6 +978,13 @@ static void qlinear(const void *x, int64_t x_stride, int x_dtype, const Weights 
 #if defined(HAVE_PANELS)
     panel = unpack; /* unpacked int4: the outer-product panels */
 #endif
+#if defined(HAVE_AMX)
+    /* the panels' full blocks of AMX_ROWS rows on the tile unit, kc inputs a tile multiply */
+    int amx = panel && m >= AMX_ROWS && amx_usable();
+    int64_t kc = w->gs % 64 == 0 ? 64 : 32;
+#else
+    int amx = 0;
+#endif
 #if defined(__AVX2__)
     /* packed int4: tile_r8 at every row count; the int8 head one row at a time over 8-column
      * tiles (tile18 while the tile is in L1: tile42's per-lane scale patterns, built per column
@@ -894,7 +992,7 @@ static void qlinear(const void *x, int64_t x_stride, int x_dtype, const Weights 
     wide = (w->form == PACKED4 && !unpack) || w->form == SIGNED8;
 #endif
     int doubled = wide && w->form == PACKED4;
-    int64_t rb = panel ? PANEL_RB : !wide ? RB : doubled ? WIDE_RB : 1;
+    int64_t rb = amx ? AMX_ROWS : panel ? PANEL_RB : !wide ? RB : doubled ? WIDE_RB : 1;
     int64_t cols = panel ? PANEL_COLS : m == 1 || wide ? DECODE_CB : CB;
     int64_t tiles = (n + cols - 1) / cols, qs = doubled ? 2 * k : k;
     /* Rows a pass over the weights takes: their activations stay in L2 while the weights stream
@@ -929,19 +1027,36 @@ static void qlinear(const void *x, int64_t x_stride, int x_dtype, const Weights 
         /* no barrier between passes: each writes its own rows and reads what the quantize loop's
          * barrier has finished (a barrier costs microseconds, a batch-1 linear tens of them) */
 #if defined(HAVE_PANELS)
+#if defined(HAVE_AMX)
+        float *params = amx ? malloc(sizeof(float) * (size_t)(groups * 32)) : NULL;
+        int32_t *sums = amx ? malloc(sizeof(int32_t) * (size_t)(groups * AMX_ROWS * PANEL_COLS)) : NULL;
+        if (amx) amx_configure(kc);
+#endif
         for (int64_t m0 = 0; panel && m0 < m; m0 += mc) {
 #pragma omp for schedule(static) nowait
             for (int64_t t = 0; t < tiles; t++) {
-                int64_t j0 = t * cols;
+                int64_t j0 = t * cols, end = m < m0 + mc ? m : m0 + mc;
                 int c = (int)(n - j0 < cols ? n - j0 : cols);
                 unpack_panel(w, j0, n, buf);
-                for (int64_t r0 = m0; r0 < m && r0 < m0 + mc; r0 += rb) {
-                    int rows = (int)(m - r0 < rb ? m - r0 : rb);
+                int64_t r0 = m0;
+#if defined(HAVE_AMX)
+                if (amx) amx_params(w, j0, n, params);
+                for (; amx && end - r0 >= AMX_ROWS; r0 += AMX_ROWS)
+                    amx_tile(q + r0 * qs, qs, d + r0 * groups, xs + r0 * groups, w, buf, params,
+                             sums, c, out + r0 * n, n, j0, kc);
+#endif
+                for (; r0 < end; r0 += PANEL_RB) {
+                    int rows = (int)(end - r0 < PANEL_RB ? end - r0 : PANEL_RB);
                     run_panel(q + r0 * qs, qs, d + r0 * groups, xs + r0 * groups, rows, c, w, buf,
                               j0, out + r0 * n, n);
                 }
             }
         }
+#if defined(HAVE_AMX)
+        if (amx) _tile_release();
+        free(params);
+        free(sums);
+#endif
 #endif
         for (int64_t m0 = 0; !panel && m0 < m; m0 += mc) {
 #pragma omp for schedule(static) nowait

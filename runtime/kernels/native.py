@@ -125,7 +125,8 @@ def library() -> ctypes.CDLL:
 
 
 def isa_path(lib: ctypes.CDLL) -> str:
-    """The SIMD path the library was compiled for (avx2, avx512-vnni, neon-dotprod, scalar)."""
+    """The SIMD path the library was compiled for (avx2, avx512-vnni, avx512-vnni-amx,
+    neon-dotprod, scalar)."""
     lib.isa_path.argtypes, lib.isa_path.restype = [], ctypes.c_char_p
     return lib.isa_path().decode()
 
