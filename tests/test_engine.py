@@ -18,6 +18,7 @@ from runtime import EngineConfig, GenerationConfig, pipeline
 from runtime.artifact.reader import Artifact, ArtifactError
 from runtime.engine.engine import Engine
 from runtime.engine.sampler import SamplingParams
+from runtime.kernels.cpu import CpuBackend
 from tests.conftest import make_llama3_rope_model
 
 FLOAT_ACTIVATIONS = True  # exact math against the reference (conftest.py)
@@ -178,6 +179,20 @@ def test_chunked_prefill_keeps_decodes_running(artifacts: dict[str, Path]) -> No
         steps_while_long_prefills += 1
         assert len(short.output_ids) == before + 1  # the decode never waited
     assert steps_while_long_prefills >= 6  # 100 tokens under a 16-token budget
+
+
+def test_the_cpu_backend_caps_the_launch_configs_step_budget_not_the_users(
+    artifacts: dict[str, Path],
+) -> None:
+    """The artifact's launch config (4096 tokens a step, for a GPU) is capped at the CPU
+    backend's step_tokens; a budget the user sets is theirs, above the cap too."""
+    launch = Artifact(artifacts["llama"]).manifest.launch
+    assert launch.max_prefill_tokens > CpuBackend.step_tokens
+    default = Engine(artifacts["llama"], _config(backend="cpu"))
+    assert default.config.max_prefill_token_num == CpuBackend.step_tokens
+    assert default.scheduler.token_budget == CpuBackend.step_tokens
+    asked = Engine(artifacts["llama"], _config(backend="cpu", max_prefill_token_num=2048))
+    assert asked.scheduler.token_budget == 2048
 
 
 def test_seeded_sampling_is_independent_of_the_batch(artifacts: dict[str, Path]) -> None:

@@ -209,7 +209,7 @@ class Engine:
             self.workers = Workers.start(self.artifact, self.config)
             shard, group, device = self.workers.shard, self.workers.group, self.workers.device
         try:
-            self._load(device, shard, group)
+            self._load(device, shard, group, config.max_prefill_token_num)
         except Exception as e:
             if self.workers is None:
                 raise
@@ -234,11 +234,18 @@ class Engine:
             self.cache.num_blocks * self.kv_spec.block_size,
         )
 
-    def _load(self, device: str, shard: Shard | None, group: TPGroup | None) -> None:
-        """This rank's model and pool, the block manager, scheduler and runner, warmed up."""
+    def _load(
+        self, device: str, shard: Shard | None, group: TPGroup | None, budget: int | None
+    ) -> None:
+        """This rank's model and pool, the block manager, scheduler and runner, warmed up.
+        budget: the step token budget the user asked for, if any (else the launch config's,
+        capped at the backend's own step_tokens)."""
         manifest = self.artifact.manifest
         rank = load_rank(self.artifact, self.config, device, shard, group)
         self.ops, self.dtype, self.model = rank.ops, rank.dtype, rank.model
+        cap = rank.ops.step_tokens
+        if budget is None and cap is not None and self.config.max_prefill_token_num > cap:
+            self.config = replace(self.config, max_prefill_token_num=cap)
         self.kv_spec, self.cache = rank.kv_spec, rank.cache
         self.backend = self.ops.name
         self.tokenizer = Tokenizer.from_file(str(self.artifact.path / "tokenizer.json"))

@@ -101,6 +101,9 @@ class Backend(ABC):
     # row counts (ascending) that compile kernels of their own: run once at start-up
     # (ModelRunner.warm_up), so that no request waits on a compile
     warmup_tokens: tuple[int, ...] = ()
+    # the most tokens a step should take where the user sets no budget (the artifact's launch
+    # config is the GPU's); None: the launch config's
+    step_tokens: int | None = None
 
     @abstractmethod
     def default_dtype(self) -> torch.dtype:
