@@ -10,7 +10,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -165,24 +165,15 @@ def test_int8_int8_kernel_matches_its_emulation(isa_lib, m: int, n: int, k: int)
     assert float((out.double() - want).abs().max() / want.abs().max()) < 1e-5
 
 
-def test_int8_kernels_give_a_row_the_same_bits_in_any_batch(isa_lib) -> None:
-    """A row alone (the decode tile) and at every position of batches of 2-9 rows (the 3 x 8
-    and 4 x 2 tiles and the leftovers, int4 column tiles read packed or unpacked): bit-identical
-    outputs, for int4 and int8 weights, so a sequence's tokens do not depend on the batch it
-    shares nor on the dispatch's choice between the two int8 paths."""
-    _, lib = isa_lib
-    g = torch.Generator().manual_seed(5)
-    n, k, gs = 37, 192, 64
+def _int4_kernel(
+    lib, g: torch.Generator, n: int, k: int, gs: int
+) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """The C int4 x int8 linear on a random weight in its tiles: (rows, unpack) -> outputs."""
     nibbles = cpu.tile_codes(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8), gs)
     scale, offset = (
         cpu.tile_params(t)
         for t in (torch.rand(n, k // gs, generator=g) / 50, -torch.rand(n, k // gs, generator=g))
     )
-    codes, scales = cpu.tile_head(
-        torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8),
-        torch.rand(n, k // 32, generator=g) / 100,
-    )
-    x = torch.randn(9, k, generator=g)
 
     def int4(rows: torch.Tensor, unpack: int = 0) -> torch.Tensor:
         out = torch.empty(rows.shape[0], n)
@@ -191,6 +182,24 @@ def test_int8_kernels_give_a_row_the_same_bits_in_any_batch(isa_lib) -> None:
             out.data_ptr(), rows.shape[0], n, k, gs, unpack,
         )  # fmt: skip
         return out
+
+    return int4
+
+
+def test_int8_kernels_give_a_row_the_same_bits_in_any_batch(isa_lib) -> None:
+    """A row alone (the decode tile) and at every position of batches of 2-9 rows (the 3 x 8
+    and 4 x 2 tiles and the leftovers, int4 column tiles read packed or unpacked): bit-identical
+    outputs, for int4 and int8 weights, so a sequence's tokens do not depend on the batch it
+    shares nor on the dispatch's choice between the two int8 paths."""
+    _, lib = isa_lib
+    g = torch.Generator().manual_seed(5)
+    n, k = 37, 192
+    int4 = _int4_kernel(lib, g, n, k, 64)
+    codes, scales = cpu.tile_head(
+        torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8),
+        torch.rand(n, k // 32, generator=g) / 100,
+    )
+    x = torch.randn(9, k, generator=g)
 
     def int4_unpacked(rows: torch.Tensor) -> torch.Tensor:
         return int4(rows, 1)
@@ -226,20 +235,7 @@ def test_prefill_panels_give_each_row_its_bits_alone_at_any_row_count(
     in the decode tile, bit for bit, for every group size and a last panel short of columns."""
     _, lib = isa_lib
     g = torch.Generator().manual_seed(6)
-    nibbles = cpu.tile_codes(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8), gs)
-    scale, offset = (
-        cpu.tile_params(t)
-        for t in (torch.rand(n, k // gs, generator=g) / 50, -torch.rand(n, k // gs, generator=g))
-    )
-
-    def int4(rows: torch.Tensor, unpack: int) -> torch.Tensor:
-        out = torch.empty(rows.shape[0], n)
-        lib.int4_int8_linear(
-            rows.data_ptr(), k, 0, nibbles.data_ptr(), scale.data_ptr(), offset.data_ptr(), 0,
-            out.data_ptr(), rows.shape[0], n, k, gs, unpack,
-        )  # fmt: skip
-        return out
-
+    int4 = _int4_kernel(lib, g, n, k, gs)
     x = torch.randn(40, k, generator=g)
     alone = torch.cat([int4(x[i : i + 1], 0) for i in range(40)])
     for m, start in ((16, 0), (17, 3), (33, 0), (40, 0)):
