@@ -340,7 +340,8 @@ def plan_cmd(
 @click.option(
     "--max-prefill-token-num",
     type=int,
-    help="Tokens per step, chunked prefill beyond (default: the artifact's launch config).",
+    help="Tokens per step, chunked prefill beyond (default: the artifact's launch config; at "
+    "most 512 on the CPU backend).",
 )
 @click.option(
     "--max-concurrent-requests",
