@@ -242,6 +242,32 @@ def test_prefill_panels_give_each_row_its_bits_alone_at_any_row_count(
         assert torch.equal(int4(x[start : start + m].contiguous(), 1), alone[start : start + m])
 
 
+@pytest.mark.parametrize(("n", "k"), [(37, 192), (64, 576)])
+def test_int8_head_gives_each_row_its_bits_alone_at_any_row_count(isa_lib, n: int, k: int) -> None:
+    """The int8 lm_head at many rows (on AMX hosts, its full 16-column panels in blocks of 16
+    rows on the tile unit, the other columns and rows in its own tiles): each row's logits are
+    those of the row alone, bit for bit."""
+    _, lib = isa_lib
+    g = torch.Generator().manual_seed(7)
+    codes, scales = cpu.tile_head(
+        torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8),
+        torch.rand(n, k // 32, generator=g) / 100,
+    )
+
+    def head(rows: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(rows.shape[0], n)
+        lib.int8_int8_linear(
+            rows.data_ptr(), k, 0, codes.data_ptr(), scales.data_ptr(), out.data_ptr(),
+            rows.shape[0], n, k,
+        )  # fmt: skip
+        return out
+
+    x = torch.randn(40, k, generator=g)
+    alone = torch.cat([head(x[i : i + 1]) for i in range(40)])
+    for m, start in ((16, 0), (17, 3), (33, 0), (40, 0)):
+        assert torch.equal(head(x[start : start + m].contiguous()), alone[start : start + m])
+
+
 def test_unknown_or_unrunnable_isa_is_refused_with_the_choices(monkeypatch) -> None:
     monkeypatch.setenv(isa.ENV, "sse9")
     with pytest.raises(ValueError, match=r"LITESERVE_CPU_ISA='sse9'.*one of \['native'"):

@@ -725,30 +725,49 @@ static void amx_configure(int64_t kc) {
     _tile_loadconfig(&cfg);
 }
 
-/* A panel's scales and offsets, 16 columns contiguous per group ([groups][2][16] floats), in
- * panel_tile's lanes (the second tile past n repeats the first's, computed and dropped). */
+/* A panel's scales and offsets (the int8 head has none), 16 columns contiguous per group
+ * ([groups][2][16] floats), in panel_tile's lanes (the second tile past n repeats the first's,
+ * computed and dropped). */
 static void amx_params(const Weights *w, int64_t j0, int64_t n, float *params) {
     const int64_t at[2] = {j0 * w->groups, (j0 + 8 < n ? j0 + 8 : j0) * w->groups};
     for (int64_t g = 0; g < w->groups; g++)
         for (int v = 0; v < 2; v++) {
             _mm256_storeu_ps(params + g * 32 + 8 * v, load8(w->scale, w->s_dtype, at[v] + g * 8));
-            _mm256_storeu_ps(params + g * 32 + 16 + 8 * v, load8(w->offset, w->s_dtype, at[v] + g * 8));
+            if (w->offset)
+                _mm256_storeu_ps(params + g * 32 + 16 + 8 * v, load8(w->offset, w->s_dtype, at[v] + g * 8));
         }
+}
+
+/* The int8 head's 16 columns [j0, j0 + 16) (j0 a multiple of 16) in the panel layout, a
+ * 32-bit unit (4 inputs) of each column gathered from its 8-column tile per 64-byte row. */
+static void head_panel(const Weights *w, int64_t j0, uint8_t *panel) {
+    const int64_t k = w->k;
+    int32_t at[PANEL_COLS];
+    for (int c = 0; c < PANEL_COLS; c++) at[c] = (int32_t)((c / 8) * 8 * k + (c % 8) * 32);
+    const __m512i columns = _mm512_loadu_si512(at);
+    const uint8_t *tiles = w->codes + j0 * k;
+    for (int64_t u = 0; u < k / 4; u++)
+        _mm512_storeu_si512(panel + u * 64,
+                            _mm512_i32gather_epi32(columns, tiles + (u / 8) * 256 + (u % 8) * 4, 1));
 }
 
 /* AMX_ROWS rows (row stride qs) over a panel's 16 columns [j0, j0 + cols); sums: groups x
  * 16 x 16 int32 of scratch; kc: the inputs a tile multiply takes (64, or 32 where gs is not a
- * multiple of 64), as amx_configure set it. */
-static void amx_tile(const int8_t *q, int64_t qs, const float *d, const float *xs,
-                     const Weights *w, const uint8_t *panel, const float *params, int32_t *sums,
-                     int cols, float *out, int64_t n, int64_t j0, int64_t kc) {
+ * multiple of 64), as amx_configure set it. The int8 head (signed codes, no offsets) takes
+ * tile18's steps, which are the same with its bias left at zero. */
+static inline __attribute__((always_inline)) void amx_tile(
+    const int8_t *q, int64_t qs, const float *d, const float *xs, const Weights *w,
+    const uint8_t *panel, const float *params, int32_t *sums, int cols, float *out, int64_t n,
+    int64_t j0, int64_t kc) {
     const int64_t groups = w->groups, gs = w->gs;
+    const int head = w->form == SIGNED8;
     for (int64_t g = 0; g < groups; g++) {
         _tile_zero(0);
         for (int64_t i1 = g * gs; i1 < (g + 1) * gs; i1 += kc) {
             _tile_loadd(1, q + i1, qs);
             _tile_loadd(2, panel + i1 * PANEL_COLS, 4 * PANEL_COLS);
-            _tile_dpbsud(0, 1, 2);
+            if (head) _tile_dpbssd(0, 1, 2);
+            else _tile_dpbsud(0, 1, 2);
         }
         _tile_stored(0, sums + g * AMX_ROWS * PANEL_COLS, 4 * PANEL_COLS);
     }
@@ -760,7 +779,7 @@ static void amx_tile(const int8_t *q, int64_t qs, const float *d, const float *x
             __m512i s = _mm512_loadu_si512(sums + (g * AMX_ROWS + r) * PANEL_COLS);
             __m512 sc = _mm512_loadu_ps(params + g * 32), off = _mm512_loadu_ps(params + g * 32 + 16);
             acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(sc, dr), acc);
-            bias = _mm512_fmadd_ps(off, xr, bias);
+            if (!head) bias = _mm512_fmadd_ps(off, xr, bias);
         }
         _mm512_mask_storeu_ps(out + r * n + j0, keep, _mm512_add_ps(acc, bias));
     }
@@ -979,8 +998,9 @@ static void qlinear(const void *x, int64_t x_stride, int x_dtype, const Weights 
     panel = unpack; /* unpacked int4: the outer-product panels */
 #endif
 #if defined(HAVE_AMX)
-    /* the panels' full blocks of AMX_ROWS rows on the tile unit, kc inputs a tile multiply */
-    int amx = panel && m >= AMX_ROWS && amx_usable();
+    /* full blocks of AMX_ROWS rows on the tile unit (the panels, the int8 head's full 16-column
+     * panels), kc inputs a tile multiply */
+    int amx = (panel || w->form == SIGNED8) && m >= AMX_ROWS && amx_usable();
     int64_t kc = w->gs % 64 == 0 ? 64 : 32;
 #else
     int amx = 0;
@@ -992,13 +1012,15 @@ static void qlinear(const void *x, int64_t x_stride, int x_dtype, const Weights 
     wide = (w->form == PACKED4 && !unpack) || w->form == SIGNED8;
 #endif
     int doubled = wide && w->form == PACKED4;
-    int64_t rb = amx ? AMX_ROWS : panel ? PANEL_RB : !wide ? RB : doubled ? WIDE_RB : 1;
+    int64_t rb = panel ? PANEL_RB : !wide ? RB : doubled ? WIDE_RB : 1;
     int64_t cols = panel ? PANEL_COLS : m == 1 || wide ? DECODE_CB : CB;
     int64_t tiles = (n + cols - 1) / cols, qs = doubled ? 2 * k : k;
     /* Rows a pass over the weights takes: their activations stay in L2 while the weights stream
      * past (one pass over all m rows at 128 ran at 0.6x the rate of 64 on a Zen 3; 512 KB L2) */
-    int64_t mc = wide || panel ? (L2_ACTIVATIONS / qs) / rb * rb : m;
-    mc = mc < rb ? rb : mc;
+    int64_t step = amx ? AMX_ROWS : rb, mc = wide || panel ? (L2_ACTIVATIONS / qs) / step * step : m;
+    mc = mc < step ? step : mc;
+    /* the head's columns in full 16-column panels go to the tile unit, the rest to its tiles */
+    int64_t head_panels = amx && !panel ? n / PANEL_COLS : 0;
     int8_t *q = malloc((size_t)(m * qs));
     float *rowpat = NULL; /* tile42's per-lane activation steps and sums, per full row tile */
 #if defined(__AVX2__)
@@ -1019,19 +1041,19 @@ static void qlinear(const void *x, int64_t x_stride, int x_dtype, const Weights 
                 row_pattern(d + rt * RB * groups, xs + rt * RB * groups, groups, rowpat + rt * groups * 16);
         }
 #endif
-        uint8_t *buf = unpack ? malloc((size_t)(cols * k)) : NULL;
+        uint8_t *buf = unpack || amx ? malloc((size_t)((unpack ? cols : PANEL_COLS) * k)) : NULL;
         float *colpat = NULL; /* tile42's per-lane scales and offsets of this column tile */
 #if defined(__AVX2__)
         colpat = m >= RB && !wide && !panel ? malloc(sizeof(float) * (size_t)(groups * 16)) : NULL;
 #endif
         /* no barrier between passes: each writes its own rows and reads what the quantize loop's
          * barrier has finished (a barrier costs microseconds, a batch-1 linear tens of them) */
-#if defined(HAVE_PANELS)
 #if defined(HAVE_AMX)
         float *params = amx ? malloc(sizeof(float) * (size_t)(groups * 32)) : NULL;
         int32_t *sums = amx ? malloc(sizeof(int32_t) * (size_t)(groups * AMX_ROWS * PANEL_COLS)) : NULL;
         if (amx) amx_configure(kc);
 #endif
+#if defined(HAVE_PANELS)
         for (int64_t m0 = 0; panel && m0 < m; m0 += mc) {
 #pragma omp for schedule(static) nowait
             for (int64_t t = 0; t < tiles; t++) {
@@ -1052,15 +1074,25 @@ static void qlinear(const void *x, int64_t x_stride, int x_dtype, const Weights 
                 }
             }
         }
-#if defined(HAVE_AMX)
-        if (amx) _tile_release();
-        free(params);
-        free(sums);
-#endif
 #endif
         for (int64_t m0 = 0; !panel && m0 < m; m0 += mc) {
+#if defined(HAVE_AMX)
 #pragma omp for schedule(static) nowait
-        for (int64_t t = 0; t < tiles; t++) {
+        for (int64_t t = 0; t < head_panels; t++) {
+            int64_t j0 = t * PANEL_COLS, end = m < m0 + mc ? m : m0 + mc, r0 = m0;
+            head_panel(w, j0, buf);
+            amx_params(w, j0, n, params);
+            for (; end - r0 >= AMX_ROWS; r0 += AMX_ROWS)
+                amx_tile(q + r0 * qs, qs, d + r0 * groups, xs + r0 * groups, w, buf, params, sums,
+                         PANEL_COLS, out + r0 * n, n, j0, kc);
+            for (; r0 < end; r0++) /* the pass's last rows: tile18, a row at a time */
+                for (int64_t j = j0; j < j0 + PANEL_COLS; j += DECODE_CB)
+                    run_tile(q + r0 * qs, qs, d + r0 * groups, xs + r0 * groups, 1, DECODE_CB, w,
+                             j, NULL, NULL, out + r0 * n, n);
+        }
+#endif
+#pragma omp for schedule(static) nowait
+        for (int64_t t = head_panels * (PANEL_COLS / DECODE_CB); t < tiles; t++) {
             int64_t j0 = t * cols;
             int c = (int)(n - j0 < cols ? n - j0 : cols);
             Weights tw = *w;
@@ -1079,6 +1111,11 @@ static void qlinear(const void *x, int64_t x_stride, int x_dtype, const Weights 
             }
         }
         }
+#if defined(HAVE_AMX)
+        if (amx) _tile_release();
+        free(params);
+        free(sums);
+#endif
         free(buf);
         free(colpat);
     }
