@@ -186,6 +186,26 @@ def _int4_kernel(
     return int4
 
 
+def _int8_head_kernel(
+    lib, g: torch.Generator, n: int, k: int
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The C int8 x int8 linear on a random int8 head in its tiles: rows -> logits."""
+    codes, scales = cpu.tile_head(
+        torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8),
+        torch.rand(n, k // 32, generator=g) / 100,
+    )
+
+    def head(rows: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(rows.shape[0], n)
+        lib.int8_int8_linear(
+            rows.data_ptr(), k, 0, codes.data_ptr(), scales.data_ptr(), out.data_ptr(),
+            rows.shape[0], n, k,
+        )  # fmt: skip
+        return out
+
+    return head
+
+
 def test_int8_kernels_give_a_row_the_same_bits_in_any_batch(isa_lib) -> None:
     """A row alone (the decode tile) and at every position of batches of 2-9 rows (the 3 x 8
     and 4 x 2 tiles and the leftovers, int4 column tiles read packed or unpacked): bit-identical
@@ -195,22 +215,11 @@ def test_int8_kernels_give_a_row_the_same_bits_in_any_batch(isa_lib) -> None:
     g = torch.Generator().manual_seed(5)
     n, k = 37, 192
     int4 = _int4_kernel(lib, g, n, k, 64)
-    codes, scales = cpu.tile_head(
-        torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8),
-        torch.rand(n, k // 32, generator=g) / 100,
-    )
+    int8 = _int8_head_kernel(lib, g, n, k)
     x = torch.randn(9, k, generator=g)
 
     def int4_unpacked(rows: torch.Tensor) -> torch.Tensor:
         return int4(rows, 1)
-
-    def int8(rows: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(rows.shape[0], n)
-        lib.int8_int8_linear(
-            rows.data_ptr(), k, 0, codes.data_ptr(), scales.data_ptr(), out.data_ptr(),
-            rows.shape[0], n, k,
-        )  # fmt: skip
-        return out
 
     alone_int4 = torch.cat([int4(x[i : i + 1]) for i in range(9)])
     for kernel in (int4, int4_unpacked, int8):
@@ -249,19 +258,7 @@ def test_int8_head_gives_each_row_its_bits_alone_at_any_row_count(isa_lib, n: in
     those of the row alone, bit for bit."""
     _, lib = isa_lib
     g = torch.Generator().manual_seed(7)
-    codes, scales = cpu.tile_head(
-        torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8),
-        torch.rand(n, k // 32, generator=g) / 100,
-    )
-
-    def head(rows: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(rows.shape[0], n)
-        lib.int8_int8_linear(
-            rows.data_ptr(), k, 0, codes.data_ptr(), scales.data_ptr(), out.data_ptr(),
-            rows.shape[0], n, k,
-        )  # fmt: skip
-        return out
-
+    head = _int8_head_kernel(lib, g, n, k)
     x = torch.randn(40, k, generator=g)
     alone = torch.cat([head(x[i : i + 1]) for i in range(40)])
     for m, start in ((16, 0), (17, 3), (33, 0), (40, 0)):
