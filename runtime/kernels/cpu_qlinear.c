@@ -38,7 +38,8 @@
  * then lays out doubled so they are memory operands of the multiply), or, where the dispatch
  * unpacks (prefill), 4 rows by 16 columns of an outer product over a panel unpacked once per
  * call (unpack_panel), whose full blocks of 16 rows go to the tile unit where the CPU has AMX
- * (amx_tile); the int8 head goes a row at a time over 8 columns. ARM with sdot has the
+ * (amx_tile); the int8 head goes a row at a time over 8 columns, and on AMX from 16 rows its
+ * full 16-column panels go to the tile unit too (head_panel). ARM with sdot has the
  * same panels; elsewhere, and for the other tiles off x86, RB rows by CB columns.
  *
  * The lm_head (dense in the artifact) is quantized at load to int8 per 32 inputs, symmetric,
