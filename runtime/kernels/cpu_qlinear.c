@@ -778,9 +778,10 @@ static inline __attribute__((always_inline)) void amx_tile(
         for (int64_t g = 0; g < groups; g++) {
             __m512 dr = _mm512_set1_ps(d[r * groups + g]), xr = _mm512_set1_ps(xs[r * groups + g]);
             __m512i s = _mm512_loadu_si512(sums + (g * AMX_ROWS + r) * PANEL_COLS);
-            __m512 sc = _mm512_loadu_ps(params + g * 32), off = _mm512_loadu_ps(params + g * 32 + 16);
+            __m512 sc = _mm512_loadu_ps(params + g * 32);
             acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(sc, dr), acc);
-            if (!head) bias = _mm512_fmadd_ps(off, xr, bias);
+            if (!head) /* the head's params hold no offsets: not read */
+                bias = _mm512_fmadd_ps(_mm512_loadu_ps(params + g * 32 + 16), xr, bias);
         }
         _mm512_mask_storeu_ps(out + r * n + j0, keep, _mm512_add_ps(acc, bias));
     }
