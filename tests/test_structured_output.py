@@ -98,6 +98,47 @@ def test_a_schema_compiles_once(rtn_artifact: Path) -> None:
     compiler.check(json.loads(json.dumps(PERSON)))  # equal, not identical: the same entry
     assert len(compiler._cache) == 1
     assert compiler.matcher(schema_key(PERSON)) is not compiler.matcher(schema_key(PERSON))
+    reordered = {**PERSON, "properties": dict(reversed(PERSON["properties"].items()))}
+    compiler.check(reordered)  # the order the keys are written in: another grammar
+    assert len(compiler._cache) == 2
+
+
+def anyof(n: int, tag: str = "k") -> dict[str, Any]:
+    """n one-key objects: past llguidance's 2000-item parser row, its parser gives up as
+    soon as the object's first key is open."""
+    return {
+        "anyOf": [
+            {"type": "object", "properties": {f"{tag}{i}": {"type": "integer"}},
+             "required": [f"{tag}{i}"], "additionalProperties": False}
+            for i in range(n)
+        ]
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        anyof(2500),
+        {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+        {
+            "$defs": {
+                "n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}},
+                      "required": ["c"]}
+            },
+            "$ref": "#/$defs/n",
+        },
+    ],
+    ids=["anyof-2500", "ref-cycle", "required-recursion"],
+)  # fmt: skip
+def test_a_schema_whose_parser_gives_up_at_once_is_a_grammar_error(
+    rtn_artifact: Path, schema: dict
+) -> None:
+    """llguidance compiles these, then fails on the forced opening tokens; the server used to
+    send 200 with `{"` and finish_reason stop."""
+    compiler = GrammarCompiler(rtn_artifact / "tokenizer.json", 512, eos_ids=[2])
+    with pytest.raises(GrammarError, match="limits"):
+        compiler.check(schema)
+    compiler.check(anyof(1500))  # under the limit: compiles and runs
 
 
 def test_invalid_schema_is_a_grammar_error(rtn_artifact: Path) -> None:
@@ -126,7 +167,51 @@ def test_json_schema_chat_validates_at_temperature_1(client: openai.OpenAI, seed
         response_format=FORMAT,
     )
     assert r.choices[0].finish_reason == "stop"
-    _person(r.choices[0].message.content)
+    person = _person(r.choices[0].message.content)
+    # the schema's key order, as OpenAI keeps it (sorted keys would put address first)
+    assert list(person) == list(PERSON["properties"])
+    assert list(person["address"]) == ["city", "zip"]
+
+
+# a string the random model fills, then an object past the parser's row limit: the forced
+# prefix ({"s":") passes the check at compile time, the parser gives up after the string
+FAILS_LATER = {
+    "type": "object",
+    "properties": {"s": {"type": "string", "maxLength": 3}, "t": anyof(2500, "t")},
+    "required": ["s", "t"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_that_fails_mid_generation_is_an_error_not_a_stop(
+    client: openai.OpenAI, stream: bool
+) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "later", "schema": FAILS_LATER}}
+    args = dict(model=MODEL, messages=ASK, temperature=1.0, seed=3, max_tokens=100)
+    if stream:
+        with pytest.raises(openai.APIError) as e:
+            for _ in client.chat.completions.create(**args, response_format=fmt, stream=True):
+                pass
+        message = e.value.body["message"] if e.value.body else e.value.message
+    else:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**args, response_format=fmt)
+        message = e.value.body["message"]
+    assert "structured output failed after" in message and "2000" in message
+    ok = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2)
+    assert ok.choices[0].message.content is not None
+
+
+def test_stop_with_structured_output_is_refused(client: openai.OpenAI) -> None:
+    """A stop string would cut the JSON short under finish_reason stop."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=50, response_format=FORMAT, stop=[","]
+        )
+    assert e.value.body["param"] == "stop"
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, stop=[","])
+    assert r.choices[0].finish_reason in ("stop", "length")
 
 
 def test_json_schema_stream_reassembles_to_the_same_text(client: openai.OpenAI) -> None:

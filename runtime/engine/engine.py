@@ -27,7 +27,7 @@ from runtime.distributed.shard import Shard
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.cuda_graph import DecodeGraphs
 from runtime.engine.detokenizer import TokenBytes, detokenizer, piece_bytes
-from runtime.engine.grammar import GrammarCompiler
+from runtime.engine.grammar import GrammarCompiler, parser_error
 from runtime.engine.model_runner import ModelRunner
 from runtime.engine.overlap import PLACEHOLDER, PendingStep, TokenFeed, overlappable
 from runtime.engine.sampler import (
@@ -554,8 +554,15 @@ class Engine:
         n_out = len(seq.token_ids) - seq.num_prompt
         reason, cut = check_stop(seq.text, start, token, seq.params, self.eos_ids, n_out)
         if seq.matcher is not None:
-            seq.matcher.consume_token(token)
-            if reason is None and seq.matcher.is_stopped():  # the grammar is complete
+            if not seq.matcher.consume_token(token) or seq.matcher.is_error():
+                # the parser gave up (a limit hit past the forced prefix): its is_stopped()
+                # is true then too, but the text is not the schema's, so no "stop"
+                seq.error = (
+                    f"structured output failed after {n_out} tokens: the grammar engine "
+                    f"stopped ({parser_error(seq.matcher)}); simplify the JSON schema"
+                )
+                reason, cut = "error", None
+            elif reason is None and seq.matcher.is_stopped():  # the grammar is complete
                 reason = "stop"
         if reason is None:
             return

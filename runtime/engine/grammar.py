@@ -29,8 +29,30 @@ class GrammarError(ValueError):
 
 
 def schema_key(schema: dict[str, Any]) -> str:
-    """One canonical text per schema, so equal schemas share a cache entry."""
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    """The schema's compact text in its own key order, which is the order the model writes an
+    object's properties (OpenAI keeps it: a "reasoning" field declared before "answer" is
+    written first). So schemas that differ only in key order are different grammars."""
+    return json.dumps(schema, separators=(",", ":"))
+
+
+def forced_prefix_error(matcher: llguidance.LLMatcher) -> str | None:
+    """The parser's error on the schema's forced opening tokens, or None.
+
+    llguidance compiles some schemas whose parser then gives up at once: an anyOf past its
+    row limit fails after `{"`, a $ref cycle at the first mask, a recursion that every
+    object must take forever in its forced tokens. Walking that forced prefix on a copy
+    finds them when the schema is compiled (a 400), not after a 200 has started."""
+    trial = matcher.deep_copy()
+    trial.compute_bitmask()
+    forced = trial.compute_ff_tokens()
+    if forced and trial.consume_tokens(forced):
+        trial.compute_bitmask()
+    return parser_error(trial) if trial.is_error() else None
+
+
+def parser_error(matcher: llguidance.LLMatcher) -> str:
+    """The parser's message without the state dump llguidance appends to it."""
+    return matcher.get_error().split("<state>")[0].strip()
 
 
 class GrammarCompiler:
@@ -73,6 +95,12 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self._tokenizer, grammar)
         if matcher.is_error():
             raise GrammarError(f"the JSON schema cannot be compiled: {matcher.get_error()}")
+        error = forced_prefix_error(matcher)
+        if error is not None:
+            raise GrammarError(
+                f"the JSON schema exceeds the grammar engine's limits ({error}); simplify it: "
+                "fewer anyOf branches, no $ref cycle, no recursion every object must take"
+            )
         self._cache[key] = matcher
         if len(self._cache) > CACHE_SIZE:
             self._cache.popitem(last=False)

@@ -34,6 +34,7 @@ class Sequence:
     text: str = ""
     emitted: int = 0  # characters of `text` already handed to a stream
     finish_reason: str | None = None
+    error: str | None = None  # why it finished with finish_reason "error" (the grammar failed)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logits: list[torch.Tensor] | None = None  # kept whole instead, for Engine.score

@@ -360,6 +360,14 @@ class _State:
         fields = {k: v for k, v in p.sampling_fields(req).items() if v is not None}
         self.check_ids(list(fields.get("logit_bias", {})), "logit_bias")
         fields["json_schema"] = self.json_schema(req)
+        if fields["json_schema"] is not None and fields.get("stop"):
+            raise ApiError(
+                400,
+                "stop: stop strings cannot be combined with structured output (response_format "
+                "json_object/json_schema or a forced tool call): a stop would cut the JSON "
+                "before it is complete, and the output already ends where the JSON does",
+                param="stop",
+            )
         engine = self.engine.engine
         if "max_new_tokens" not in fields:  # OpenAI's default: what the session has left
             room = min(self.session_len, self.capacity_tokens)
@@ -688,7 +696,9 @@ class _State:
 
 
 def _error_type(u: Update) -> str:
-    return "service_unavailable" if u.error_status == 503 else "internal_error"
+    return {400: "invalid_request_error", 503: "service_unavailable"}.get(
+        u.error_status, "internal_error"
+    )
 
 
 def _render(

@@ -39,7 +39,7 @@ class Update:
     cached_tokens: int
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     error: str | None = None
-    error_status: int = 500  # 503 when the server is shutting down: the client may retry
+    error_status: int = 500  # 503: shutting down, the client may retry; 400: its own grammar failed
 
 
 def merge(updates: list[Update]) -> Update:
@@ -303,6 +303,11 @@ class AsyncEngine:
         else:
             self.metrics.itl.observe(now - st.last_token)
         st.last_token = now
+        if seq.error is not None:  # the request's own failure: a 400, not a success
+            del self._streams[seq.seq_id]
+            update = Update("", [], [], None, seq.num_prompt, 0, error=seq.error, error_status=400)
+            outbox.setdefault(st.loop, []).append((st.out, update))
+            return
         done = seq.finish_reason is not None
         end = len(seq.text) if done else max(seq.emitted, len(seq.text) - st.hold)
         update = Update(
