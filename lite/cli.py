@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import shlex
 import sys
 import warnings
@@ -331,16 +332,18 @@ def _csv(value: str | None) -> tuple[str, ...]:
     return tuple(v.strip() for v in (value or "").split(",") if v.strip())
 
 
-def _limit(value: str | None) -> float | None:
-    """lm-eval's --limit: a count of documents per task, or a fraction below 1."""
+def _limit(value: str | None, ppl: bool) -> float | None:
+    """lm-eval's --limit: a count of documents per task, or a fraction below 1; with --ppl a
+    count of windows."""
     if value is None:
         return None
     try:
         limit = float(value)
     except ValueError:
-        raise click.BadParameter(f"{value!r} is not a number") from None
-    if limit <= 0:
-        raise click.BadParameter("must be positive")
+        limit = math.nan
+    if not math.isfinite(limit) or limit <= 0 or (ppl and limit != int(limit)):
+        want = "a whole number of windows" if ppl else "a number of documents or a fraction < 1"
+        raise click.BadParameter(f"{value!r}: give {want}, above 0", param_hint="--limit")
     return int(limit) if limit >= 1 else limit
 
 
@@ -478,24 +481,26 @@ def _run_eval(
     bad = [k for k in kvs if k not in ("none", "int8", "int4")]
     if bad or not kvs:
         raise click.BadParameter(f"{kv_quant!r}: use none, int8, int4", param_hint="--kv-quant")
-    plan = EvalPlan(
-        model=model,
-        artifacts=artifacts,
-        kv_quants=kvs,
-        tasks=_csv(tasks),
-        include_path=include_path,
-        data_dir=data_dir,
-        limit=_limit(limit),
-        num_fewshot=num_fewshot,
-        batch_size=batch_size,
-        max_length=max_length,
-        dtype=dtype,
-        seed=seed,
-    )
+    if ppl and (tasks or num_fewshot is not None):
+        raise click.UsageError("--ppl scores a text, not tasks: drop --tasks and --num-fewshot")
     command = shlex.join(["lite", *sys.argv[1:]])
     try:
+        plan = EvalPlan(
+            model=model,
+            artifacts=artifacts,
+            kv_quants=kvs,
+            tasks=_csv(tasks),
+            include_path=include_path,
+            data_dir=data_dir,
+            limit=_limit(limit, ppl),
+            num_fewshot=num_fewshot,
+            batch_size=batch_size,
+            max_length=max_length,
+            dtype=dtype,
+            seed=seed,
+        )
         if ppl:
-            windows = None if plan.limit is None else max(1, int(plan.limit))
+            windows = None if plan.limit is None else int(plan.limit)
             report = ppl_report(plan, command, text_file, seqlen, windows, progress=not quiet)
         else:
             report = task_report(plan, command, progress=not quiet)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import cached_property
@@ -45,6 +46,19 @@ class EvalPlan:
     dtype: str = "auto"
     seed: int = 1234
 
+    def __post_init__(self) -> None:
+        """Every variant has its own name in the report: a repeat would be evaluated twice
+        and then refused when the report is written, after the whole run."""
+        _refuse_repeats("--kv-quant lists", self.kv_quants)
+        _refuse_repeats("--artifact gives", [str(Path(a).resolve()) for a in self.artifacts])
+        names = [Path(a).name for a in self.artifacts]
+        for name in {n for n in names if names.count(n) > 1}:
+            paths = ", ".join(str(a) for a in self.artifacts if Path(a).name == name)
+            raise EvalError(
+                f"two artifacts are named {name!r} ({paths}); the report names each variant by "
+                "its directory: give one another name (a symbolic link will do)"
+            )
+
     @cached_property
     def variants(self) -> list[dict[str, Any]]:
         """Baseline first; each artifact's manifest read once."""
@@ -56,6 +70,12 @@ class EvalPlan:
             for kv in self.kv_quants:
                 out.append(_variant(variant_name(art, kv), "artifact", art, kv, method))
         return out
+
+
+def _refuse_repeats(what: str, values: Sequence[str]) -> None:
+    repeated = sorted({v for v in values if list(values).count(v) > 1})
+    if repeated:
+        raise EvalError(f"{what} {', '.join(repeated)} more than once; give each once")
 
 
 def _variant(

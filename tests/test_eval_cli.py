@@ -125,6 +125,14 @@ def test_ppl_mode_writes_report_and_updates_card(
         (["--tasks", "no_such_task_xyz", "--include-path", "{tasks}"], "unknown task"),
         (["--tasks", "piqa"], "cannot be reached"),
         (["--tasks", "piqa_local"], "unknown task(s) piqa_local; local tasks need --include-path"),
+        (["--tasks", "piqa_local", "--kv-quant", "int8,none,int8"], "lists int8 more than once"),
+        (["--tasks", "piqa_local", "--artifact", "{artifact}"], "more than once; give each"),
+        (["--tasks", "piqa_local", "--artifact", "{copy}"], "two artifacts are named 'art'"),
+        (["--tasks", "piqa_local", "--limit", "inf"], "'inf': give a number of documents"),
+        (["--tasks", "piqa_local", "--limit", "nan"], "--limit"),
+        (["--tasks", "piqa_local", "--limit", "0"], "--limit"),
+        (["--ppl", "--tasks", "piqa_local"], "--ppl scores a text, not tasks"),
+        (["--ppl", "--limit", "0.5"], "'0.5': give a whole number of windows"),
     ],
 )
 def test_bad_input_is_explained(
@@ -133,14 +141,19 @@ def test_bad_input_is_explained(
     rtn_artifact: Path,
     tiny_models: dict[str, Path],
     task_dir: Path,
+    tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    copy = tmp_path / "elsewhere" / rtn_artifact.name  # another artifact of the same name
+    if "{copy}" in extra:
+        shutil.copytree(rtn_artifact, copy)
     args = ["eval", "--model", str(tiny_models["llama"]), "--artifact", str(rtn_artifact)]
-    args += [a.format(tasks=task_dir) for a in extra]
+    args += [a.format(tasks=task_dir, artifact=rtn_artifact, copy=copy) for a in extra]
     result = CliRunner().invoke(main, args)
     assert result.exit_code != 0
-    assert message in result.output
+    assert message in result.output, result.output
+    assert "Traceback" not in result.output and not isinstance(result.exception, ValueError)
 
 
 def test_a_text_file_that_is_not_utf8_is_named(
