@@ -19,8 +19,11 @@ from runtime.config import EngineConfig
 from runtime.engine.engine import Engine
 from runtime.engine.sampler import SamplingParams, TokenLogprobs
 from runtime.engine.sequence import Sequence
+from runtime.text import check_text
 
 Prompt = str | list[int] | list[dict]  # text, token ids, or chat messages
+# bytes that were not UTF-8 reach a str as surrogates (sys.argv and stdin decode them so)
+NOT_UTF8_FIX = "the input was not UTF-8; convert it first (iconv -t UTF-8)"
 
 
 @dataclass(frozen=True)
@@ -77,8 +80,12 @@ class Pipeline:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             if self.chat_template is None:
                 raise ValueError("this artifact has no chat template; pass text instead")
+            for i, message in enumerate(prompt):
+                if isinstance(message.get("content"), str):
+                    check_text(message["content"], f"messages[{i}].content", NOT_UTF8_FIX)
             prompt = self.chat_template.render(prompt)
         if isinstance(prompt, str):
+            check_text(prompt, "the prompt", NOT_UTF8_FIX)
             return self.engine.tokenizer.encode(prompt, add_special_tokens=False).ids
         if not isinstance(prompt, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt

@@ -237,12 +237,27 @@ def chat_cmd(
 ) -> None:
     """Interactive chat with streaming, through the artifact's chat template. Ctrl-D exits."""
     from runtime import GenerationConfig
+    from runtime.api import NOT_UTF8_FIX
+    from runtime.text import check_text
 
     pipe = _pipeline(artifact, kw)
     if pipe.chat_template is None:
         raise click.ClickException(f"{artifact} has no chat template; use --chat-template FILE")
     gen = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature)
+    session_len = pipe.engine.config.session_len
+    try:  # refused now, not on every turn of a session that exits 0
+        pipe.sampling_params(gen).validate()
+        check_text(system or "", "--system", NOT_UTF8_FIX)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
+    if max_new_tokens >= session_len:
+        raise click.ClickException(
+            f"--max-new-tokens {max_new_tokens} leaves no room for a message in session_len "
+            f"{session_len}; lower it (or raise --session-len)"
+        )
     history = [{"role": "system", "content": system}] if system else []
+    if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 is refused, not fatal
+        sys.stdin.reconfigure(errors="surrogateescape")
     while True:
         try:
             line = input("you> ")
@@ -250,6 +265,11 @@ def chat_cmd(
             click.echo()
             return
         if not line.strip():
+            continue
+        try:
+            check_text(line, "this line", NOT_UTF8_FIX)
+        except ValueError as e:  # the session goes on without it
+            click.echo(f"error: {e}", err=True)
             continue
         history.append({"role": "user", "content": line})
         dropped = _fit_history(pipe, history, max_new_tokens)

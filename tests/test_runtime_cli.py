@@ -77,6 +77,46 @@ def test_chat_drops_the_oldest_turns_when_the_session_is_full(art: Path) -> None
     assert "oldest messages left the context" in r.output
 
 
+def test_chat_refuses_a_line_that_is_not_utf8_and_goes_on(art: Path) -> None:
+    r = CliRunner().invoke(
+        main,
+        ["chat", str(art), "--max-new-tokens", "4", "--temperature", "0", *ENGINE],
+        input=b"hello \xff world\nhow are you\n",
+    )
+    assert r.exit_code == 0, r.output
+    assert "this line holds an unpaired UTF-16 surrogate (\\udcff at character 6)" in r.output
+    assert r.output.count("model> ") == 1 and r.exception is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--temperature", "nan"], "temperature must be >= 0 and finite"),
+        (["--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1"),
+        (["--max-new-tokens", "256"], "leaves no room for a message in session_len 256"),
+        (["--system", "be \udcff brief"], "--system holds an unpaired UTF-16 surrogate"),
+    ],
+)
+def test_chat_refuses_bad_settings_before_the_first_turn(
+    art: Path, flags: list[str], message: str
+) -> None:
+    """It used to print an error on every turn and exit 0."""
+    r = CliRunner().invoke(main, ["chat", str(art), *flags, *ENGINE], input="hello\n")
+    assert r.exit_code == 1 and message in r.output, r.output
+    assert "model> " not in r.output
+
+
+def test_the_python_api_names_text_that_is_not_utf8(art: Path) -> None:
+    pipe = runtime.pipeline(art, EngineConfig(num_blocks=32, session_len=256))
+    with pytest.raises(ValueError, match="the prompt holds an unpaired UTF-16 surrogate"):
+        pipe(["fine", "hi \udcff"])
+    with pytest.raises(ValueError, match=r"messages\[1\]\.content holds"):
+        next(
+            pipe.stream([{"role": "system", "content": "x"}, {"role": "user", "content": "\ud83d"}])
+        )
+    assert pipe.engine.sequences == {}  # nothing was admitted
+
+
 def test_device_eager_and_overlap_flags_reach_every_engine_command(
     art: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

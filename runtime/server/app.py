@@ -33,6 +33,7 @@ from runtime.engine.sampler import SamplingParams, TokenLogprobs
 from runtime.server import protocol as p
 from runtime.server.async_engine import AsyncEngine, StepFailure, Update, Updates, merge
 from runtime.server.tools import Delta, ToolCallParser, forced_schema, merge_calls, syntax_for
+from runtime.text import check_text
 from runtime.validation import validation_message
 
 MAX_SEQUENCES = 1024  # prompts x n in one request: a bound on what one body can ask for
@@ -46,6 +47,8 @@ class ServerSettings:
     max_body_bytes: int = 4 * 2**20
     chat_template: ChatTemplate | None = None
 
+
+JSON_TEXT_FIX = "escape a character outside the BMP as both halves of its pair, or send UTF-8"
 
 class ApiError(Exception):
     def __init__(
@@ -284,19 +287,11 @@ class _State:
         return list(prompt)
 
     def _encode(self, text: str, param: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of request text. JSON can carry half of a UTF-16 surrogate pair
-        ("\\ud83d" alone), which no UTF-8 text holds and the tokenizer refuses with a
-        TypeError: a 400 naming it instead."""
+        """Token ids of request text; half of a UTF-16 surrogate pair is a 400 naming it."""
         try:
-            text.encode()
-        except UnicodeEncodeError as e:
-            raise ApiError(
-                400,
-                f"{param} holds an unpaired UTF-16 surrogate (\\u{ord(text[e.start]):04x} at "
-                f"character {e.start}), which is not text: escape a character outside the "
-                "BMP as both halves of its pair, or send it as UTF-8",
-                param=param,
-            ) from e
+            check_text(text, param, JSON_TEXT_FIX)
+        except ValueError as e:
+            raise ApiError(400, str(e), param=param) from e
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_chat(

@@ -1,0 +1,17 @@
+"""Strings that are not text. Python carries unpaired UTF-16 surrogates in str: from JSON
+("\\ud83d" alone) and from bytes that were not UTF-8 (argv and stdin decode them as
+\\udc80-\\udcff). The tokenizer refuses them with a bare TypeError, so each entry point
+checks its text first and names it."""
+
+from __future__ import annotations
+
+
+def check_text(text: str, what: str, fix: str) -> None:
+    """Raise ValueError naming `what`, the first unpaired surrogate and its offset."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{what} holds an unpaired UTF-16 surrogate (\\u{ord(text[e.start]):04x} at "
+            f"character {e.start}), which is not text: {fix}"
+        ) from e
