@@ -50,6 +50,7 @@ class ServerSettings:
 
 JSON_TEXT_FIX = "escape a character outside the BMP as both halves of its pair, or send UTF-8"
 
+
 class ApiError(Exception):
     def __init__(
         self,
