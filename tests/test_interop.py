@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from lite.cli import main as lite_main
 from runtime.artifact.layout import dequantize
-from runtime.artifact.reader import Artifact
+from runtime.artifact.reader import Artifact, ArtifactError
 from runtime.cli import main as runtime_main
 from tests.conftest import wait_healthy
 
@@ -428,6 +428,47 @@ def test_bad_quantization_configs_are_refused(edit, message, tiny_models, tmp_pa
     make_checkpoint(tiny_models["llama"], src, "gptq", 32, True)
     _edit_config(src, **edit)
     _fail(src, tmp_path, message)
+
+
+@pytest.mark.parametrize(
+    ("key", "scale"),
+    [
+        ("num_attention_heads", 2),
+        ("num_key_value_heads", 2),
+        ("head_dim", 0.5),
+        ("hidden_size", 2),
+        ("intermediate_size", 2),
+        ("vocab_size", 2),
+        ("num_hidden_layers", None),
+    ],
+)
+def test_a_config_unlike_the_weights_is_refused(key, scale, tiny_models, tmp_path) -> None:
+    """It converted and served: with more heads than the tensors hold, the C kernels read
+    past them and generated other text; transformers refuses such a config."""
+    src = tmp_path / "src"
+    make_checkpoint(tiny_models["llama"], src, "gptq", 32, True)
+    config = json.loads((src / "config.json").read_text())
+    if scale is None:
+        del config[key]
+    else:
+        heads = config["num_attention_heads"]
+        current = config.get(key) or config["hidden_size"] // heads
+        config[key] = int(current * scale)
+    (src / "config.json").write_text(json.dumps(config))
+    message = "the config does not describe these weights" if scale else "has no " + key
+    _fail(src, tmp_path, message)
+
+
+def test_an_artifact_whose_architecture_disagrees_with_its_tensors_is_refused(
+    rtn_artifact: Path, tmp_path: Path
+) -> None:
+    art = tmp_path / "art"
+    shutil.copytree(rtn_artifact, art)
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["architecture"]["num_heads"] *= 2
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match=r"self_attn.o_proj.qparams is \[\d+, \d+\] where"):
+        Artifact(art)
 
 
 def test_dense_and_truncated_checkpoints_are_refused(tiny_models, tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ from runtime.artifact.manifest import (
     FAMILIES,
     MANIFEST_FILE,
     MODEL_CARD_FILE,
+    Architecture,
     FileEntry,
     Layout,
     Manifest,
@@ -133,10 +134,11 @@ def read_config(src: Path) -> dict:
         raise ConvertError(f"{path} is not valid JSON: {e}") from e
 
 
-def _plan(shards: Shards, fmt: SourceFormat, config: dict) -> None:
+def _plan(shards: Shards, fmt: SourceFormat, arch: Architecture) -> None:
     """Refuse now, before writing, what the conversion would trip over later: a missing or
-    unquantized linear, a quantized lm_head, a tensor the artifact has no place for."""
-    n_layers = config["num_hidden_layers"]
+    unquantized linear, a quantized lm_head, a tensor the artifact has no place for, a
+    tensor whose shape is not the one config.json gives it."""
+    n_layers = arch.num_layers
     expected = {f"model.layers.{i}.{lin}" for i in range(n_layers) for lin in LINEARS}
     quantized = {
         n.removesuffix(fmt.weight_suffix) for n in shards.where if n.endswith(fmt.weight_suffix)
@@ -153,10 +155,21 @@ def _plan(shards: Shards, fmt: SourceFormat, config: dict) -> None:
             f"{shards.src}: quantized tensors outside the decoder linears ({extra[:3]}); "
             f"the artifact keeps them in 16 bits: not supported"
         )
-    tied = bool(config.get("tie_word_embeddings", False))
     for name in GLOBALS:
-        if name not in shards.where and not (tied and name == "lm_head.weight"):
+        if name not in shards.where and not (arch.tie_word_embeddings and name == "lm_head.weight"):
             raise ConvertError(f"{shards.src}: {name} is missing from the checkpoint")
+    shapes = {n: _logical_shape(shards, fmt, n) for n in sorted(expected)}
+    dense = [n for n in shards.where if n.endswith(".bias") or not n.startswith(tuple(expected))]
+    shapes |= {n: shards.shape(n) for n in dense}
+    for name, shape in shapes.items():
+        want = arch.logical_shape(name)
+        if want is not None and list(shape) != want:
+            raise ConvertError(
+                f"{shards.src}: {name} is {list(shape)} but config.json (hidden "
+                f"{arch.hidden_size}, {arch.num_heads}:{arch.num_kv_heads} heads of "
+                f"{arch.head_dim}, intermediate {arch.intermediate_size}, vocab "
+                f"{arch.vocab_size}) makes it {want}: the config does not describe these weights"
+            )
 
 
 def _storage_dtype(shards: Shards) -> str:
@@ -265,12 +278,15 @@ def write_converted(
         fmt = detect_format(config, str(src))
     except FormatError as e:
         raise ConvertError(str(e)) from e
+    try:
+        arch = architecture_from_dict(config, tokenizer_eos(src))
+    except KeyError as e:
+        raise ConvertError(f"{src / 'config.json'} has no {e.args[0]}: it is incomplete") from e
     shards = Shards(src)
-    _plan(shards, fmt, config)
+    _plan(shards, fmt, arch)
     gs = fmt.artifact_group_size()
     dtype_name = _storage_dtype(shards)
     dtype = DTYPES[dtype_name]
-    arch = architecture_from_dict(config, tokenizer_eos(src))
     n_layers = arch.num_layers
 
     with ThreadPoolExecutor(1) as pool:

@@ -6,6 +6,7 @@ something else, and guessing would be worse than refusing.
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -69,6 +70,32 @@ class Architecture(_Strict):
     bos_token_id: int | None = None
     eos_token_ids: list[int] = Field(default_factory=list)
     pad_token_id: int | None = None
+
+    def logical_shape(self, name: str) -> list[int] | None:
+        """The shape this architecture gives a tensor ([out, in] for a linear, by its name
+        without .qweight/.qparams), or None for a name it does not know. The kernels index
+        by these numbers, so tensors that disagree with them read out of bounds."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        h, i = self.hidden_size, self.intermediate_size
+        return {
+            "model.embed_tokens.weight": [self.vocab_size, h],
+            "lm_head.weight": [self.vocab_size, h],
+            "model.norm.weight": [h],
+            "input_layernorm.weight": [h],
+            "post_attention_layernorm.weight": [h],
+            "self_attn.q_norm.weight": [self.head_dim],
+            "self_attn.k_norm.weight": [self.head_dim],
+            "self_attn.q_proj": [q, h],
+            "self_attn.k_proj": [kv, h],
+            "self_attn.v_proj": [kv, h],
+            "self_attn.o_proj": [h, q],
+            "self_attn.q_proj.bias": [q],
+            "self_attn.k_proj.bias": [kv],
+            "self_attn.v_proj.bias": [kv],
+            "mlp.gate_proj": [i, h],
+            "mlp.up_proj": [i, h],
+            "mlp.down_proj": [h, i],
+        }.get(re.sub(r"^model\.layers\.\d+\.", "", name))
 
 
 class Quantization(_Strict):

@@ -65,7 +65,25 @@ def read_manifest(path: str | Path) -> Manifest:
             f"{mpath} is corrupted: it does not match schema {version}: {validation_message(e)[0]}"
         ) from e
     _check_layers(mpath, manifest)
+    _check_shapes(mpath, manifest)
     return manifest
+
+
+def _check_shapes(mpath: Path, manifest: Manifest) -> None:
+    """Every tensor has the shape the architecture gives it: heads or widths edited in a
+    config (or a manifest) loaded, then the C kernels read past the real tensors."""
+    arch = manifest.architecture
+    for name, entry in manifest.tensors.items():
+        quantized = entry.kind != "dense"
+        shape = entry.logical_shape if quantized else entry.shape
+        expected = arch.logical_shape(name.rsplit(".", 1)[0] if quantized else name)
+        if expected is not None and shape != expected:
+            raise ArtifactError(
+                f"{mpath} is corrupted: {name} is {shape} where the architecture "
+                f"(hidden {arch.hidden_size}, {arch.num_heads}:{arch.num_kv_heads} heads of "
+                f"{arch.head_dim}, intermediate {arch.intermediate_size}, vocab "
+                f"{arch.vocab_size}) makes it {expected}"
+            )
 
 
 def _check_layers(mpath: Path, manifest: Manifest) -> None:
