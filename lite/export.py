@@ -24,7 +24,14 @@ from runtime.artifact.hf_config import TOKENIZER_FILES
 from runtime.artifact.layout import unpack_qparams, unpack_qweight
 from runtime.artifact.manifest import CHAT_TEMPLATE_FILE, Manifest
 from runtime.artifact.reader import Artifact
-from runtime.artifact.writer import check_replaceable, publish, write_json_atomic, write_shards
+from runtime.artifact.writer import (
+    EXPORT_MARKER,
+    check_replaceable,
+    publish,
+    write_export_marker,
+    write_json_atomic,
+    write_shards,
+)
 
 FORMATS = ("compressed-tensors", "autoawq")
 # |-z*s - b| within 2^-10 of |b|: b is -z*s from the fp32 scale, rounded to fp16 once.
@@ -187,18 +194,19 @@ def _write(art: Artifact, fmt: str, out: Path) -> None:
     for name in (*TOKENIZER_FILES, CHAT_TEMPLATE_FILE):
         if (art.path / name).is_file():
             shutil.copyfile(art.path / name, out / name)
+    write_export_marker(out)
 
 
 def export(artifact: Path, fmt: str, output: Path, overwrite: bool = False) -> Path:
     """Write `output` (staged beside it, published by one rename; nothing left on error)."""
     art = Artifact(artifact)
     _check(art.manifest, fmt)
-    check_replaceable(output, overwrite, "config.json")
+    check_replaceable(output, overwrite, EXPORT_MARKER)
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.export-", dir=output.parent))
     try:
         _write(art, fmt, staging)
-        publish(staging, output, overwrite, "config.json")
+        publish(staging, output, overwrite, EXPORT_MARKER)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return output

@@ -312,8 +312,8 @@ def test_existing_work_dir_needs_overwrite(tiny_models: dict[str, Path], tmp_pat
     for target, why in (
         (mine, "holds files but no manifest.json"),
         (tmp_path / "a-file", "not a directory"),
-        (web, "holds a manifest.json that is not a liteserve artifact's"),
-        (art, "holds files its manifest does not list (NOTES.md)"),
+        (web, "holds a manifest.json that is not liteserve's"),
+        (art, "holds files its manifest.json does not list (NOTES.md)"),
         (tmp_path / "link", "is a symbolic link, so --overwrite will not replace it"),
     ):
         code, out = lite(*args[:3], str(target), *args[4:], "--overwrite")

@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from lite.cli import main as lite_main
 from runtime.artifact.layout import dequantize
 from runtime.artifact.reader import Artifact, ArtifactError
+from runtime.artifact.writer import EXPORT_MARKER
 from runtime.cli import main as runtime_main
 from tests.conftest import wait_healthy
 
@@ -321,18 +322,26 @@ def test_export_then_convert_round_trips(fmt, gs32_artifact: Path, tmp_path: Pat
     # --overwrite replaces an export; it never deletes a directory that is not one
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("precious")
-    (tmp_path / "model").mkdir()  # a plain model (the user's source, say) is not an export
-    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    # a quantized checkpoint a user downloaded has an export's config.json and files of its
+    # own (it was replaced whole, README, LICENSE and original/ with it)
+    shutil.copytree(tmp_path / "hf", tmp_path / "download")
+    (tmp_path / "download" / EXPORT_MARKER).unlink()
+    (tmp_path / "download" / "LICENSE").write_text("theirs")
+    extended = tmp_path / "extended"  # an export the user added a file to
+    shutil.copytree(tmp_path / "hf", extended)
+    (extended / "notes.txt").write_text("mine")
     outputs = []
-    for out in (tmp_path / "hf", tmp_path / "mine", tmp_path / "model"):
+    for out in (tmp_path / "hf", tmp_path / "mine", tmp_path / "download", extended):
         args = ["export", str(gs32_artifact), "--format", fmt, "--output", str(out), "--overwrite"]
         result = CliRunner().invoke(lite_main, args)
         assert (result.exit_code == 0) == (out.name == "hf"), result.output
         outputs.append(result.output)
-    assert "holds files but no config.json" in outputs[1]
-    assert "holds a config.json without quantization_config" in outputs[2]
-    assert (tmp_path / "model" / "config.json").is_file()
+    assert f"holds files but no {EXPORT_MARKER}" in outputs[1]
+    assert f"holds files but no {EXPORT_MARKER}" in outputs[2]
+    assert f"holds files its {EXPORT_MARKER} does not list (notes.txt)" in outputs[3]
+    assert (tmp_path / "download" / "LICENSE").read_text() == "theirs"
     assert (tmp_path / "mine" / "notes.txt").read_text() == "precious"
+    assert (extended / "notes.txt").is_file()
 
 
 def unpack_awq(words: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,9 @@ from runtime.artifact.manifest import (
 from runtime.cache import mkdir_mode
 
 MAX_SHARD_BYTES = 2 * 1024**3
+EXPORT_MARKER = ".liteserve-export.json"  # in an export's directory: the files it wrote
+EXPORT_FORMAT = "liteserve-export"
+MARKER_FORMATS = {MANIFEST_FILE: FORMAT, EXPORT_MARKER: EXPORT_FORMAT}
 
 
 def utc_now() -> str:
@@ -261,9 +264,17 @@ def check_replaceable(target: Path, overwrite: bool, marker: str = MANIFEST_FILE
         )
 
 
+def write_export_marker(out_dir: Path) -> None:
+    """List the files of a finished export (lite export), so that --overwrite can tell it
+    from a quantized checkpoint a user downloaded, which has the same config.json."""
+    files = sorted(p.name for p in out_dir.iterdir() if p.name != EXPORT_MARKER)
+    write_json_atomic({"format": EXPORT_FORMAT, "files": files}, out_dir / EXPORT_MARKER)
+
+
 def _not_written_here(target: Path, marker: str) -> str | None:
-    """Why ``target`` is more than an output of this tool, or None. A file merely named like
-    the marker is not enough: a web app has a manifest.json, a plain model a config.json."""
+    """Why ``target`` is more than an output of this tool, or None: it must hold the marker
+    (an artifact's manifest, an export's list), and only the files the marker lists. A file
+    merely named like the marker is not enough: a web app has a manifest.json."""
     entries = sorted(p.name for p in target.iterdir())
     if not entries:
         return None
@@ -273,16 +284,13 @@ def _not_written_here(target: Path, marker: str) -> str | None:
         data = json.loads((target / marker).read_text())
     except (OSError, ValueError):
         return f"holds a {marker} that is not JSON"
-    if not isinstance(data, dict):
-        return f"holds a {marker} of another kind"
-    if marker != MANIFEST_FILE:  # an export: transformers' layout, no list of its files
-        has = "quantization_config" in data
-        return None if has else f"holds a {marker} without quantization_config (not an export)"
-    if data.get("format") != FORMAT:
-        return f"holds a {marker} that is not a liteserve artifact's"
-    listed = {*(data.get("files") or {}), MANIFEST_FILE, MODEL_CARD_FILE}
+    if not isinstance(data, dict) or data.get("format") != MARKER_FORMATS[marker]:
+        return f"holds a {marker} that is not liteserve's"
+    listed = {*(data.get("files") or {}), marker}
+    if marker == MANIFEST_FILE:
+        listed.add(MODEL_CARD_FILE)  # lite eval --update-card writes it
     extra = [e for e in entries if e not in listed]
-    return f"holds files its manifest does not list ({', '.join(extra[:5])})" if extra else None
+    return f"holds files its {marker} does not list ({', '.join(extra[:5])})" if extra else None
 
 
 def publish(staging: Path, target: Path, overwrite: bool, marker: str = MANIFEST_FILE) -> None:
