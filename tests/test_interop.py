@@ -480,6 +480,42 @@ def test_an_artifact_whose_architecture_disagrees_with_its_tensors_is_refused(
         Artifact(art)
 
 
+def test_a_list_of_named_chat_templates_gives_the_default(tiny_models, tmp_path) -> None:
+    """Some Hub models keep their templates as [{name, template}, ...] in tokenizer_config:
+    the artifact had no chat template at all, and chat requests were refused."""
+    src = tmp_path / "src"
+    make_checkpoint(tiny_models["llama"], src, "gptq", 32, True)
+    (src / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    default = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    config["chat_template"] = [
+        {"name": "tool_use", "template": "{{ tools }}"},
+        {"name": "default", "template": default},
+    ]
+    (src / "tokenizer_config.json").write_text(json.dumps(config))
+    convert(src, tmp_path / "ok")
+    assert (tmp_path / "ok" / "chat_template.jinja").read_text() == default
+    config["chat_template"] = config["chat_template"][:1]
+    (src / "tokenizer_config.json").write_text(json.dumps(config))
+    _fail(src, tmp_path, "has chat templates named ['tool_use'] but none named 'default'")
+
+
+@pytest.mark.parametrize(
+    ("file", "message"),
+    [
+        ("tokenizer.json", "tokenizer.json cannot be read as a tokenizer"),
+        ("generation_config.json", "generation_config.json is not valid JSON"),
+        ("tokenizer_config.json", "tokenizer_config.json is not valid JSON"),
+    ],
+)
+def test_a_damaged_side_file_is_named(file, message, tiny_models, tmp_path) -> None:
+    src = tmp_path / "src"
+    make_checkpoint(tiny_models["llama"], src, "gptq", 32, True)
+    (src / "generation_config.json").write_text(json.dumps({"temperature": 0.5}))
+    (src / file).write_text('{"broken": ')
+    _fail(src, tmp_path, message)
+
+
 def test_dense_and_truncated_checkpoints_are_refused(tiny_models, tmp_path: Path) -> None:
     _fail(tiny_models["llama"], tmp_path, "dense (unquantized) checkpoint")
     src = tmp_path / "src"

@@ -44,15 +44,47 @@ def _rope(config: dict) -> tuple[float, dict | None]:
     return theta, scaling
 
 
+def read_json(path: Path) -> dict:
+    """A JSON object from one of a checkpoint's files; a damaged one is named."""
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); repair or replace the file") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds {type(data).__name__}, not a JSON object")
+    return data
+
+
 def tokenizer_eos(src: Path) -> int | None:
     """The id of tokenizer_config.json's eos_token, as transformers' tokenizer.eos_token_id."""
     cfg_path, tok_path = src / "tokenizer_config.json", src / "tokenizer.json"
     if not (cfg_path.is_file() and tok_path.is_file()):
         return None
-    eos = json.loads(cfg_path.read_text()).get("eos_token")
+    eos = read_json(cfg_path).get("eos_token")
     if isinstance(eos, dict):
         eos = eos.get("content")
-    return Tokenizer.from_file(str(tok_path)).token_to_id(eos) if eos else None
+    if not eos:
+        return None
+    try:
+        tokenizer = Tokenizer.from_file(str(tok_path))
+    except Exception as e:  # tokenizers raises a bare Exception for a damaged file
+        raise ValueError(f"{tok_path} cannot be read as a tokenizer ({e})") from e
+    return tokenizer.token_to_id(eos)
+
+
+def inline_chat_template(config: dict, path: Path) -> str | None:
+    """tokenizer_config.json's chat_template: a string, or (as some Hub models have it) a
+    list of named templates, of which transformers uses the one named "default"."""
+    inline = config.get("chat_template")
+    if inline is None or isinstance(inline, str):
+        return inline
+    named = {t.get("name"): t.get("template") for t in inline if isinstance(t, dict)}
+    if isinstance(named.get("default"), str):
+        return named["default"]
+    raise ValueError(
+        f"{path} has chat templates named {sorted(map(str, named))} but none named 'default', "
+        f"the one a chat uses; write the one to use to {CHAT_TEMPLATE_FILE} beside it"
+    )
 
 
 def architecture_from_dict(config: dict, eos: int | None) -> Architecture:
@@ -94,7 +126,7 @@ def generation_defaults(path: Path, arch: Architecture) -> GenerationDefaults:
     gen_path = path / "generation_config.json"
     if not gen_path.is_file():
         return defaults
-    gen = json.loads(gen_path.read_text())
+    gen = read_json(gen_path)
     stops = sorted(set(arch.eos_token_ids) | set(as_list(gen.get("eos_token_id"))))
     return GenerationDefaults(
         temperature=gen.get("temperature", defaults.temperature),
@@ -118,6 +150,7 @@ def copy_tokenizer(src: Path, dst: Path) -> None:
         shutil.copyfile(template, dst / CHAT_TEMPLATE_FILE)
         return
     cfg_path = src / "tokenizer_config.json"
-    inline = json.loads(cfg_path.read_text()).get("chat_template") if cfg_path.is_file() else None
-    if isinstance(inline, str):
+    config = read_json(cfg_path) if cfg_path.is_file() else {}
+    inline = inline_chat_template(config, cfg_path)
+    if inline is not None:
         (dst / CHAT_TEMPLATE_FILE).write_text(inline)
