@@ -4,14 +4,16 @@ load as they load compressed-tensors (pack-quantized) or AutoAWQ (GEMM) output.
 The artifact stores (s, -z*s) per group; both formats store s and an integer z. z is recovered
 as round(-(-z*s) / s) and accepted only when it reproduces the stored -z*s to within that
 value's own fp16 rounding (the artifact's documented tolerance), so what is written is the
-artifact's quantization, not an approximation of it; whatever a format cannot express (a group
-size, odd widths) is refused with the reason before anything is written.
+artifact's quantization, not an approximation of it (up to the loaders: a bf16 model's keep
+the fp16 scales in bf16, which the export warns about); whatever a format cannot express (a
+group size, odd widths) is refused with the reason before anything is written.
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,6 +42,15 @@ _REL_TOL = 2.0**-10
 
 class ExportError(ValueError):
     """The artifact cannot be written exactly in the asked format; the message says why."""
+
+
+# The scales are written in fp16 as the artifact holds them; a bf16 model's loaders keep them
+# in the model's dtype. Measured on SmolLM2 (bf16, g64): 87% of scales moved, 6% of weights.
+BF16_SCALES = (
+    "this artifact runs in bfloat16, so vLLM and transformers will hold its fp16 scales in "
+    "bfloat16: each scale rounds once (at most 2^-9 of it) and the exported model's weights "
+    "differ that much from the artifact's; for an exact export, quantize with --dtype float16"
+)
 
 
 def recover_zero(s: torch.Tensor, b: torch.Tensor, symmetric: bool, where: str) -> torch.Tensor:
@@ -201,6 +212,8 @@ def export(artifact: Path, fmt: str, output: Path, overwrite: bool = False) -> P
     """Write `output` (staged beside it, published by one rename; nothing left on error)."""
     art = Artifact(artifact)
     _check(art.manifest, fmt)
+    if art.manifest.dtype == "bfloat16":
+        warnings.warn(BF16_SCALES, stacklevel=2)
     check_replaceable(output, overwrite, EXPORT_MARKER)
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.export-", dir=output.parent))

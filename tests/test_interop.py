@@ -344,6 +344,21 @@ def test_export_then_convert_round_trips(fmt, gs32_artifact: Path, tmp_path: Pat
     assert (extended / "notes.txt").is_file()
 
 
+def test_a_bf16_export_warns_that_its_loaders_round_the_scales(tiny_models, tmp_path) -> None:
+    """vLLM and transformers hold a bf16 model's scales in bf16: the fp16 scales round once,
+    so the export is no longer the artifact's exact weights (an fp16 one is: no warning)."""
+    art = tmp_path / "art"
+    args = ["auto_awq", str(tiny_models["llama"]), "--work-dir", str(art), "--quiet"]
+    args += ["--calib-samples", "0", "--w-group-size", "32", "--dtype", "bfloat16"]
+    assert CliRunner().invoke(lite_main, args).exit_code == 0
+    scales = load_file(str(art / "model-00001.safetensors"))
+    qp = next(v for k, v in scales.items() if k.endswith(".qparams"))
+    assert (qp[..., 0].to(torch.bfloat16).to(qp.dtype) != qp[..., 0]).any()  # they do move
+    args = ["export", str(art), "--format", "compressed-tensors", "--output", str(tmp_path / "o")]
+    result = CliRunner().invoke(lite_main, args)
+    assert result.exit_code == 0 and "warning: this artifact runs in bfloat16" in result.output
+
+
 def unpack_awq(words: torch.Tensor) -> torch.Tensor:
     """The inverse of pack_awq's loop, from the same documentation: [R, C/8] -> [R, C]."""
     wide = words.to(torch.int64) & 0xFFFFFFFF
