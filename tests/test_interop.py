@@ -16,6 +16,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx2
@@ -660,6 +661,34 @@ def test_tensor_files_carry_their_checksums(tmp_path: Path, monkeypatch) -> None
         write_tensors(tmp_path / "y.safetensors", tensors)
     assert len(calls) == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.safetensors"]
+
+
+@pytest.mark.parametrize("command", ["convert", "export"])
+def test_sigterm_leaves_no_staging_directory(command, gs32_artifact, tiny_models, tmp_path) -> None:
+    """A terminated conversion left `.art.convert-*` (the output's size) for good."""
+    src = tmp_path / "src"
+    if command == "convert":
+        make_checkpoint(tiny_models["llama"], src, "gptq", 32, True)
+        args = ["convert", str(src), "--work-dir", str(tmp_path / "art")]
+    else:
+        args = [
+            "export",
+            str(gs32_artifact),
+            "--format",
+            "autoawq",
+            "--output",
+            str(tmp_path / "art"),
+        ]
+    proc = subprocess.Popen([sys.executable, "-m", "lite", *args], stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if list(tmp_path.glob(".art.*")):
+            proc.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.001)
+    proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr.read().decode()[-2000:]
+    assert not list(tmp_path.glob(".art.*")) and not (tmp_path / "art").exists()
 
 
 def test_runtime_serve_src_answers_over_http(tiny_models, tmp_path: Path) -> None:
