@@ -443,7 +443,6 @@ def _edit_config(src: Path, **quant) -> None:
     ("edit", "message"),
     [
         (dict(bits=8), "8-bit weights; only 4-bit"),
-        (dict(desc_act=True), "desc_act (act-order)"),
         (dict(group_size=48), "group_size 48 is not supported"),
         (dict(checkpoint_format="marlin"), "checkpoint_format 'marlin'"),
     ],
@@ -541,14 +540,32 @@ def test_dense_and_truncated_checkpoints_are_refused(tiny_models, tmp_path: Path
     _fail(src, tmp_path, "is truncated")
 
 
-def test_act_order_g_idx_is_refused(tiny_models, tmp_path: Path) -> None:
+@pytest.mark.parametrize("desc_act", [False, True])
+def test_act_order_g_idx_is_refused(desc_act, tiny_models, tmp_path: Path) -> None:
     src = tmp_path / "src"
     make_checkpoint(tiny_models["llama"], src, "gptq", 32, True)
+    _edit_config(src, desc_act=desc_act)
     tensors = load_file(str(src / "model.safetensors"))
     name = "model.layers.1.mlp.down_proj.g_idx"
     tensors[name] = tensors[name].flip(0).contiguous()
     save_file(tensors, str(src / "model.safetensors"))
     _fail(src, tmp_path, "act-order")
+
+
+@pytest.mark.parametrize("gs", [32, None])
+def test_desc_act_with_contiguous_groups_converts(gs, tiny_models, tmp_path: Path) -> None:
+    """Act-order with static groups, or one group per channel (g_idx all zeros), keeps each
+    group a contiguous run of channels: the weights are exact, as without desc_act. A
+    desc_act checkpoint without g_idx cannot be read."""
+    src = tmp_path / "src"
+    want = make_checkpoint(tiny_models["llama"], src, "gptq", gs, True)
+    _edit_config(src, desc_act=True, static_groups=gs is not None)
+    convert(src, tmp_path / "ok")
+    assert_same_weights(artifact_weights(tmp_path / "ok"), want, exact=True)
+    tensors = load_file(str(src / "model.safetensors"))
+    del tensors["model.layers.0.self_attn.q_proj.g_idx"]
+    save_file(tensors, str(src / "model.safetensors"))
+    _fail(src, tmp_path, "g_idx is missing from a desc_act (act-order) checkpoint")
 
 
 def test_runtime_serves_a_checkpoint_through_the_cache(

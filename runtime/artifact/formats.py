@@ -170,6 +170,11 @@ def _read_gptq(get: Getter, prefix: str, fmt: SourceFormat) -> QuantizedLinear:
         g_idx = get(prefix + ".g_idx")
     except KeyError:
         g_idx = None
+    if g_idx is None and fmt.config.get("desc_act"):
+        raise FormatError(
+            f"{prefix}.g_idx is missing from a desc_act (act-order) checkpoint, so which group "
+            f"each input channel is in is not known"
+        )
     if g_idx is not None and fmt.group_size is not None:
         contiguous = torch.arange(k, dtype=g_idx.dtype) // fmt.group_size
         if not torch.equal(g_idx, contiguous):
@@ -253,11 +258,8 @@ def _awq(qc: dict, where: str) -> SourceFormat:
 
 def _gptq(qc: dict, where: str) -> SourceFormat:
     _check_bits(qc.get("bits"), where)
-    if qc.get("desc_act"):
-        raise FormatError(
-            f"{where}: desc_act (act-order) GPTQ reorders input channels, so a group is not a "
-            f"contiguous run of channels as the artifact's are; requantize without desc_act"
-        )
+    # desc_act (act-order) is decided per linear from g_idx (_read_gptq): with one group per
+    # channel, or static groups, the groups are still contiguous runs and convert exactly
     fmt = str(qc.get("checkpoint_format", "gptq"))
     if fmt not in ("gptq", "gptq_v2"):
         raise FormatError(f"{where}: GPTQ checkpoint_format {fmt!r} (e.g. Marlin) not supported")
