@@ -540,6 +540,26 @@ def test_dense_and_truncated_checkpoints_are_refused(tiny_models, tmp_path: Path
     _fail(src, tmp_path, "is truncated")
 
 
+@pytest.mark.parametrize(
+    ("fmt", "legacy"), [("gptq", "quantize_config.json"), ("awq", "quant_config.json")]
+)
+def test_a_legacy_quantization_file_is_read(fmt, legacy, tiny_models, tmp_path: Path) -> None:
+    """Older AutoGPTQ/AutoAWQ checkpoints keep their quantization beside config.json: they
+    were called dense, and the advice to quantize them failed."""
+    src = tmp_path / "src"
+    want = make_checkpoint(tiny_models["llama"], src, fmt, 32, fmt == "gptq")
+    config = json.loads((src / "config.json").read_text())
+    qc = config.pop("quantization_config")
+    qc.pop("quant_method")
+    if fmt == "awq":  # AutoAWQ's own names in quant_config.json
+        qc = {"w_bit": qc["bits"], "q_group_size": qc["group_size"], "zero_point": True,
+              "version": "GEMM"}  # fmt: skip
+    (src / "config.json").write_text(json.dumps(config))
+    (src / legacy).write_text(json.dumps(qc))
+    convert(src, tmp_path / "art")
+    assert_same_weights(artifact_weights(tmp_path / "art"), want, exact=fmt == "gptq")
+
+
 @pytest.mark.parametrize("desc_act", [False, True])
 def test_act_order_g_idx_is_refused(desc_act, tiny_models, tmp_path: Path) -> None:
     src = tmp_path / "src"

@@ -30,6 +30,7 @@ from runtime.artifact.hf_config import (
     architecture_from_dict,
     copy_tokenizer,
     generation_defaults,
+    read_json,
     tokenizer_eos,
 )
 from runtime.artifact.manifest import (
@@ -68,6 +69,7 @@ CONVERT_SHARD_BYTES = 512 * 1024**2
 STORED_16BIT = {"F16": "float16", "BF16": "bfloat16"}  # safetensors' names -> manifest dtype
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 GLOBALS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+LEGACY_CONFIGS = {"quantize_config.json": "gptq", "quant_config.json": "awq"}  # -> quant_method
 ROW_CHUNK = 4096  # rows of an embedding per read and write: 32 MiB at hidden 4096 in fp16
 
 
@@ -125,13 +127,32 @@ class Shards:
 
 
 def read_config(src: Path) -> dict:
+    """config.json, with the quantization_config of a legacy side file where it has none."""
     path = src / "config.json"
     if not path.is_file():
         raise ConvertError(f"{src} has no config.json: not a Hugging Face checkpoint directory")
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ConvertError(f"{path} is not valid JSON: {e}") from e
+    if not config.get("quantization_config"):
+        legacy = legacy_quantization_config(src)
+        if legacy is not None:
+            config["quantization_config"] = legacy
+    return config
+
+
+def legacy_quantization_config(src: Path) -> dict | None:
+    """Older AutoGPTQ and AutoAWQ checkpoints (many of TheBloke's) keep their quantization in
+    quantize_config.json or quant_config.json, not in config.json; vLLM reads them too."""
+    for name, method in LEGACY_CONFIGS.items():
+        if (src / name).is_file():
+            try:
+                qc = read_json(src / name)
+            except ValueError as e:
+                raise ConvertError(str(e)) from e
+            return {"quant_method": method, **qc}
+    return None
 
 
 def _plan(shards: Shards, fmt: SourceFormat, arch: Architecture) -> None:
@@ -253,7 +274,8 @@ def _stream_globals(
 
 def source_files(src: Path) -> dict[str, str]:
     """sha256 of everything that decides the artifact: config, shards, tokenizer, template."""
-    names = ["config.json", *TOKENIZER_FILES, "chat_template.jinja", "generation_config.json"]
+    names = ["config.json", *LEGACY_CONFIGS, *TOKENIZER_FILES, "chat_template.jinja"]
+    names.append("generation_config.json")
     paths = [src / n for n in names if (src / n).is_file()]
     paths += sorted(p for p in src.glob("*.safetensors"))
     return {p.name: sha256_file(p) for p in paths}
@@ -387,12 +409,11 @@ def convert(
 
 def is_quantized_checkpoint(path: Path) -> bool:
     """A Hugging Face directory (no manifest) whose config declares a quantization."""
-    config = path / "config.json"
-    if (path / MANIFEST_FILE).is_file() or not config.is_file():
+    if (path / MANIFEST_FILE).is_file() or not (path / "config.json").is_file():
         return False
     try:
-        return bool(json.loads(config.read_text()).get("quantization_config"))
-    except json.JSONDecodeError:
+        return bool(read_config(path).get("quantization_config"))
+    except ConvertError:
         return False
 
 
