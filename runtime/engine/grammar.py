@@ -94,7 +94,7 @@ class GrammarCompiler:
             raise GrammarError(f"the JSON schema cannot be compiled: {e}") from e
         matcher = llguidance.LLMatcher(self._tokenizer, grammar)
         if matcher.is_error():
-            raise GrammarError(f"the JSON schema cannot be compiled: {matcher.get_error()}")
+            raise GrammarError(f"the JSON schema cannot be compiled: {parser_error(matcher)}")
         error = forced_prefix_error(matcher)
         if error is not None:
             raise GrammarError(
