@@ -639,8 +639,14 @@ def start(
     import ray
     from ray import serve
 
-    if not ray.is_initialized():
+    if ray.is_initialized():
+        pass
+    elif ray_address is not None:
         ray.init(address=ray_address)
+    else:  # a new cluster of this host alone: never one found in RAY_ADDRESS or /tmp/ray
+        # (its port was not ours, and stopping deleted its Serve apps), and its control
+        # plane, which runs any code it is sent, not on every interface
+        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False)
     serve.start(http_options={"host": host, "port": port})
     serve.run(application, name=name, route_prefix="/", blocking=False)
 
