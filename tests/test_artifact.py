@@ -134,6 +134,27 @@ def test_manifest_with_a_meaningless_norm_or_rotary_base(
         Artifact(copy)
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("temperature", -1.0, "generation.temperature"),
+        ("top_p", 0.0, "generation.top_p"),
+        ("repetition_penalty", float("nan"), "generation.repetition_penalty"),
+        ("stop_token_ids", [2, 10**9], r"stop_token_ids \[1000000000\] are outside the vocab"),
+    ],
+)
+def test_manifest_with_generation_defaults_the_sampler_refuses(
+    copy: Path, field: str, value: object, message: str
+) -> None:
+    """It verified, then every request that left the field to the default got a 400 for a
+    value its client never sent."""
+    m = _manifest(copy)
+    m["generation"][field] = value
+    (copy / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ArtifactError, match=message):
+        Artifact(copy)
+
+
 def test_foreign_directories(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     with pytest.raises(ArtifactError, match="Hugging Face model directory.*lite auto_awq"):
         Artifact(tiny_models["llama"])

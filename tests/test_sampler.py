@@ -387,6 +387,18 @@ def test_check_stop_tokens_and_length():
         ({"logprobs": 21}, "logprobs"),
         ({"prompt_logprobs": 21}, "prompt_logprobs"),
         ({"stop": ("",)}, "stop"),
+        # a bool is an int to Python: logprobs=True failed inside a step, in torch.topk
+        ({"logprobs": True}, "logprobs"),
+        ({"prompt_logprobs": True}, "prompt_logprobs"),
+        ({"temperature": True}, "temperature"),
+        ({"max_new_tokens": True}, "max_new_tokens"),
+        # not a list: a bare TypeError before, or silently cast ("2" -> 2, 2.7 -> 2)
+        ({"stop": 5}, "stop"),
+        ({"stop_token_ids": 5}, "stop_token_ids"),
+        ({"stop_token_ids": "2"}, "stop_token_ids"),
+        ({"stop_token_ids": (2.7,)}, "stop_token_ids"),
+        ({"stop_token_ids": (None,)}, "stop_token_ids"),
+        ({"ignore_eos": "no"}, "ignore_eos"),
     ],
 )
 def test_validate_errors(kwargs, field):

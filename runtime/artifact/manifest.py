@@ -7,7 +7,7 @@ something else, and guessing would be worse than refusing.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -167,11 +167,13 @@ class LaunchConfig(_Strict):
 
 
 class GenerationDefaults(_Strict):
-    temperature: float = 0.7
-    top_p: float = 0.9
-    top_k: int = 0
-    repetition_penalty: float = 1.0
-    stop_token_ids: list[int] = Field(default_factory=list)
+    # the sampler's own bounds: out of them, every request that left a field to the default
+    # failed with a 400 blaming the client for a field it never sent
+    temperature: float = Field(0.7, ge=0, allow_inf_nan=False)
+    top_p: float = Field(0.9, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    repetition_penalty: float = Field(1.0, gt=0, allow_inf_nan=False)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
 
 
 class Manifest(_Strict):

@@ -66,6 +66,13 @@ def read_manifest(path: str | Path) -> Manifest:
         ) from e
     _check_layers(mpath, manifest)
     _check_shapes(mpath, manifest)
+    vocab = manifest.architecture.vocab_size
+    outside = [t for t in manifest.generation.stop_token_ids if t >= vocab]
+    if outside:  # every request would be refused for a stop id it never sent
+        raise ArtifactError(
+            f"{mpath} is corrupted: generation.stop_token_ids {outside[:5]} are outside the "
+            f"vocabulary (0..{vocab - 1})"
+        )
     return manifest
 
 

@@ -36,6 +36,19 @@ _CDF_BLOCK = 256  # columns per first-level sum of a long row's draw
 _LOGIT_LIMIT = 1e30
 
 
+def _as_tuple(value: object) -> object:
+    """A list or tuple as a tuple (hashable); anything else as it is, for validate() to name."""
+    return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+def _integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # True is not a count
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
@@ -65,9 +78,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # Accept a bare string or lists from an API layer; keep the dataclass hashable.
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple(self.stop)
         object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
 
@@ -82,36 +95,39 @@ class SamplingParams:
             return ValueError(f"{field} must be {allowed}, got {value!r}")
 
         t = self.temperature
-        if not (isinstance(t, (int, float)) and 0 <= t < math.inf):  # inf: uniform noise
+        if not (_number(t) and 0 <= t < math.inf):  # inf: uniform noise
             raise bad("temperature", ">= 0 and finite", t)
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+        if not (_number(self.top_p) and 0 < self.top_p <= 1):
             raise bad("top_p", "in (0, 1]", self.top_p)
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+        if not (_integer(self.top_k) and self.top_k >= 0):
             raise bad("top_k", "an integer >= 0 (0 = off)", self.top_k)
-        if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1):
+        if not (_number(self.min_p) and 0 <= self.min_p <= 1):
             raise bad("min_p", "in [0, 1]", self.min_p)
-        if not (isinstance(self.repetition_penalty, (int, float)) and self.repetition_penalty > 0):
+        if not (_number(self.repetition_penalty) and self.repetition_penalty > 0):
             raise bad("repetition_penalty", "> 0", self.repetition_penalty)
         for field in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, field)
-            if not (isinstance(v, (int, float)) and -2 <= v <= 2):
+            if not (_number(v) and -2 <= v <= 2):
                 raise bad(field, "in [-2, 2]", v)
         if any(not -100 <= b <= 100 for _, b in self.logit_bias):
             raise bad("logit_bias", "biases in [-100, 100]", self.logit_bias)
-        if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
+        if not (_integer(self.max_new_tokens) and self.max_new_tokens >= 1):
             raise bad("max_new_tokens", "an integer >= 1", self.max_new_tokens)
         for field in ("logprobs", "prompt_logprobs"):
             v = getattr(self, field)
-            if v is not None and not (isinstance(v, int) and 0 <= v <= MAX_LOGPROBS):
+            if v is not None and not (_integer(v) and 0 <= v <= MAX_LOGPROBS):
                 raise bad(field, f"None or an integer in [0, {MAX_LOGPROBS}]", v)
-        if self.seed is not None and not (
-            isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64
-        ):
+        if self.seed is not None and not (_integer(self.seed) and -(2**63) <= self.seed < 2**64):
             raise bad("seed", "None or an integer in torch's range [-2^63, 2^64)", self.seed)
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise bad("stop", "a sequence of non-empty strings", self.stop)
-        if any(t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "non-negative token ids", self.stop_token_ids)
+        stop = self.stop
+        if not isinstance(stop, tuple) or any(not isinstance(s, str) or not s for s in stop):
+            raise bad("stop", "a string or a list of non-empty strings", stop)
+        ids = self.stop_token_ids
+        if not isinstance(ids, tuple) or any(not (_integer(t) and t >= 0) for t in ids):
+            raise bad("stop_token_ids", "a list of non-negative token ids", ids)
+        for field in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, field), bool):
+                raise bad(field, "true or false", getattr(self, field))
 
 
 @dataclass
