@@ -1309,3 +1309,16 @@ def test_check_passes_when_the_reply_ends_on_an_end_token(artifact: Path, tmp_pa
     assert "backend   cpu (torch " in r.output and "(1 tokens, finish stop)" in r.output
     assert "\ndevice    cpu\n" in r.output
     assert r.output.rstrip().endswith("ok")
+
+
+def test_a_fresh_server_reports_its_pool_and_what_one_request_can_hold(artifact: Path) -> None:
+    """/metrics said 0 free blocks until the first step (an idle server looked full), and
+    /v1/models said session_len where the pool holds fewer tokens."""
+    s = serve(artifact, config=engine_config(num_blocks=8))
+    try:
+        m = metrics(s.url)
+        assert m["liteserve:kv_cache_free_blocks"] == 8
+        card = httpx2.get(s.url + "/v1/models").json()["data"][0]
+        assert card["max_model_len"] == 8 * 16 < SESSION_LEN
+    finally:
+        s.stop()

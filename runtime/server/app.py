@@ -205,7 +205,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(req: p.TokenizeRequest) -> dict:
         ids = state.encode_tokenize(req)
-        return {"tokens": ids, "count": len(ids), "max_model_len": state.session_len}
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(req: p.DetokenizeRequest) -> dict:
@@ -256,6 +256,9 @@ class _State:
         self.session_len = engine.engine.session_len
         self.vocab = engine.engine.arch.vocab_size
         self.capacity_tokens = engine.engine.pool_stats().capacity_tokens
+        # what one request can hold: clients size prompts by it, and a pool smaller than the
+        # session holds fewer tokens than session_len
+        self.max_model_len = min(self.session_len, self.capacity_tokens)
         self.created = int(time.time())
         self.in_flight = 0
         self.draining = False
@@ -669,7 +672,7 @@ class _State:
         return p.ModelCard(
             id=self.settings.model_name,
             created=self.created,
-            max_model_len=self.session_len,
+            max_model_len=self.max_model_len,
             liteserve={
                 "source": m.source.id,
                 "family": m.architecture.family,

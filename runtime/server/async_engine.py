@@ -130,6 +130,7 @@ class AsyncEngine:
         self._last_probe = float("-inf")
 
     def start(self) -> None:
+        self.metrics.sync_engine(self.engine)  # an idle pool's gauges before any step: all free
         self.alive = True
         self._thread.start()
 
