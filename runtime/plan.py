@@ -122,4 +122,11 @@ def render(rows: list[PlanRow], art: Artifact, memory: int, avg_len: int, tp: in
             f"{r.kv_quant:<6} {r.bytes_per_token:>12,} {r.bytes_per_block:>12,} "
             f"{r.blocks:>10,} {r.tokens:>12,} {r.sequences:>10,}"
         )
+    batch = art.manifest.launch.max_batch_size
+    lines += [
+        "",
+        f"For a GPU (fp16 KV). The engine runs at most {batch} sequences at once "
+        "(max_batch_size). On a CPU the `none` pool is fp32 (twice its bytes here) and the "
+        "weights take more than their stored bytes: its start-up log gives both.",
+    ]
     return "\n".join(lines)
