@@ -186,10 +186,8 @@ def _plan(shards: Shards, fmt: SourceFormat, arch: Architecture) -> None:
         want = arch.logical_shape(name)
         if want is not None and list(shape) != want:
             raise ConvertError(
-                f"{shards.src}: {name} is {list(shape)} but config.json (hidden "
-                f"{arch.hidden_size}, {arch.num_heads}:{arch.num_kv_heads} heads of "
-                f"{arch.head_dim}, intermediate {arch.intermediate_size}, vocab "
-                f"{arch.vocab_size}) makes it {want}: the config does not describe these weights"
+                f"{shards.src}: {name} is {list(shape)} but config.json ({arch.shape_summary()}) "
+                f"makes it {want}: the config does not describe these weights"
             )
 
 

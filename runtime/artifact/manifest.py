@@ -71,6 +71,13 @@ class Architecture(_Strict):
     eos_token_ids: list[int] = Field(default_factory=list)
     pad_token_id: int | None = None
 
+    def shape_summary(self) -> str:
+        """The numbers every tensor's shape follows, for errors that say why one is wrong."""
+        return (
+            f"hidden {self.hidden_size}, {self.num_heads}:{self.num_kv_heads} heads of "
+            f"{self.head_dim}, intermediate {self.intermediate_size}, vocab {self.vocab_size}"
+        )
+
     def logical_shape(self, name: str) -> list[int] | None:
         """The shape this architecture gives a tensor ([out, in] for a linear, by its name
         without .qweight/.qparams), or None for a name it does not know. The kernels index

@@ -87,9 +87,7 @@ def _check_shapes(mpath: Path, manifest: Manifest) -> None:
         if expected is not None and shape != expected:
             raise ArtifactError(
                 f"{mpath} is corrupted: {name} is {shape} where the architecture "
-                f"(hidden {arch.hidden_size}, {arch.num_heads}:{arch.num_kv_heads} heads of "
-                f"{arch.head_dim}, intermediate {arch.intermediate_size}, vocab "
-                f"{arch.vocab_size}) makes it {expected}"
+                f"({arch.shape_summary()}) makes it {expected}"
             )
 
 

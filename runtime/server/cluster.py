@@ -627,6 +627,18 @@ def build_application(
     )
 
 
+def _init_ray(address: str | None) -> None:
+    """Join the named cluster, or start one of this host alone: never one found in
+    RAY_ADDRESS or /tmp/ray (its port was not ours, and stopping deleted its Serve apps), and
+    with its control plane, which runs any code it is sent, not on every interface."""
+    import ray
+
+    if address is not None:
+        ray.init(address=address)
+    else:
+        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False)
+
+
 def start(
     application: Any,
     host: str = "127.0.0.1",
@@ -639,14 +651,8 @@ def start(
     import ray
     from ray import serve
 
-    if ray.is_initialized():
-        pass
-    elif ray_address is not None:
-        ray.init(address=ray_address)
-    else:  # a new cluster of this host alone: never one found in RAY_ADDRESS or /tmp/ray
-        # (its port was not ours, and stopping deleted its Serve apps), and its control
-        # plane, which runs any code it is sent, not on every interface
-        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False)
+    if not ray.is_initialized():
+        _init_ray(ray_address)
     serve.start(http_options={"host": host, "port": port})
     serve.run(application, name=name, route_prefix="/", blocking=False)
 
