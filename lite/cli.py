@@ -125,8 +125,8 @@ def _terminated(signum: int, frame: object) -> None:
     "--rounding",
     type=click.Choice(["gptq", "nearest"]),
     help="How the scaled weights become codes: gptq (the default when calibrating: each "
-    "column's error compensated on the later columns; on SmolLM2 0.68x the perplexity loss of "
-    "nearest on text like the calibration set, 0.92-0.97x on other text) or nearest "
+    "column's error compensated on the later columns; on SmolLM2 0.64x the perplexity loss of "
+    "nearest on text like the calibration set, 0.88-0.94x on other text) or nearest "
     "(AWQ's round-to-nearest; the default and only choice with --calib-samples 0).",
 )
 @click.option(

@@ -237,6 +237,15 @@ def test_the_auth_scheme_is_case_insensitive(srv: Served) -> None:
         assert r.status_code == 401, header
 
 
+def test_the_open_routes_are_the_documented_ones(srv: Served) -> None:
+    """docs/server.md lists what answers without a key; FastAPI's CDN-backed pages are off."""
+    for path in ("/health", "/version", "/metrics", "/openapi.json"):
+        assert httpx2.get(srv.url + path).status_code == 200, path
+    for path in ("/docs", "/redoc"):
+        assert httpx2.get(srv.url + path).status_code in (401, 404), path
+    assert httpx2.get(srv.url + "/tokenize").status_code == 401
+
+
 def test_developer_messages_are_system_messages_to_a_template_without_them(
     http: httpx2.Client,
 ) -> None:

@@ -137,7 +137,9 @@ class _Auth:
 
 
 def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
-    app = FastAPI(title="liteserve", version=__version__)
+    # no /docs or /redoc: their pages load Swagger's scripts from a CDN, which an offline
+    # server cannot reach; /openapi.json stays (it is the schema, served without a key)
+    app = FastAPI(title="liteserve", version=__version__, docs_url=None, redoc_url=None)
     app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(_Auth, keys=settings.api_keys)  # outermost: keys before anything else
     state = _State(engine, settings)
