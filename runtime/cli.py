@@ -449,8 +449,10 @@ def serve_cmd(
         pool.capacity_tokens,
     )
     # uvicorn re-raises the signal it stopped on once it has drained and shut down: a SIGTERM
-    # that stopped the server gracefully must end the process with status 0, not by the signal.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # or Ctrl-C that stopped the server gracefully must end the process with status 0, not by
+    # the signal (or click's "Aborted!" and status 1 for the KeyboardInterrupt).
+    for stop in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop, lambda *_: sys.exit(0))
     server = DrainingServer(
         uvicorn.Config(
             app,

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from lite.cli import main as lite_main
 from runtime import EngineConfig, GenerationConfig, pipeline
 from runtime.artifact.reader import Artifact, ArtifactError
-from runtime.engine.engine import Engine
+from runtime.engine.engine import ContextLengthError, Engine
 from runtime.engine.sampler import SamplingParams
 from runtime.kernels.cpu import CpuBackend
 from tests.conftest import make_llama3_rope_model
@@ -331,7 +331,8 @@ def test_bad_input(artifacts: dict[str, Path], tmp_path: Path) -> None:
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     assert not engine.scheduler.has_work()
     small = Engine(artifacts["llama"], _config(num_blocks=2))
-    with pytest.raises(ValueError, match="needs 3 KV blocks .* the pool has 2"):
+    # over the whole pool is over max_model_len too: the server's context_length_exceeded
+    with pytest.raises(ContextLengthError, match=r"needs 3 KV blocks .* the pool has 2 \(32 "):
         small.add_request(_ids(40, 1), SamplingParams(max_new_tokens=2))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.add_request([1, 2, 10**6], SamplingParams(max_new_tokens=2))

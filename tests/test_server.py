@@ -306,12 +306,16 @@ def test_completion_streamed_and_whole_agree_with_usage(
     assert last.choices == [] and last.usage.model_dump() == whole.usage.model_dump()
 
 
-def test_n_choices(client: openai.OpenAI, http: httpx2.Client) -> None:
+def test_n_choices(srv: Served, client: openai.OpenAI, http: httpx2.Client) -> None:
     kw = dict(model=MODEL, n=2, max_tokens=8, temperature=1.0, seed=5)
+    before = metrics(srv.url)
     r = client.completions.create(prompt=PROMPT, extra_body={"ignore_eos": True}, **kw)
     assert sorted(c.index for c in r.choices) == [0, 1]
     assert r.choices[0].text != r.choices[1].text  # one seed, still two different samples
     assert r.usage.prompt_tokens == len(_tokens(http, prompt=PROMPT))  # counted once
+    # and so by /metrics (it counted the prompt once per choice)
+    grown = grew(metrics(srv.url), before, "liteserve:prompt_tokens_total")
+    assert grown == r.usage.prompt_tokens
     assert r.usage.completion_tokens == 16
 
     whole = client.chat.completions.create(messages=MESSAGES, extra_body={"ignore_eos": True}, **kw)
@@ -1160,7 +1164,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_sigterm_drains_in_flight_and_exits_0(artifact: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_sigterm_drains_in_flight_and_exits_0(artifact: Path, sig: signal.Signals) -> None:
+    """Ctrl-C stops the server as SIGTERM does (it printed click's "Aborted!" with status 1)."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "runtime", "serve", str(artifact), "--server-port", str(port)]
@@ -1190,7 +1196,7 @@ def test_sigterm_drains_in_flight_and_exits_0(artifact: Path) -> None:
         while len(events) < 3:
             assert time.monotonic() < deadline and reader.is_alive()
             time.sleep(0.01)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         while True:  # admission stops at once: the listening socket closes
             assert time.monotonic() < deadline
             try:
@@ -1212,7 +1218,7 @@ def test_sigterm_drains_in_flight_and_exits_0(artifact: Path) -> None:
     assert events[-1] == "data: [DONE]", events[-3:]
     assert json.loads(events[-2].removeprefix("data: "))["usage"]["completion_tokens"] == 800
     assert json.loads(events[-3].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
-    assert rc == 0, log
+    assert rc == 0 and "Aborted" not in log, log
     assert "Traceback" not in log, log
     # the start-up line says what the backend runs on (the CPU's ISA path), at the default level
     (line,) = [x for x in log.splitlines() if "serving " in x]
@@ -1283,6 +1289,58 @@ def test_requests_left_at_the_end_of_the_grace_get_a_503(artifact: Path) -> None
     assert "--grace 1.5 s" in error["message"]
     (r,) = whole
     assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+
+
+def test_a_step_longer_than_the_grace_left_still_ends_requests_in_the_error_shape(
+    artifact: Path,
+) -> None:
+    """The 503s go out from the event loop when the grace runs short, not after the engine's
+    step: a CPU prefill step can take longer than the second left (the errors then waited for
+    it, and uvicorn's cancel sent a plain-text 500 and cut the streams). A request still
+    waiting for the engine to admit it gets the 503 too."""
+    s = serve(artifact, grace=1.0)
+    real = s.engine.step
+    state = s.app.state.liteserve
+
+    def slow_step():  # once draining, each step outlasts the whole grace
+        time.sleep(3.0 if state.draining else 0.02)
+        return real()
+
+    s.engine.step = slow_step
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True}
+    events: list[str] = []
+    whole: list[httpx2.Response] = []
+
+    def stream() -> None:
+        with httpx2.stream("POST", s.url + "/v1/completions", json={**body, "stream": True}) as r:
+            events.extend(line for line in r.iter_lines() if line)
+
+    def post() -> None:
+        whole.append(httpx2.post(s.url + "/v1/completions", json=body, timeout=30))
+
+    readers = [threading.Thread(target=f, daemon=True) for f in (stream, post)]
+    try:
+        for t in readers:
+            t.start()
+        deadline = time.monotonic() + 30
+        while len(events) < 3 or len(s.engine.running_ids()) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        state.draining = True  # the next step is slow; a request sent now waits to be admitted
+        late = threading.Thread(target=post, daemon=True)
+        late.start()
+        time.sleep(0.3)
+        s.stop()
+        for t in (*readers, late):
+            t.join(timeout=15)
+    finally:
+        s.engine.step = real
+    assert events[-1] == "data: [DONE]", events[-3:]
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["type"] == "service_unavailable" and error["code"] == 503
+    assert len(whole) == 2
+    for r in whole:
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
 
 
 # ---- runtime check ----

@@ -168,7 +168,8 @@ def _fitting(spec: KVSpec, num_blocks: int, available: int) -> int:
 
 
 class ContextLengthError(ValueError):
-    """A request's prompt and max_new_tokens do not fit the session."""
+    """A request's prompt and max_new_tokens do not fit the session, or the whole KV pool:
+    either way over the server's max_model_len (OpenAI's context_length_exceeded)."""
 
 
 def _within_positions(
@@ -370,9 +371,11 @@ class Engine:
             )
         needed = -(-total // self.kv_spec.block_size)
         if needed > self.blocks.num_blocks:
-            raise ValueError(
+            raise ContextLengthError(
                 f"the request needs {needed} KV blocks ({total} tokens) but the pool has "
-                f"{self.blocks.num_blocks}; raise num_blocks or cache_max_entry_count"
+                f"{self.blocks.num_blocks} ({self.blocks.num_blocks * self.kv_spec.block_size} "
+                "tokens); shorten the prompt or lower max_new_tokens, or serve with a larger "
+                "num_blocks or cache_max_entry_count"
             )
         matcher = None if params.json_schema is None else self.grammar.matcher(params.json_schema)
         seq_id = next(self._ids)

@@ -31,7 +31,14 @@ from runtime.engine.engine import ContextLengthError
 from runtime.engine.grammar import GrammarError, schema_key
 from runtime.engine.sampler import SamplingParams, TokenLogprobs
 from runtime.server import protocol as p
-from runtime.server.async_engine import AsyncEngine, StepFailure, Update, Updates, merge
+from runtime.server.async_engine import (
+    AsyncEngine,
+    ServerClosing,
+    StepFailure,
+    Update,
+    Updates,
+    merge,
+)
 from runtime.server.tools import Delta, ToolCallParser, forced_schema, merge_calls, syntax_for
 from runtime.text import check_text
 from runtime.validation import validation_message
@@ -448,6 +455,8 @@ class _State:
             return await self.engine.submit(requests)
         except ContextLengthError as e:
             raise ApiError(400, str(e), param=prompt_param, code="context_length_exceeded") from e
+        except ServerClosing as e:
+            raise ApiError(503, str(e), "service_unavailable") from e
         except ValueError as e:
             raise ApiError(400, str(e)) from e
         except Exception as e:  # logged by the engine thread; a 500 for this request only

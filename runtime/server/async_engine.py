@@ -84,6 +84,10 @@ class _Stream:
     last_token: float | None = None
 
 
+class ServerClosing(Exception):
+    """The server is shutting down and admits nothing more: a 503 its client may retry."""
+
+
 class Updates:
     """One admitted request's updates until it finishes. aclose() aborts it if it has not
     finished, read or not (an async generator closed before it started would skip its
@@ -95,6 +99,16 @@ class Updates:
         self._out = out
         self._pending: deque[Update] = deque()
         self._done = False
+        owner._open.add(self)
+
+    def fail(self, message: str) -> None:
+        """End the reader with a 503 now, on the event loop: the engine thread may be in a
+        step longer than the time left before uvicorn cancels the handler."""
+        self._out.put_nowait(Update("", [], [], None, 0, 0, error=message, error_status=503))
+
+    def _finish(self) -> None:
+        self._done = True
+        self._owner._open.discard(self)
 
     def __aiter__(self) -> Updates:
         return self
@@ -107,11 +121,12 @@ class Updates:
         while not self._out.empty():
             self._pending.append(self._out.get_nowait())
         update = AsyncEngine._next(self._pending)
-        self._done = update.finish_reason is not None or update.error is not None
+        if update.finish_reason is not None or update.error is not None:
+            self._finish()
         return update
 
     async def aclose(self) -> None:
-        self._done = True
+        self._finish()
         self._owner.abort(self.seq_id)
 
 
@@ -128,6 +143,10 @@ class AsyncEngine:
         self.alive = False
         self.failure: StepFailure | None = None  # written by the engine thread only
         self._last_probe = float("-inf")
+        # the event loop's side, touched on the loop only: what fail_in_flight must end
+        self.closing: str | None = None
+        self._open: set[Updates] = set()
+        self._admitting: set[asyncio.Future] = set()
 
     def start(self) -> None:
         self.metrics.sync_engine(self.engine)  # an idle pool's gauges before any step: all free
@@ -146,15 +165,27 @@ class AsyncEngine:
         step. Raises ValueError (nothing admitted) if the engine refuses any of them. Returns
         once they are admitted, not when they have a token: a client that leaves while they
         wait for a slot can then be seen leaving, and they are aborted."""
+        if self.closing is not None:
+            raise ServerClosing(self.closing)
         loop = asyncio.get_running_loop()
         outs: list[asyncio.Queue] = [asyncio.Queue() for _ in requests]
         added: Future = Future()
         self._inbox.put(("add", requests, loop, outs, added))
+        admitted, closing = asyncio.wrap_future(added), loop.create_future()
+        self._admitting.add(closing)
         try:
-            seqs = await asyncio.wrap_future(added)
-        except asyncio.CancelledError:  # cancelled in the engine thread's queue, or aborted
-            added.add_done_callback(self._abort_admitted)
+            await asyncio.wait({admitted, closing}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the caller left while the engine thread was busy
+            admitted.cancel()  # in the engine thread's queue still: it is skipped
+            added.add_done_callback(self._abort_admitted)  # else aborted once admitted
             raise
+        finally:
+            self._admitting.discard(closing)
+        if not admitted.done():  # the server's grace ran out before a step admitted them
+            admitted.cancel()
+            added.add_done_callback(self._abort_admitted)
+            raise ServerClosing(closing.result())
+        seqs = admitted.result()
         return [Updates(self, seq.seq_id, out) for seq, out in zip(seqs, outs, strict=True)]
 
     def _abort_admitted(self, added: Future) -> None:
@@ -165,7 +196,15 @@ class AsyncEngine:
 
     def fail_in_flight(self, message: str) -> None:
         """End every request with an error now (the server's grace period is running out):
-        their clients get a 503 or a stream's error event instead of a cut connection."""
+        their clients get a 503 or a stream's error event instead of a cut connection. Called
+        on the event loop, which answers them at once; the engine thread aborts them when
+        its step ends."""
+        self.closing = message
+        for closing in self._admitting:
+            if not closing.done():
+                closing.set_result(message)
+        for updates in list(self._open):
+            updates.fail(message)
         self._inbox.put(("fail", message))
 
     def abort(self, seq_id: int) -> None:
@@ -269,10 +308,12 @@ class AsyncEngine:
             added.set_exception(e)
             return
         now = time.perf_counter()
-        for seq, out, (prompt_ids, params) in zip(seqs, outs, requests, strict=True):
+        for seq, out, (_, params) in zip(seqs, outs, requests, strict=True):
             hold = max((len(s) for s in params.stop), default=1) - 1
             self._streams[seq.seq_id] = _Stream(seq, loop, out, now, hold)
-            self.metrics.prompt_tokens.inc(len(prompt_ids))
+        # a prompt once, as the usage counts it: the n choices of one share its list
+        shared = {id(ids): len(ids) for ids, _ in requests}
+        self.metrics.prompt_tokens.inc(sum(shared.values()))
         added.set_result(seqs)
 
     def _add_probe(self) -> None:
