@@ -18,17 +18,23 @@ from click.core import ParameterSource
 
 from lite.tune import TUNED_BACKENDS
 from runtime.artifact.reader import ArtifactError
+from runtime.cache import CacheUnwritable
+from runtime.termination import terminated, unwind_on_sigterm
 
-USER_ERRORS = (ValueError, ArtifactError, FileExistsError, PermissionError, FileNotFoundError)
+USER_ERRORS = (
+    ValueError,
+    ArtifactError,
+    CacheUnwritable,
+    FileExistsError,
+    PermissionError,
+    FileNotFoundError,
+)
 
 
 def _fail(e: Exception) -> None:
-    if _TERMINATED:  # the SystemExit of SIGTERM came back as this error from inside a library
+    if terminated():  # the SystemExit of SIGTERM came back as this error from inside a library
         raise SystemExit(128 + signal.SIGTERM) from e
     raise click.ClickException(str(e)) from e
-
-
-_TERMINATED = False
 
 
 # shown before a dry run's one-layer run: minutes to hours on a CPU for a large layer
@@ -64,16 +70,7 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 def main() -> None:
     """liteserve's offline side: quantize models into artifacts and measure them."""
     warnings.showwarning = _show_warning
-    signal.signal(signal.SIGTERM, _terminated)
-
-
-def _terminated(signum: int, frame: object) -> None:
-    """SIGTERM (docker stop, systemd, timeout) unwinds like Ctrl-C: the default action ends the
-    process where it stands, leaving a staging directory of the output's size beside it. The
-    exit may surface inside a C extension, which can turn it into an error of its own."""
-    global _TERMINATED
-    _TERMINATED = True
-    raise SystemExit(128 + signum)
+    unwind_on_sigterm()
 
 
 @main.command("auto_awq")

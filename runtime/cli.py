@@ -14,8 +14,10 @@ import click
 
 from runtime.artifact.manifest import DEFAULT_BLOCK_SEQ_LEN
 from runtime.artifact.reader import Artifact, ArtifactError
+from runtime.cache import CacheUnwritable
 from runtime.distributed.group import RankFailure
 from runtime.server.cluster import replica_options
+from runtime.termination import unwind_on_sigterm
 
 _UNITS = {
     "": 1,
@@ -128,7 +130,7 @@ def _served(path: Path) -> Path:
 
     try:
         return served_artifact(path)
-    except ValueError as e:
+    except (ValueError, CacheUnwritable) as e:
         raise click.ClickException(str(e)) from e
 
 
@@ -152,6 +154,7 @@ def _pipeline(artifact: Path, kw: dict):
 @click.option("-v", "--verbose", is_flag=True, help="Log the engine's start-up facts.")
 def main(verbose: bool) -> None:
     """liteserve's serving side."""
+    unwind_on_sigterm()  # serve replaces it with its own graceful stop
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(message)s"
     )

@@ -357,6 +357,21 @@ def test_table_is_measured_once_per_host_and_read_back(tmp_path, monkeypatch) ->
     assert cpu_dispatch.cached_choices("host-key", measure_all) == table
     assert measured == [1, 1]
     assert json.loads(path.read_text())["int4"] == [[1, "int8"], [256, "dense"]]
+    # valid JSON of another shape failed every start (AttributeError, KeyError, IndexError)
+    wrong = [
+        [],
+        {"int4": [[1, "int8"]]},
+        {"int4": [], "logits": [[1, "c"]]},
+        {"int4": [[1, "int8"]], "logits": [[1, "renamed"]]},
+        {"int4": [[8, "int8"], [1, "dense"]], "logits": [[1, "c"]]},
+        {"int4": [[1, "int8", 3]], "logits": [[1, "c"]]},
+        {"int4": [1], "logits": [[1, "c"]]},
+        {"int4": [["1", "int8"]], "logits": [[1, "c"]]},
+    ]
+    for n, bad in enumerate(wrong, start=3):
+        path.write_text(json.dumps(bad))
+        assert cpu_dispatch.cached_choices("host-key", measure_all) == table, bad
+        assert len(measured) == n, bad
 
 
 def test_contention_counts_only_what_other_work_took_from_the_threads() -> None:

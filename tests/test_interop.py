@@ -700,32 +700,47 @@ def test_tensor_files_carry_their_checksums(tmp_path: Path, monkeypatch) -> None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.safetensors"]
 
 
-@pytest.mark.parametrize("command", ["convert", "export"])
+@pytest.mark.parametrize("command", ["convert", "export", "runtime verify"])
 def test_sigterm_leaves_no_staging_directory(command, gs32_artifact, tiny_models, tmp_path) -> None:
-    """A terminated conversion left `.art.convert-*` (the output's size) for good."""
+    """A terminated conversion left `.art.convert-*` (the output's size) for good; `runtime`
+    converting a checkpoint into the cache left its `.<key>.tmp-*` there."""
     src = tmp_path / "src"
-    if command == "convert":
+    if command != "export":
         make_checkpoint(tiny_models["llama"], src, "gptq", 32, True)
-        args = ["convert", str(src), "--work-dir", str(tmp_path / "art")]
+    if command == "convert":
+        args = ["lite", "convert", str(src), "--work-dir", str(tmp_path / "art")]
+    elif command == "export":
+        args = ["lite", "export", str(gs32_artifact), "--format", "autoawq"]
+        args += ["--output", str(tmp_path / "art")]
     else:
-        args = [
-            "export",
-            str(gs32_artifact),
-            "--format",
-            "autoawq",
-            "--output",
-            str(tmp_path / "art"),
-        ]
-    proc = subprocess.Popen([sys.executable, "-m", "lite", *args], stderr=subprocess.PIPE)
+        args = ["runtime", "verify", str(src)]
+    env = {**os.environ, "LITESERVE_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.Popen([sys.executable, "-m", *args], env=env, stderr=subprocess.PIPE)
+
+    def staged() -> list[Path]:
+        return [*tmp_path.glob(".art.*"), *tmp_path.glob("cache/converted/.*.tmp-*")]
+
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
-        if list(tmp_path.glob(".art.*")):
+        if staged():
             proc.send_signal(signal.SIGTERM)
             break
         time.sleep(0.001)
     proc.wait()
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr.read().decode()[-2000:]
-    assert not list(tmp_path.glob(".art.*")) and not (tmp_path / "art").exists()
+    assert not staged() and not (tmp_path / "art").exists()
+
+
+def test_an_unwritable_cache_is_an_error_not_a_traceback(tiny_models, tmp_path, monkeypatch):
+    """Converting a checkpoint needs the cache: one that cannot be written (here a path under
+    a file) is a one-line error naming LITESERVE_CACHE (`lite` lists it in USER_ERRORS)."""
+    src = tmp_path / "src"
+    make_checkpoint(tiny_models["llama"], src, "gptq", 32, True)
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv("LITESERVE_CACHE", str(tmp_path / "afile" / "cache"))
+    result = CliRunner().invoke(runtime_main, ["verify", str(src)])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.exception
+    assert "set LITESERVE_CACHE to a writable directory" in result.output, result.output
 
 
 def test_runtime_serve_src_answers_over_http(tiny_models, tmp_path: Path) -> None:

@@ -32,10 +32,7 @@ from runtime.kv.layer import LayerKV
 
 log = logging.getLogger(__name__)
 
-# what cpu_dispatch chooses among for int4 linears ("int8-unpacked": the same kernel unpacking
-# each column tile's codes once for all its row tiles; same bits, faster only at many rows)
-INT4_PATHS = ("int8", "int8-unpacked", "torch-int4", "dense")
-LOGITS_PATHS = ("int8", "c", "torch")  # and for the logits
+INT4_PATHS, LOGITS_PATHS = cpu_dispatch.PATHS["int4"], cpu_dispatch.PATHS["logits"]
 # the paths that quantize activations (LITESERVE_CPU_INT8=0 drops them)
 INT8_PATHS = {"int8", "int8-unpacked"}
 # the shapes the dispatch is measured on: a mid-size linear (n, k, group) and lm_head (n, k)

@@ -47,6 +47,11 @@ TABLE_VERSION = 2  # bump when the candidates or the measurement change (2: inte
 DISTURBED = 0.1  # share of the measuring threads' CPU time other work may take: kept below
 MIN_JUDGED_S = 0.5  # shorter measurements are not judged (/proc/stat counts 10 ms ticks)
 
+# what the table chooses among, per op: for int4 linears ("int8-unpacked": the same kernel
+# unpacking each column tile's codes once for all its row tiles; same bits, faster only at
+# many rows) and for the logits
+PATHS = {"int4": ("int8", "int8-unpacked", "torch-int4", "dense"), "logits": ("int8", "c", "torch")}
+
 # path -> (rows -> a zero-argument call that runs the path once at that row count)
 Candidates = dict[str, Callable[[int], Callable[[], object]]]
 
@@ -158,6 +163,31 @@ def contention(before: CpuTime, after: CpuTime, wall: float, threads: int) -> fl
     return max(0.0, others - spare) / (threads * wall)
 
 
+def parse_table(table: object) -> dict[str, Choice]:
+    """A table as written: every op of PATHS, each a non-empty list of [rows, path] with rows
+    rising and paths of that op. Anything else (a hand edit, a table of renamed paths that a
+    key without the kernel library's hash, torch-only-..., outlived) is a ValueError, so it is
+    measured again instead of failing every start with a KeyError or IndexError."""
+    if not isinstance(table, dict) or set(table) != set(PATHS):
+        raise ValueError(f"expected the ops {sorted(PATHS)}")
+    choices = {}
+    for op, points in table.items():
+        if not isinstance(points, list) or not points or not all(_pair(p) for p in points):
+            raise ValueError(f"{op}: expected a non-empty list of [rows, path]")
+        rows = [r for r, _ in points]
+        if any(type(r) is not int or r < 1 for r in rows) or rows != sorted(set(rows)):
+            raise ValueError(f"{op}: row counts must be rising positive integers, not {rows}")
+        unknown = {p for _, p in points} - set(PATHS[op])
+        if unknown:
+            raise ValueError(f"{op}: unknown paths {sorted(map(str, unknown))}")
+        choices[op] = Choice(tuple((r, p) for r, p in points))
+    return choices
+
+
+def _pair(point: object) -> bool:
+    return isinstance(point, list) and len(point) == 2
+
+
 class _Disturbed(Exception):
     """The table was measured beside other work: not written (cached_entry keeps nothing)."""
 
@@ -202,9 +232,8 @@ def cached_choices(
     if measured:
         return measured
     try:
-        table = json.loads(path.read_text())
-        return {op: Choice(tuple((int(r), str(p)) for r, p in pts)) for op, pts in table.items()}
-    except (ValueError, TypeError) as e:
+        return parse_table(json.loads(path.read_text()))
+    except ValueError as e:
         if not remeasure:
             raise RuntimeError(f"the CPU dispatch table {path} is unreadable ({e})") from e
         log.warning("the CPU dispatch table %s is unreadable (%s): measuring again", path, e)
