@@ -123,3 +123,32 @@ def test_prefill_attention_in_c_matches_reference(kv_quant, window, dtype) -> No
     assert got.dtype == dtype
     err = float((got.float() - want.float()).abs().max())
     assert err < (1e-5 if dtype == torch.float32 else 3e-2), err
+
+
+@pytest.mark.parametrize("kv_quant", ["none", "int8", "int4"])
+@pytest.mark.parametrize("window", [None, 7, 20])
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_prefill_rows_get_the_decode_kernels_bits(kv_quant, window, head_dim) -> None:
+    """Each prefilled token's attention is bit for bit what decoding it would give: a preempted
+    request recomputes its KV through prefill, and a prefix-cache hit leaves one token to
+    decode, so any difference changed greedy output (int8 activations grow ulps into other
+    tokens over a long output)."""
+    g = torch.Generator().manual_seed(5)
+    spec = KVSpec(
+        num_layers=1, num_kv_heads=2, head_dim=head_dim, block_size=16, kv_quant=kv_quant,
+        dtype=torch.float32,
+    )  # fmt: skip
+    cache = KVCache(spec, num_blocks=16)
+    table = torch.randperm(16, generator=g)[:6]
+    length, n = 90, 37
+    kv = torch.randn(2, length, 2, head_dim, generator=g)
+    cache.layer(0).write(kv[0], kv[1], cache.layer(0).slots_for(table, length))
+    q = torch.randn(n, 6, head_dim, generator=g)
+    lib = native.library()
+    chunk = cpu.CpuAttention([table], [length], [n], cpu.decode_batch([table], [length], [n], 16))
+    got = cpu.paged_attention(q, cache.layer(0), chunk, 0.2, window, lib=lib)
+    for i in range(n):
+        at = length - n + i + 1
+        one = cpu.CpuAttention([table], [at], [1], cpu.decode_batch([table], [at], [1], 16))
+        want = cpu.paged_attention(q[i : i + 1], cache.layer(0), one, 0.2, window, lib=lib)
+        assert torch.equal(got[i : i + 1], want), (i, float((got[i] - want[0]).abs().max()))

@@ -141,6 +141,13 @@ def test_runtime_matches_transformers_and_int8_kv_costs_under_1pct(
     assert int4 > none  # measured and printed; int4 KV is a trade, not a free lunch
 
 
+# A question the model answers with a wide margin: its greedy reply's closest pair of
+# candidates differs by 1.04-1.17 in logprob under both CPU attention orders measured, where
+# "the capital of France" is a near-tie (0.04-0.09) that a summation order flips
+# (evals/bench/RESULTS.md, 2026-12-06)
+QUESTION, ANSWER = "What is the capital of Japan?", "Tokyo"
+
+
 def test_serve_and_check_the_real_model(artifacts: dict[str, Path]) -> None:
     """The SmolLM2 artifact behind a real server, through the official client; and the deploy
     check, which needs a model that really ends its replies."""
@@ -157,16 +164,16 @@ def test_serve_and_check_the_real_model(artifacts: dict[str, Path]) -> None:
         model = client.models.list().data[0].id
         reply = client.chat.completions.create(
             model=model,
-            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            messages=[{"role": "user", "content": QUESTION}],
             max_tokens=48,
             temperature=0,
         )
-        assert "Paris" in reply.choices[0].message.content
+        assert ANSWER in reply.choices[0].message.content
         assert reply.choices[0].finish_reason == "stop"
         chunks = list(
             client.chat.completions.create(
                 model=model,
-                messages=[{"role": "user", "content": "What is the capital of France?"}],
+                messages=[{"role": "user", "content": QUESTION}],
                 max_tokens=48,
                 temperature=0,
                 stream=True,

@@ -328,29 +328,6 @@ static inline void accumulate(float *restrict out, const float *restrict w,
 enum { TILE = 64 }; /* tokens widened at a time: a tile of fp32 rows stays in L1/L2 */
 enum { QT = 4 };    /* queries a micro-tile: QT x 2 vectors of accumulators, no spills */
 
-/* s[j][t] = q_j . k_t for QT queries (q [QT][d]) and a tile's TILE keys, kt [d][TILE]
- * transposed (zeros past its keys): each key vector loaded once for QT queries and no
- * horizontal sums. s: row stride `stride`. */
-static inline void qk_tile(const float *restrict q, int64_t d, const float *restrict kt,
-                           float *restrict s, int64_t stride) {
-    for (int64_t t0 = 0; t0 < TILE; t0 += 2 * LANES) {
-        vf a[QT][2];
-        memset(a, 0, sizeof a);
-        for (int64_t i = 0; i < d; i++) {
-            vf k0 = loadv(kt + i * TILE + t0), k1 = loadv(kt + i * TILE + t0 + LANES);
-            for (int j = 0; j < QT; j++) {
-                float x = q[j * d + i];
-                a[j][0] += x * k0;
-                a[j][1] += x * k1;
-            }
-        }
-        for (int j = 0; j < QT; j++) {
-            memcpy(s + j * stride + t0, &a[j][0], sizeof(vf));
-            memcpy(s + j * stride + t0 + LANES, &a[j][1], sizeof(vf));
-        }
-    }
-}
-
 /* o[j] += sum_t w[j][t] v_t for QT queries (w: row stride TILE) over m rows v [m][d]: each
  * value vector loaded once for QT queries. */
 static inline void pv_tile(const float *restrict w, const float *restrict v, int64_t m,
@@ -372,6 +349,12 @@ static inline void pv_tile(const float *restrict w, const float *restrict v, int
             memcpy(o + j * d + i0 + LANES, &a[j][1], sizeof(vf));
         }
     }
+    for (; i0 + LANES <= d; i0 += LANES) /* accumulate()'s steps, so the same sums */
+        for (int j = 0; j < QT; j++) {
+            vf a = loadv(o + j * d + i0);
+            for (int64_t t = 0; t < m; t++) a += w[j * TILE + t] * loadv(v + t * d + i0);
+            memcpy(o + j * d + i0, &a, sizeof a);
+        }
     for (; i0 < d; i0++)
         for (int j = 0; j < QT; j++)
             for (int64_t t = 0; t < m; t++) o[j * d + i0] += w[j * TILE + t] * v[t * d + i0];
@@ -405,20 +388,6 @@ static void load_tile(const Pool *p, const uint8_t *codes, const uint16_t *scale
     }
 }
 
-/* The same rows transposed into `cols` [d, TILE], zeros past m (qk_tile's keys). */
-static void load_tile_transposed(const Pool *p, const uint8_t *codes, const uint16_t *scales,
-                                 const uint16_t *zeros, const int64_t *slots, int64_t m,
-                                 int64_t ahead, int64_t kvh, float *row, float *cols,
-                                 float *scale, float *zero) {
-    const int64_t d = p->head_dim;
-    for (int64_t i = 0; m < TILE && i < d; i++) memset(cols + i * TILE + m, 0, sizeof(float) * (size_t)(TILE - m));
-    for (int64_t t = 0; t < m; t++) {
-        load_tile(p, codes, scales, zeros, slots + t, 1, m - t - 1 + ahead, kvh, row, scale + t,
-                  zero + t);
-        for (int64_t i = 0; i < d; i++) cols[i * TILE + t] = row[i];
-    }
-}
-
 static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
 /* qsum[g] = sum(q_g) (the zero's term of q.k for quantized keys), pz[g] = 0 (its term of p.v,
@@ -442,55 +411,13 @@ static void key_scores(float *scores, int64_t stride, int64_t group, int64_t m, 
     }
 }
 
-/* Floats of scratch attend() needs. */
-static size_t attend_floats(int64_t group, int64_t n, int64_t d) {
-    int64_t gp = round_up(group, QT);
-    return (size_t)(gp * (round_up(n, TILE) + 2 * d + TILE) + TILE * (d + 2));
-}
-
-/* Attention of a block of prefill tokens' query heads, `group` queries [group, head_dim]
- * sharing KV head `kvh`, over the n slots given, query g seeing slots [lo[g], hi[g]) only.
- * Queries go QT at a time through the tile kernels (padded with zero queries).
- * scratch: attend_floats(group, n, head_dim). */
-static void attend(const Pool *p, const float *q, int64_t group, const int64_t *slots, int64_t n,
-                   const int64_t *lo, const int64_t *hi, int64_t kvh, float scale, float *scratch,
-                   float *out) {
-    const int64_t d = p->head_dim, gp = round_up(group, QT), np = round_up(n, TILE);
-    float *scores = scratch, *qp = scores + gp * np, *op = qp + gp * d, *w = op + gp * d,
-          *tile = w + gp * TILE, *ts = tile + TILE * d, *tz = ts + TILE;
-    float qsum[gp], pz[gp];
-    memcpy(qp, q, sizeof(float) * (size_t)(group * d));
-    memset(qp + group * d, 0, sizeof(float) * (size_t)((gp - group) * d));
-    query_sums(qp, gp, d, qsum, pz);
-    /* scores: q . k, where for codes k = c * s + z gives s (q . c) + z sum(q) */
-    for (int64_t t0 = 0; t0 < n; t0 += TILE) {
-        int64_t m = n - t0 < TILE ? n - t0 : TILE;
-        load_tile_transposed(p, p->k, p->k_scale, p->k_zero, slots + t0, m, n - t0 - m, kvh, op,
-                             tile, ts, tz);
-        for (int64_t g0 = 0; g0 < gp; g0 += QT) qk_tile(qp + g0 * d, d, tile, scores + g0 * np + t0, np);
-        key_scores(scores + t0, np, group, m, qsum, ts, tz, scale);
-    }
-    for (int64_t g = 0; g < gp; g++) { /* softmax in place; zeros where g does not see */
-        int64_t a = g >= group ? 0 : lo[g], b = g >= group ? 0 : hi[g];
-        float *sg = scores + g * np;
-        softmax(sg, a, b);
-        memset(sg, 0, sizeof(float) * (size_t)a);
-        memset(sg + b, 0, sizeof(float) * (size_t)(np - b));
-    }
-    /* out = sum_t p_t v_t, where for codes v = c * s + z: sum (p s) c + sum p z */
-    memset(op, 0, sizeof(float) * (size_t)(gp * d));
-    for (int64_t t0 = 0; t0 < n; t0 += TILE) {
-        int64_t m = n - t0 < TILE ? n - t0 : TILE;
-        load_tile(p, p->v, p->v_scale, p->v_zero, slots + t0, m, 0, kvh, tile, ts, tz);
-        for (int64_t g = 0; g < gp; g++) {
-            const float *pg = scores + g * np + t0;
-            for (int64_t t = 0; t < m; t++) w[g * TILE + t] = pg[t] * ts[t];
-            pz[g] += dot(pg, tz, m);
-        }
-        for (int64_t g0 = 0; g0 < gp; g0 += QT) pv_tile(w + g0 * TILE, tile, m, d, op + g0 * d);
-    }
-    for (int64_t g = 0; g < group; g++)
-        for (int64_t i = 0; i < d; i++) out[g * d + i] = op[g * d + i] + pz[g];
+/* The scalar tail of a dot product, one compiled copy: inlined into each query count of
+ * qk_rows_g it was vectorized differently, and a query's bits depended on its place among
+ * the G (prefill's rows against decode's). */
+static __attribute__((noinline)) float tail_dot(const float *a, const float *b, int64_t n) {
+    float tail = 0.f;
+    for (int64_t j = 0; j < n; j++) tail += a[j] * b[j];
+    return tail;
 }
 
 /* s[g * stride + t] = q_g . k_t for G <= 4 queries q [G, d] and m key rows keys [m, d]: each
@@ -511,11 +438,7 @@ static inline __attribute__((always_inline)) void qk_rows_g(const float *restric
             if (G > 3) a3 += loadv(q + 3 * d + i) * kv;
         }
         vf a[4] = {a0, a1, a2, a3};
-        for (int g = 0; g < G; g++) {
-            float tail = 0.f;
-            for (int64_t j = i; j < d; j++) tail += q[g * d + j] * k[j];
-            s[g * stride + t] = hsum(a[g]) + tail;
-        }
+        for (int g = 0; g < G; g++) s[g * stride + t] = hsum(a[g]) + tail_dot(q + g * d + i, k + i, d - i);
     }
 }
 
@@ -531,6 +454,65 @@ static void qk_rows(const float *q, int64_t d, int64_t group, const float *keys,
         case 3: qk_rows_g(qg, d, 3, keys, m, sg, stride); break;
         default: qk_rows_g(qg, d, 4, keys, m, sg, stride);
         }
+    }
+}
+
+/* Floats of scratch attend() needs. */
+static size_t attend_floats(int64_t group, int64_t n, int64_t d) {
+    int64_t gp = round_up(group, QT), np = round_up(n, TILE);
+    return (size_t)(gp * (np + 2 * d + TILE) + TILE * (d + 2) + np);
+}
+
+/* Attention of a block of prefill tokens' query heads, `group` queries [group, head_dim]
+ * sharing KV head `kvh`, over the n slots given, query g seeing slots [lo[g], hi[g]) only.
+ * Every query gets the bits attend_rows() gives it as a decoding token: a preempted request's
+ * KV is recomputed by prefill and a prefix-cache hit leaves its last token to decode, so any
+ * difference changed greedy output. Hence the scores by qk_rows (decode's dot products, not
+ * a transposed key tile's), and each query's sum of p z over tiles starting at its own first
+ * key, as decode's tiles do; values go QT queries at a time through pv_tile, whose sums run
+ * in accumulate()'s order (the weights outside [lo, hi) are zeros, which add nothing).
+ * scratch: attend_floats(group, n, head_dim). */
+static void attend(const Pool *p, const float *q, int64_t group, const int64_t *slots, int64_t n,
+                   const int64_t *lo, const int64_t *hi, int64_t kvh, float scale, float *scratch,
+                   float *out) {
+    const int64_t d = p->head_dim, gp = round_up(group, QT), np = round_up(n, TILE);
+    float *scores = scratch, *qp = scores + gp * np, *op = qp + gp * d, *w = op + gp * d,
+          *tile = w + gp * TILE, *ts = tile + TILE * d, *tz = ts + TILE, *zeros = tz + TILE;
+    float qsum[gp], pz[gp];
+    memcpy(qp, q, sizeof(float) * (size_t)(group * d));
+    memset(qp + group * d, 0, sizeof(float) * (size_t)((gp - group) * d));
+    query_sums(qp, gp, d, qsum, pz);
+    /* scores: q . k, where for codes k = c * s + z gives s (q . c) + z sum(q) */
+    for (int64_t t0 = 0; t0 < n; t0 += TILE) {
+        int64_t m = n - t0 < TILE ? n - t0 : TILE;
+        load_tile(p, p->k, p->k_scale, p->k_zero, slots + t0, m, n - t0 - m, kvh, tile, ts, tz);
+        qk_rows(qp, d, group, tile, m, scores + t0, np);
+        key_scores(scores + t0, np, group, m, qsum, ts, tz, scale);
+    }
+    for (int64_t g = 0; g < gp; g++) { /* softmax in place; zeros where g does not see */
+        int64_t a = g >= group ? 0 : lo[g], b = g >= group ? 0 : hi[g];
+        float *sg = scores + g * np;
+        softmax(sg, a, b);
+        memset(sg, 0, sizeof(float) * (size_t)a);
+        memset(sg + b, 0, sizeof(float) * (size_t)(np - b));
+    }
+    /* out = sum_t p_t v_t, where for codes v = c * s + z: sum (p s) c + sum p z */
+    memset(op, 0, sizeof(float) * (size_t)(gp * d));
+    for (int64_t t0 = 0; t0 < n; t0 += TILE) {
+        int64_t m = n - t0 < TILE ? n - t0 : TILE;
+        load_tile(p, p->v, p->v_scale, p->v_zero, slots + t0, m, 0, kvh, tile, ts, tz);
+        memcpy(zeros + t0, tz, sizeof(float) * (size_t)m);
+        for (int64_t g = 0; g < gp; g++) {
+            const float *pg = scores + g * np + t0;
+            for (int64_t t = 0; t < m; t++) w[g * TILE + t] = pg[t] * ts[t];
+        }
+        for (int64_t g0 = 0; g0 < gp; g0 += QT) pv_tile(w + g0 * TILE, tile, m, d, op + g0 * d);
+    }
+    for (int64_t g = 0; g < group; g++) {
+        const float *sg = scores + g * np;
+        for (int64_t t0 = lo[g]; t0 < hi[g]; t0 += TILE)
+            pz[g] += dot(sg + t0, zeros + t0, hi[g] - t0 < TILE ? hi[g] - t0 : TILE);
+        for (int64_t i = 0; i < d; i++) out[g * d + i] = op[g * d + i] + pz[g];
     }
 }
 
