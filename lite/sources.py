@@ -3,7 +3,8 @@
 Everything resolves to a Hugging Face directory with safetensors shards, read lazily tensor by
 tensor, so calibration never holds the whole model. A GGUF file has to be loaded whole once;
 it is converted into a cached HF directory keyed by the file's hash and reused from then on
-(runtime/cache.py: one process converts, a concurrent one waits and reuses the result).
+(runtime/cache.py: one process converts, a concurrent one waits and reuses the result, and a
+damaged conversion is redone rather than blamed on the GGUF).
 """
 
 from __future__ import annotations
@@ -176,7 +177,9 @@ def _from_gguf(gguf: Path, spec: str) -> ModelSource:
     digest = sha256_file(gguf)
     target = cache_root() / "gguf" / digest[:16]
     cached_entry(target, lambda tmp: convert_gguf(gguf, tmp), directory=True)
-    source = _from_dir(target, spec)
+    # the user's file is the source, not its conversion: hashing that (538 MB for SmolLM2)
+    # again on every resolve would only be thrown away
+    source = _from_dir(target, spec, hash_files=False)
     source.files = {gguf.name: digest}
     return source
 

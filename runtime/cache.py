@@ -10,12 +10,19 @@ atomically, and guarded by a file lock so that the second process waits for the 
 reuses its result instead of building twice. Only the final name is ever trusted: a process
 killed mid-write leaves a temporary that the next writer removes while it holds the lock.
 
+Even the final name is checked before it is trusted, since a cache copied from another machine
+(the CUDA library is built where nvcc is) or a failing disk can still truncate it: a damaged
+entry is rebuilt, with a warning, instead of crashing the loader (a truncated library is a
+SIGBUS) or being blamed on the user's model. The checks read sizes and headers, not hashes: an
+entry is opened on every start, and a GGUF conversion is hundreds of MB.
+
 A leaf module: the kernels, the artifact code and ``lite`` all import it; it imports nothing of
 the project.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -27,6 +34,9 @@ from filelock import FileLock, Timeout
 
 log = logging.getLogger(__name__)
 
+# A directory entry's list of its files and their sizes, written as the last step of its build.
+ENTRY_RECORD = ".liteserve-entry.json"
+
 
 class CacheUnwritable(RuntimeError):
     """The cache directory cannot be written; the message names it and the way out."""
@@ -34,17 +44,27 @@ class CacheUnwritable(RuntimeError):
 
 def cache_root() -> Path:
     env = os.environ.get("LITESERVE_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "liteserve"
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "liteserve"
 
 
-def cached_entry(target: Path, build: Callable[[Path], None], directory: bool = False) -> Path:
-    """``target`` once it exists; otherwise ``build(tmp)`` fills a fresh temporary path (an
-    empty directory when ``directory``, else an empty file) that is then renamed to ``target``.
+def cached_entry(
+    target: Path,
+    build: Callable[[Path], None],
+    directory: bool = False,
+    valid: Callable[[Path], bool] | None = None,
+) -> Path:
+    """``target`` once it exists whole; otherwise ``build(tmp)`` fills a fresh temporary path
+    (an empty directory when ``directory``, else an empty file) that is then renamed to
+    ``target``.
 
+    ``valid(target)`` says whether an existing entry is whole; by default a directory must
+    match the record of its files' sizes written when it was built (:func:`matches_record`) and
+    a file need only exist. A damaged entry is removed and rebuilt, with a warning naming it.
     Exactly one process builds a given target at a time; the others block on its lock and,
     when they get it, find the target there and return it. ``build`` raising leaves nothing.
     """
-    if target.exists():
+    whole = valid or (matches_record if directory else Path.exists)
+    if whole(target):
         return target
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -56,12 +76,15 @@ def cached_entry(target: Path, build: Callable[[Path], None], directory: bool = 
             "set LITESERVE_CACHE to a writable directory"
         ) from e
     try:
-        if target.exists():  # built by the process we waited for
+        if whole(target):  # built by the process we waited for
             return target
+        _remove_damaged(target)
         _remove_orphans(target)
         tmp = _fresh_tmp(target, directory)
         try:
             build(tmp)
+            if directory:
+                _write_record(tmp)
             give_umask_modes(tmp)
             os.replace(tmp, target)  # atomic: a reader sees the whole entry or none
         finally:
@@ -69,6 +92,38 @@ def cached_entry(target: Path, build: Callable[[Path], None], directory: bool = 
         return target
     finally:
         lock.release()
+
+
+def matches_record(entry: Path) -> bool:
+    """Whether the directory ``entry`` holds every file its record lists, each at its recorded
+    size: what a cut-short copy or a failing disk breaks. An entry without a record (made
+    before records were written, or never finished) does not match."""
+    try:
+        files = json.loads((entry / ENTRY_RECORD).read_text())["files"]
+        return all((entry / name).stat().st_size == size for name, size in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def _write_record(entry: Path) -> None:
+    """Record every file under ``entry`` and its size, for :func:`matches_record`."""
+    files = {
+        p.relative_to(entry).as_posix(): p.stat().st_size
+        for p in sorted(entry.rglob("*"))
+        if p.is_file()
+    }
+    (entry / ENTRY_RECORD).write_text(json.dumps({"files": files}, indent=1))
+
+
+def _remove_damaged(target: Path) -> None:
+    """Delete a ``target`` that failed its check, first renaming it to a temporary's name: one
+    step takes it from readers, and what a failed delete leaves is an orphan that a later
+    writer removes, not a half-deleted entry in the way of the rename."""
+    if target.exists() or target.is_symlink():
+        log.warning("damaged cache entry %s: rebuilding it", target)
+        aside = target.parent / f"{_tmp_prefix(target)}damaged-{os.urandom(4).hex()}"
+        os.replace(target, aside)
+        _remove(aside)
 
 
 def _acquire(lock: FileLock, target: Path) -> None:

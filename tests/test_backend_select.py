@@ -14,6 +14,11 @@ from runtime.kernels import ops
 from runtime.kernels.cuda import library
 from runtime.kernels.ops import BackendError, select_backend
 
+# What a simulated nvcc writes first into its output ("$2"): a 64-bit little-endian ELF header
+# with no tables, the least that the cache takes for a whole library.
+FAKE_ELF = 'printf "\\177ELF\\2\\1\\1" > "$2"; head -c 57 /dev/zero >> "$2"\n'
+FAKE_ELF_BYTES = b"\x7fELF\x02\x01\x01" + bytes(57)
+
 
 @pytest.fixture
 def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -121,14 +126,12 @@ def test_first_build_of_the_cuda_library_says_so(monkeypatch, tmp_path, caplog) 
     compiler that writes its output; the second call finds it cached and says nothing."""
     monkeypatch.setenv("LITESERVE_CACHE", str(tmp_path / "cache"))
     fake = tmp_path / "nvcc"
-    fake.write_text(
-        '#!/bin/sh\nwhile [ "$1" != "-o" ]; do shift; done\nprintf "\\177ELF built" > "$2"\n'
-    )
+    fake.write_text('#!/bin/sh\nwhile [ "$1" != "-o" ]; do shift; done\n' + FAKE_ELF)
     fake.chmod(0o755)
     monkeypatch.setenv("NVCC", str(fake))
     with caplog.at_level("WARNING", logger="liteserve"):
         path = library.build()
-        assert path.read_bytes() == b"\x7fELF built"
+        assert path.read_bytes() == FAKE_ELF_BYTES
         assert f"building the CUDA kernels with {fake} for 80, 86, 89, 90" in caplog.text
         caplog.clear()
         assert library.build() == path and caplog.text == ""
@@ -145,7 +148,8 @@ def test_first_use_builds_for_this_machines_gpus_unless_every_architecture_is_th
     fake = tmp_path / "nvcc"
     fake.write_text(
         '#!/bin/sh\nargs="$*"\nwhile [ "$1" != "-o" ]; do shift; done\n'
-        'printf "\\177ELF %s" "$args" > "$2"\n'
+        + FAKE_ELF
+        + 'printf "%s" "$args" >> "$2"\n'
     )
     fake.chmod(0o755)
     monkeypatch.setenv("NVCC", str(fake))

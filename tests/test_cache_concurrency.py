@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.cache import cached_entry
+from runtime.cache import ENTRY_RECORD, cached_entry
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -152,6 +152,7 @@ def test_entries_get_the_modes_of_the_umask_not_of_tempfile(tmp_path: Path) -> N
     out = _finish(_spawn(MODES_SCRIPT, str(tmp_path)))
     assert out.splitlines() == [
         "dir 0o755",
+        f"dir/{ENTRY_RECORD} 0o644",  # the record of its files
         "dir/sub 0o755",
         "dir/sub/model.safetensors 0o644",
         "dir/tool 0o755",

@@ -56,7 +56,7 @@ from runtime.artifact.writer import (
     write_shards,
     write_streamed,
 )
-from runtime.cache import cache_root, cached_entry
+from runtime.cache import cache_root, cached_entry, matches_record
 from runtime.kernels.repack import repack_codes
 from runtime.model.llama import FUSED_LINEARS
 
@@ -428,7 +428,7 @@ def served_artifact(path: Path) -> Path:
         return path
     files = source_files(path)
     target = cache_root() / "converted" / cache_key(files)
-    if target.exists():
+    if matches_record(target):
         log.warning("serving %s from its conversion %s", path, target)
         return target
     log.warning("converting %s once into %s (reused while the source is unchanged)", path, target)

@@ -1,0 +1,213 @@
+"""Damaged cache entries (a cut-short copy of a cache, a failing disk) are rebuilt, not trusted:
+a truncated kernel library would die of SIGBUS in dlopen, and a truncated conversion would be
+blamed on the user's model. Whole entries are reused without building.
+
+Concurrency and killed writers are tests/test_cache_concurrency.py's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from lite import sources
+from runtime.cache import ENTRY_RECORD, cache_root, cached_entry, matches_record
+from runtime.kernels import native
+from runtime.kernels.build_cache import cached_build, is_whole_elf
+
+TINY_C = "int answer(void) { return 42; }\n"
+
+
+def _needs_cc() -> None:
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C compiler")
+
+
+def _tiny_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    """(the C file, its library) built through the real kernel build into a fresh cache."""
+    _needs_cc()
+    monkeypatch.setenv("LITESERVE_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "tiny.c"
+    source.write_text(TINY_C)
+    return source, native.build(source)
+
+
+def test_a_truncated_kernel_library_is_rebuilt_and_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The `cp -r` of a cache cut short: loading it as it is would kill the process (SIGBUS),
+    so the size is checked before anything loads it."""
+    source, library = _tiny_library(tmp_path, monkeypatch)
+    size = library.stat().st_size
+    os.truncate(library, size // 2)
+    with caplog.at_level(logging.WARNING):
+        assert native.build(source) == library
+    assert library.stat().st_size == size and is_whole_elf(library)
+    assert f"damaged cache entry {library}: rebuilding" in caplog.text
+    assert ctypes.CDLL(str(library)).answer() == 42
+    assert sorted(p.name for p in library.parent.iterdir()) == [
+        f".{library.name}.lock",
+        library.name,
+    ]
+
+
+def test_a_whole_kernel_library_is_not_rebuilt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, library = _tiny_library(tmp_path, monkeypatch)
+
+    def must_not_run(tmp: str) -> None:
+        raise AssertionError("a whole library was compiled again")
+
+    assert cached_build(library, must_not_run) == library
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda p: os.truncate(p, p.stat().st_size - 1),  # the section header table cut
+        lambda p: os.truncate(p, 64),  # the header alone
+        lambda p: p.write_bytes(b"half a library"),
+        lambda p: p.write_bytes(b""),
+        lambda p: p.write_bytes(p.read_bytes()[:4] + b"\x01" + p.read_bytes()[5:]),  # 32-bit
+        lambda p: (p.unlink(), p.mkdir()),
+    ],
+    ids=["one-byte-short", "header-only", "not-elf", "empty", "elf32", "directory"],
+)
+def test_what_is_not_a_whole_library(
+    damage: Callable[[Path], object], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, library = _tiny_library(tmp_path, monkeypatch)
+    assert is_whole_elf(library)
+    damage(library)
+    assert not is_whole_elf(library)
+
+
+def _counted_build(runs: list[Path]) -> Callable[[Path], None]:
+    """A directory entry's build, which notes each time it runs."""
+
+    def build(tmp: Path) -> None:
+        runs.append(tmp)
+        (tmp / "model.safetensors").write_bytes(b"w" * 1000)
+        (tmp / "tokenizer.json").write_text("{}")
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "part.bin").write_bytes(b"p" * 10)
+
+    return build
+
+
+def _truncate(entry: Path) -> None:
+    os.truncate(entry / "model.safetensors", 500)
+
+
+def _empty(entry: Path) -> None:
+    shutil.rmtree(entry)
+    entry.mkdir()
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        _truncate,
+        lambda e: (e / "tokenizer.json").unlink(),
+        lambda e: (e / "sub" / "part.bin").write_bytes(b"longer than it was"),
+        _empty,
+        lambda e: (e / ENTRY_RECORD).unlink(),  # an entry made before records were written
+        lambda e: (e / ENTRY_RECORD).write_text("[]"),
+    ],
+    ids=["truncated", "file-missing", "file-grown", "empty", "no-record", "record-not-ours"],
+)
+def test_a_damaged_directory_entry_is_rebuilt(
+    damage: Callable[[Path], object], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    target, runs = tmp_path / "cache" / "entry", []
+    build = _counted_build(runs)
+    assert cached_entry(target, build, directory=True) == target
+    damage(target)
+    assert not matches_record(target)
+    with caplog.at_level(logging.WARNING):
+        assert cached_entry(target, build, directory=True) == target
+    assert len(runs) == 2 and matches_record(target)
+    assert (target / "model.safetensors").stat().st_size == 1000
+    assert f"damaged cache entry {target}: rebuilding" in caplog.text
+    assert sorted(p.name for p in target.parent.iterdir()) == [".entry.lock", "entry"]
+
+
+def test_a_directory_entry_records_its_files(tmp_path: Path) -> None:
+    target = cached_entry(tmp_path / "entry", _counted_build([]), directory=True)
+    record = json.loads((target / ENTRY_RECORD).read_text())
+    assert record == {"files": {"model.safetensors": 1000, "sub/part.bin": 10, "tokenizer.json": 2}}
+
+
+def test_a_whole_directory_entry_is_not_rebuilt(tmp_path: Path) -> None:
+    target = cached_entry(tmp_path / "entry", _counted_build([]), directory=True)
+
+    def must_not_run(tmp: Path) -> None:
+        raise AssertionError("a whole entry was rebuilt")
+
+    assert cached_entry(target, must_not_run, directory=True) == target
+
+
+def test_a_damaged_gguf_conversion_is_redone_not_blamed_on_the_gguf(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """lite/sources.py's entry, with a conversion that writes a small HF directory (the real
+    one loads a model through transformers): the truncated weights are converted again, and
+    the source is still the user's GGUF."""
+    monkeypatch.setenv("LITESERVE_CACHE", str(tmp_path / "cache"))
+    runs = []
+
+    def convert(gguf: Path, out: Path) -> None:
+        runs.append(out)
+        (out / "config.json").write_text(json.dumps({"model_type": "llama"}))
+        (out / "model.safetensors").write_bytes(b"w" * 1000)
+        (out / "tokenizer.json").write_text("{}")
+
+    monkeypatch.setattr(sources, "convert_gguf", convert)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    first = sources.resolve(str(gguf))
+    (first.path / "tokenizer.json").unlink()
+    again = sources.resolve(str(gguf))
+    assert again.path == first.path and len(runs) == 2
+    assert (again.path / "tokenizer.json").is_file()
+    assert again.files == first.files == {"model.gguf": first.files["model.gguf"]}
+
+
+def test_a_damaged_checkpoint_conversion_is_redone(
+    tiny_models: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """runtime/artifact/convert.py's entry (what `runtime serve CHECKPOINT` opens): a truncated
+    shard in the conversion is converted again, and the result verifies."""
+    from runtime.artifact.convert import served_artifact
+    from runtime.artifact.reader import Artifact
+    from tests.test_interop import make_checkpoint
+
+    monkeypatch.setenv("LITESERVE_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "src"
+    make_checkpoint(tiny_models["llama"], src, "gptq", 32, True)
+    converted = served_artifact(src)
+    shard = next(converted.glob("*.safetensors"))
+    os.truncate(shard, shard.stat().st_size // 2)
+    with caplog.at_level(logging.WARNING):
+        assert served_artifact(src) == converted
+    assert f"damaged cache entry {converted}: rebuilding" in caplog.text
+    Artifact(converted)  # opening verifies every file's size and sha256
+
+
+def test_the_cache_root_expands_the_home_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("LITESERVE_CACHE", "~/cache")
+    assert cache_root() == tmp_path / "cache"
