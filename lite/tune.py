@@ -5,7 +5,8 @@ GPU backends build them) is timed over the backend's candidates at each row buck
 winner is written under the GPU's architecture: ``sm_90`` for the triton backend's configs,
 ``cuda/sm_90`` for the cuda backend's (tile config and split-K, or the dequantized path). A
 server then starts without autotuning and always runs the same kernels. The artifact's
-weights, and so its checksums, are untouched: only manifest.json changes, by an atomic replace.
+weights, and so its checksums, are untouched: only manifest.json changes, by an atomic replace
+of the manifest as it is then, with only this backend's key set (see pin_kernels).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from filelock import FileLock
 
-from runtime.artifact.reader import Artifact
+from runtime.artifact.reader import Artifact, read_manifest
 from runtime.artifact.writer import write_manifest
 from runtime.device import resolve_device
 from runtime.kernels.ops import interpreting
@@ -148,12 +150,13 @@ def tuner_for(
     backend: str, device: torch.device, dtype: torch.dtype, max_configs: int | None
 ) -> Tuner:
     """``auto``: the backend `runtime serve --backend auto` would run here, cuda when the csrc
-    library loads, else triton."""
+    library loads, else triton; without a CUDA device (Triton interpreted) triton, since
+    emulating cuda first built its library for every architecture, minutes of nvcc."""
     if backend not in TUNED_BACKENDS:
         raise TuneError(f"unknown backend {backend!r}: expected one of {', '.join(TUNED_BACKENDS)}")
     if backend == "cuda":
         return cuda_tuner(dtype, max_configs)
-    if backend == "auto":
+    if backend == "auto" and device.type == "cuda":
         try:
             return cuda_tuner(dtype, max_configs)
         except TuneError as e:
@@ -221,7 +224,17 @@ def tune(
             ms, best = _fastest(x, w, tuner.space(rows, w), tuner.call, timer)
             winners[gemm_key(shape.n, shape.k, bucket)] = best.to_dict()
             progress(f"N={shape.n} K={shape.k} M={rows}: {ms:.4f} ms with {best.to_dict()}")
-    kernels = {**manifest.launch.kernels, tuner.kernels_key: winners}
-    launch = manifest.launch.model_copy(update={"kernels": kernels})
-    write_manifest(artifact.path, manifest.model_copy(update={"launch": launch}))
+    pin_kernels(artifact.path, tuner.kernels_key, winners)
     return winners
+
+
+def pin_kernels(path: Path, key: str, winners: dict[str, dict[str, int]]) -> None:
+    """Set ``launch.kernels[key]`` in the manifest as it is now, under a lock beside the
+    artifact: writing back the manifest read before minutes of timing lost the pins that
+    another tune (of another backend) wrote meanwhile."""
+    root = path.resolve()
+    with FileLock(root.with_name(f".{root.name}.manifest.lock")):
+        manifest = read_manifest(root)
+        kernels = {**manifest.launch.kernels, key: winners}
+        launch = manifest.launch.model_copy(update={"kernels": kernels})
+        write_manifest(root, manifest.model_copy(update={"launch": launch}))

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import random
+import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -14,6 +18,7 @@ from click.testing import CliRunner
 from lite.cli import main as lite_main
 from runtime.artifact.manifest import SCHEMA_VERSION
 from runtime.artifact.reader import Artifact, ArtifactError
+from runtime.artifact.writer import write_json_atomic
 from runtime.cli import main as runtime_main
 
 
@@ -181,3 +186,136 @@ def test_runtime_never_imports_lite_or_transformers() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _edit(root: Path, edit: Callable[[dict], object]) -> None:
+    m = _manifest(root)
+    edit(m)
+    (root / "manifest.json").write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize(
+    ("group_size", "message"),
+    [
+        (64, r"is stored as .* the layout makes it .*quantization.group_size 64\)"),
+        (32, r"is stored as .* the layout makes it .*quantization.group_size 32\)"),
+        (48, r"group_size must be one of \(32, 64, 128\), got 48"),
+    ],
+)
+def test_manifest_whose_group_size_disagrees_with_the_stored_tensors(
+    copy: Path, group_size: int, message: str
+) -> None:
+    """A group size edited by hand (the artifact's is 128) verified, then every group was
+    scaled by another's parameters: `runtime generate` printed garbage."""
+    _edit(copy, lambda m: m["quantization"].update(group_size=group_size))
+    with pytest.raises(ArtifactError, match=f"corrupted: .*{message}"):
+        Artifact(copy)
+    for main, args in ((lite_main, ["inspect", "--verify"]), (runtime_main, ["verify"])):
+        result = CliRunner().invoke(main, [*args, str(copy)])
+        assert result.exit_code != 0 and re.search(message, result.output), result.output
+
+
+def test_manifest_whose_stored_shape_is_not_the_layouts(copy: Path) -> None:
+    """Any quantized tensor, picked at random: its stored shape is the layout's for its
+    logical shape, or the artifact is refused before a kernel reads past it."""
+    original = _manifest(copy)
+    names = [n for n, t in original["tensors"].items() if t["kind"] != "dense"]
+    rng = random.Random(0)
+    for name in rng.sample(names, 4):
+        edited = json.loads(json.dumps(original))
+        shape = edited["tensors"][name]["shape"]
+        shape[rng.randrange(len(shape))] += rng.choice((-1, 1))
+        (copy / "manifest.json").write_text(json.dumps(edited))
+        with pytest.raises(ArtifactError, match=f"{name} is stored as .* layout makes it"):
+            Artifact(copy, checksums=False)
+
+
+@pytest.mark.parametrize(("field", "value"), [("version", 99), ("name", "lsq4-mma16x16-v2")])
+def test_layout_the_reader_does_not_implement(copy: Path, field: str, value: object) -> None:
+    """It loaded silently, and the kernels read another layout's words as this one's."""
+    _edit(copy, lambda m: m["layout"].update({field: value}))
+    theirs = {"name": "lsq4-mma16x16-v1", "version": 1, field: value}
+    with pytest.raises(
+        ArtifactError,
+        match=f"layout {theirs['name']} version {theirs['version']}; this liteserve implements "
+        r"only lsq4-mma16x16-v1 version 1 \(.*upgrade liteserve\)",
+    ):
+        Artifact(copy)
+
+
+@pytest.mark.parametrize("bits", [8, 3, 2])
+def test_weight_widths_the_runtime_does_not_implement(copy: Path, bits: int) -> None:
+    """8 was reported as int8 by `lite inspect` while the runtime read int4 codes."""
+    _edit(copy, lambda m: m["quantization"].update(bits=bits))
+    with pytest.raises(
+        ArtifactError, match=rf"quantization.bits: Input should be 4 \(got {bits}\)"
+    ):
+        Artifact(copy)
+
+
+@pytest.mark.parametrize("prefix", ["../outside/", "{outside}/", "outside/../../outside/"])
+def test_manifest_naming_files_outside_the_artifact(
+    copy: Path, tmp_path: Path, prefix: str
+) -> None:
+    """The shard moved out and the manifest pointed at it: it verified and served from a
+    directory that no longer held its weights."""
+    shard = _shard(copy)
+    (tmp_path / "outside").mkdir()
+    moved = shard.rename(tmp_path / "outside" / shard.name)
+    name = prefix.format(outside=moved.parent) + shard.name
+
+    def point_outside(m: dict) -> None:
+        m["files"][name] = m["files"].pop(shard.name)
+        for entry in m["tensors"].values():
+            entry["file"] = name
+
+    _edit(copy, point_outside)
+    with pytest.raises(ArtifactError, match="is not the name of a file in the artifact directory"):
+        Artifact(copy)
+
+
+def test_tensor_in_a_file_that_is_not_safetensors(copy: Path) -> None:
+    """A tensor pointed at another listed file raised safetensors' own error, a traceback."""
+    name = "model.layers.0.self_attn.q_proj.qweight"
+    _edit(copy, lambda m: m["tensors"][name].update(file="tokenizer.json"))
+    art = Artifact(copy)
+    with pytest.raises(ArtifactError, match=f"tokenizer.json: cannot read tensor {name}"):
+        art.tensor(name)
+
+
+def test_concurrent_json_writes_each_land_whole(tmp_path: Path) -> None:
+    """Two writers of the same manifest shared one temporary name, and one renamed the other's
+    file away: FileNotFoundError in a few percent of writes."""
+    target = tmp_path / "manifest.json"
+
+    def write(writer: int) -> None:
+        for i in range(200):
+            write_json_atomic({"writer": writer, "i": i, "pad": "x" * 4096}, target)
+
+    with ThreadPoolExecutor(2) as pool:
+        for done in [pool.submit(write, w) for w in (0, 1)]:
+            done.result()
+    assert json.loads(target.read_text())["i"] == 199
+    assert [p.name for p in tmp_path.iterdir()] == ["manifest.json"]
+
+
+def test_failed_json_write_leaves_nothing(tmp_path: Path) -> None:
+    """A write that fails halfway removes its temporary file and keeps the old contents."""
+    target = tmp_path / "manifest.json"
+    write_json_atomic({"ok": True}, target)
+    with pytest.raises(TypeError):
+        write_json_atomic({"ok": False, "half": "x" * 100_000, "bad": object()}, target)
+    assert [p.name for p in tmp_path.iterdir()] == ["manifest.json"]
+    assert json.loads(target.read_text()) == {"ok": True}
+    opened = tmp_path / "opened"
+    opened.write_text("")  # the mode open() gives here: a server under another user reads it
+    assert target.stat().st_mode == opened.stat().st_mode
+
+
+def test_size_on_disk_is_the_artifacts_own_files(copy: Path) -> None:
+    """A killed `lite tune` left its temporary manifest, which `lite inspect` counted."""
+    size = Artifact(copy).size_on_disk()
+    (copy / ".manifest.json.k1ll3d.tmp").write_bytes(b"x" * 10_000)
+    assert Artifact(copy).size_on_disk() == size
+    listed = sum((copy / n).stat().st_size for n in _manifest(copy)["files"])
+    assert size == listed + sum((copy / n).stat().st_size for n in ("manifest.json", "README.md"))

@@ -189,6 +189,26 @@ def test_lite_tune_pins_configs_the_backend_uses(
     assert bad.exit_code != 0 and "row buckets" in bad.output
 
 
+def test_lite_tune_keeps_the_pins_another_tune_wrote_meanwhile(
+    rtn_artifact: Path, tmp_path: Path, device: torch.device
+) -> None:
+    """A tune of another backend that finished while this one timed: the manifest read before
+    the timing was written back, and its pins were lost."""
+    from lite.tune import tune
+
+    art = Path(shutil.copytree(rtn_artifact, tmp_path / "art"))
+    theirs = {"w4a16/N96xK96/m1": {"dequant": 1}}
+
+    def other_tune_finishes(line: str) -> None:
+        manifest = json.loads((art / "manifest.json").read_text())
+        manifest["launch"]["kernels"]["cuda/sm_90"] = theirs
+        (art / "manifest.json").write_text(json.dumps(manifest))
+
+    ours = tune(art, (1,), 1, torch.float16, 1, other_tune_finishes, backend="triton")
+    kernels = Artifact(art).manifest.launch.kernels
+    assert kernels == {"cuda/sm_90": theirs, arch_key(device): ours}
+
+
 def test_runtime_cli_reports_the_triton_backend(
     rtn_artifact: Path,
     caplog: pytest.LogCaptureFixture,

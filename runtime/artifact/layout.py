@@ -59,6 +59,19 @@ def padded_shape(n: int, k: int, group_size: int) -> tuple[int, int]:
     return _ceil_to(n, N_ALIGN), _ceil_to(k, group_size)
 
 
+def qweight_shape(n: int, k: int, group_size: int) -> tuple[int, int]:
+    """The stored int32 qweight's shape, [Kp / 16, 2 * Np], for a logical [N, K]: what a
+    reader checks a manifest against, since a shape that disagrees reads the wrong words."""
+    np_, kp = padded_shape(n, k, group_size)
+    return kp // TILE, 2 * np_
+
+
+def qparams_shape(n: int, k: int, group_size: int) -> tuple[int, int, int]:
+    """The stored fp16 qparams' shape, [Kp / gs, Np, 2], for a logical [N, K]."""
+    np_, kp = padded_shape(n, k, group_size)
+    return kp // group_size, np_, 2
+
+
 def words_to_nibbles(words: torch.Tensor) -> torch.Tensor:
     """int32 [...] -> uint8 [..., 8]; nibble p is bits 4p..4p+3 of the word.
 
@@ -94,7 +107,7 @@ def pack_qweight(q: torch.Tensor, group_size: int) -> torch.Tensor:
     nib = (
         b.reshape(kp // TILE, 2, 2, 2, 2, np_ // TILE, 2, 2, 2, 2)
         .permute(_PACK_PERM)
-        .reshape(kp // TILE, 2 * np_, _NIBBLES_PER_WORD)
+        .reshape(*qweight_shape(n, k, group_size), _NIBBLES_PER_WORD)
     )
     return nibbles_to_words(nib)
 
@@ -152,11 +165,11 @@ def pack_qparams(scale: torch.Tensor, zero: torch.Tensor, group_size: int, k: in
     if zero.dtype.is_floating_point or zero.dtype.is_complex or zero.dtype == torch.bool:
         raise ValueError(f"zero must have an integer dtype, got {zero.dtype}")
     n, g = scale.shape
-    np_, kp = padded_shape(n, k, group_size)
-    if g != kp // group_size:
+    shape = qparams_shape(n, k, group_size)
+    if g != shape[0]:
         raise ValueError(
             f"K mismatch: scale has G={g} groups, K={k} with group_size={group_size} "
-            f"needs {kp // group_size}"
+            f"needs {shape[0]}"
         )
     if int(zero.min()) < 0 or int(zero.max()) > 15:
         raise ValueError(
@@ -166,7 +179,7 @@ def pack_qparams(scale: torch.Tensor, zero: torch.Tensor, group_size: int, k: in
     pair = torch.stack((s32, -zero.to(torch.float32) * s32), dim=-1).to(torch.float16)
     if not bool(torch.isfinite(pair).all()):
         raise ValueError("scale or -zero*scale is not finite in fp16 (inf/nan or > 65504)")
-    qparams = torch.zeros((g, np_, 2), dtype=torch.float16, device=scale.device)
+    qparams = torch.zeros(shape, dtype=torch.float16, device=scale.device)
     qparams[:, :n] = pair.transpose(0, 1)
     return qparams
 

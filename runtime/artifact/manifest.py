@@ -107,7 +107,9 @@ class Architecture(_Strict):
 
 class Quantization(_Strict):
     method: Literal["awq", "rtn", "autoawq", "gptq", "compressed-tensors"]  # last 3: converted
-    bits: int
+    # the layout and every kernel are int4: another width loaded, was reported as such, and
+    # served garbage
+    bits: Literal[4]
     group_size: int
     symmetric: bool
     zero_point: bool

@@ -7,15 +7,23 @@ from pathlib import Path
 
 import torch
 from pydantic import ValidationError
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from runtime.artifact.layout import TILE
+from runtime.artifact.layout import (
+    LAYOUT_NAME,
+    LAYOUT_VERSION,
+    TILE,
+    qparams_shape,
+    qweight_shape,
+)
 from runtime.artifact.manifest import (
     CHAT_TEMPLATE_FILE,
     FORMAT,
     MANIFEST_FILE,
+    MODEL_CARD_FILE,
     SCHEMA_VERSION,
     Manifest,
+    TensorEntry,
 )
 from runtime.artifact.writer import _SAFETENSORS_DTYPES, sha256_file
 from runtime.validation import validation_message
@@ -23,6 +31,8 @@ from runtime.validation import validation_message
 Range = tuple[int, int | None]  # [start, stop) of a tensor's dimension; None runs to the end
 Span = tuple[int, int]  # [start, stop) of a linear's logical columns or rows
 _ITEMSIZE = {name: dtype.itemsize for dtype, name in _SAFETENSORS_DTYPES.items()}
+_STORED_SHAPES = {"qweight": qweight_shape, "qparams": qparams_shape}
+_NOT_IN_A_NAME = ("/", "\\", "\0")  # path separators (POSIX, Windows) and what ends a C string
 
 
 class ArtifactError(Exception):
@@ -64,6 +74,8 @@ def read_manifest(path: str | Path) -> Manifest:
         raise ArtifactError(
             f"{mpath} is corrupted: it does not match schema {version}: {validation_message(e)[0]}"
         ) from e
+    _check_layout(mpath, manifest)
+    _check_file_names(mpath, manifest)
     _check_layers(mpath, manifest)
     _check_shapes(mpath, manifest)
     vocab = manifest.architecture.vocab_size
@@ -74,6 +86,30 @@ def read_manifest(path: str | Path) -> Manifest:
             f"vocabulary (0..{vocab - 1})"
         )
     return manifest
+
+
+def _check_layout(mpath: Path, manifest: Manifest) -> None:
+    """The weights are in the one layout this reader unpacks: another name or version loaded
+    silently, and the kernels read its words as if they were this layout's."""
+    theirs = (manifest.layout.name, manifest.layout.version)
+    if theirs != (LAYOUT_NAME, LAYOUT_VERSION):
+        raise ArtifactError(
+            f"{mpath} stores its weights in layout {theirs[0]} version {theirs[1]}; this "
+            f"liteserve implements only {LAYOUT_NAME} version {LAYOUT_VERSION} (an artifact from "
+            "a newer liteserve: upgrade liteserve)"
+        )
+
+
+def _check_file_names(mpath: Path, manifest: Manifest) -> None:
+    """Every file the manifest names is a plain name inside the artifact directory: with a
+    separator or `..` it was read from outside, and the artifact no longer held all it served."""
+    names = [*manifest.files, *(entry.file for entry in manifest.tensors.values())]
+    for name in names:
+        if name in ("", ".", "..") or any(c in name for c in _NOT_IN_A_NAME):
+            raise ArtifactError(
+                f"{mpath} is corrupted: {name!r} is not the name of a file in the artifact "
+                "directory (a path separator or ..)"
+            )
 
 
 def _check_shapes(mpath: Path, manifest: Manifest) -> None:
@@ -89,6 +125,26 @@ def _check_shapes(mpath: Path, manifest: Manifest) -> None:
                 f"{mpath} is corrupted: {name} is {shape} where the architecture "
                 f"({arch.shape_summary()}) makes it {expected}"
             )
+        if quantized:
+            _check_stored_shape(mpath, name, entry, manifest.quantization.group_size)
+
+
+def _check_stored_shape(mpath: Path, name: str, entry: TensorEntry, group_size: int) -> None:
+    """A quantized tensor is stored as the layout lays out its logical shape in groups of
+    `group_size`: a group size edited by hand verified, then every group was scaled by
+    another group's parameters (garbage out)."""
+    if entry.logical_shape is None or len(entry.logical_shape) != 2:
+        raise ArtifactError(f"{mpath} is corrupted: {name} has no logical [N, K] shape")
+    n, k = entry.logical_shape
+    try:
+        expected = list(_STORED_SHAPES[entry.kind](n, k, group_size))
+    except ValueError as e:  # a group size the layout has not, or a dimension under 1
+        raise ArtifactError(f"{mpath} is corrupted: {name}: {e}") from e
+    if entry.shape != expected:
+        raise ArtifactError(
+            f"{mpath} is corrupted: {name} is stored as {entry.shape} where the layout makes "
+            f"it {expected} (logical [N, K] {[n, k]}, quantization.group_size {group_size})"
+        )
 
 
 def _check_layers(mpath: Path, manifest: Manifest) -> None:
@@ -155,18 +211,21 @@ class Artifact:
         entry = self.manifest.tensors.get(name)
         if entry is None:
             raise ArtifactError(f"{self.path}: no tensor named {name}")
-        with safe_open(str(self.path / entry.file), framework="pt") as f:
-            part = f.get_slice(name)
-            shape = list(part.get_shape())
-            if shape != entry.shape:
-                raise ArtifactError(
-                    f"{self.path / entry.file}: tensor {name} has shape {shape}, "
-                    f"the manifest says {entry.shape}"
-                )
-            if rows is None and cols is None:
-                return f.get_tensor(name)
-            r, c = slice(*(rows or (None, None))), slice(*(cols or (None, None)))
-            return part[r] if len(shape) == 1 else part[r, c]
+        fpath = self.path / entry.file
+        try:
+            with safe_open(str(fpath), framework="pt") as f:
+                part = f.get_slice(name)
+                shape = list(part.get_shape())
+                if shape != entry.shape:
+                    raise ArtifactError(
+                        f"{fpath}: tensor {name} has shape {shape}, the manifest says {entry.shape}"
+                    )
+                if rows is None and cols is None:
+                    return f.get_tensor(name)
+                r, c = slice(*(rows or (None, None))), slice(*(cols or (None, None)))
+                return part[r] if len(shape) == 1 else part[r, c]
+        except SafetensorError as e:  # another listed file (the tokenizer), or no such tensor
+            raise ArtifactError(f"{fpath}: cannot read tensor {name} from it ({e})") from e
 
     def linear(
         self, name: str, cols: Span | None = None, rows: Span | None = None
@@ -200,4 +259,7 @@ class Artifact:
         return p.read_text() if p.is_file() else None
 
     def size_on_disk(self) -> int:
-        return sum(p.stat().st_size for p in self.path.iterdir() if p.is_file())
+        """The artifact's own files: a temporary file a killed writer left beside them, or a
+        file a user put there, is no part of what it serves."""
+        names = [*self.manifest.files, MANIFEST_FILE, MODEL_CARD_FILE]
+        return sum(p.stat().st_size for p in (self.path / n for n in names) if p.is_file())

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -23,7 +24,7 @@ from runtime.artifact.manifest import (
     Manifest,
     TensorEntry,
 )
-from runtime.cache import mkdir_mode
+from runtime.cache import give_umask_modes, mkdir_mode
 
 MAX_SHARD_BYTES = 2 * 1024**3
 EXPORT_MARKER = ".liteserve-export.json"  # in an export's directory: the files it wrote
@@ -55,9 +56,22 @@ def save_tensors_atomic(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 
 def write_json_atomic(obj: object, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, path)
+    """Written under a temporary name no other writer uses, synced, then renamed over `path`:
+    with one shared name, two processes writing the same manifest renamed each other's file
+    away (FileNotFoundError), and a failed write left the temporary file in the artifact."""
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = Path(name)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2, sort_keys=False)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        give_umask_modes(tmp)  # mkstemp's 0600 would keep out a server running as another user
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 class _HashingFile:
