@@ -1244,66 +1244,21 @@ def test_a_port_in_use_is_refused_before_the_model_loads(artifact: Path) -> None
     assert "loading" not in done.stderr.lower() and "serving" not in done.stderr, done.stderr
 
 
-def test_requests_left_at_the_end_of_the_grace_get_a_503(artifact: Path) -> None:
+@pytest.mark.parametrize("draining_step_s", [0.02, 3.0], ids=["short-steps", "a-step-past-it"])
+def test_requests_left_at_the_end_of_the_grace_get_a_503(
+    artifact: Path, draining_step_s: float
+) -> None:
     """Shutting down with requests that will not finish within --grace: shortly before it
     ends they get OpenAI's error shape, a 503 whole or an error event and [DONE] in a stream
-    (cancelled by uvicorn they got a plain-text 500, and a stream cut without its end)."""
+    (cancelled by uvicorn they got a plain-text 500, and a stream cut without its end). The
+    event loop sends them, so also when the engine is in a step longer than the time left (a
+    CPU prefill can be), and a request still waiting to be admitted gets one too."""
     s = serve(artifact, grace=1.5)
-    real = s.engine.step
-
-    def slow_step():  # neither request can finish its 900 tokens within the grace
-        time.sleep(0.02)
-        return real()
-
-    s.engine.step = slow_step
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True}
-    events: list[str] = []
-    whole: list[httpx2.Response] = []
-
-    def stream() -> None:
-        with httpx2.stream("POST", s.url + "/v1/completions", json={**body, "stream": True}) as r:
-            events.extend(line for line in r.iter_lines() if line)
-
-    readers = [threading.Thread(target=stream, daemon=True)]
-    readers.append(
-        threading.Thread(
-            target=lambda: whole.append(httpx2.post(s.url + "/v1/completions", json=body)),
-            daemon=True,
-        )
-    )
-    try:
-        for t in readers:
-            t.start()
-        deadline = time.monotonic() + 30
-        while len(events) < 3 or len(s.engine.running_ids()) < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        s.stop()  # as SIGTERM does: the server's shutdown, with its grace
-        for t in readers:
-            t.join(timeout=10)
-    finally:
-        s.engine.step = real
-    assert events[-1] == "data: [DONE]", events[-3:]
-    error = json.loads(events[-2].removeprefix("data: "))["error"]
-    assert error["type"] == "service_unavailable" and error["code"] == 503
-    assert "--grace 1.5 s" in error["message"]
-    (r,) = whole
-    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
-
-
-def test_a_step_longer_than_the_grace_left_still_ends_requests_in_the_error_shape(
-    artifact: Path,
-) -> None:
-    """The 503s go out from the event loop when the grace runs short, not after the engine's
-    step: a CPU prefill step can take longer than the second left (the errors then waited for
-    it, and uvicorn's cancel sent a plain-text 500 and cut the streams). A request still
-    waiting for the engine to admit it gets the 503 too."""
-    s = serve(artifact, grace=1.0)
     real = s.engine.step
     state = s.app.state.liteserve
 
-    def slow_step():  # once draining, each step outlasts the whole grace
-        time.sleep(3.0 if state.draining else 0.02)
+    def slow_step():  # no request can finish its 900 tokens within the grace
+        time.sleep(draining_step_s if state.draining else 0.02)
         return real()
 
     s.engine.step = slow_step
@@ -1326,18 +1281,19 @@ def test_a_step_longer_than_the_grace_left_still_ends_requests_in_the_error_shap
         while len(events) < 3 or len(s.engine.running_ids()) < 2:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        state.draining = True  # the next step is slow; a request sent now waits to be admitted
-        late = threading.Thread(target=post, daemon=True)
-        late.start()
+        state.draining = True  # as shutdown sets it: the steps from now take draining_step_s
+        readers.append(threading.Thread(target=post, daemon=True))  # waits to be admitted
+        readers[-1].start()
         time.sleep(0.3)
-        s.stop()
-        for t in (*readers, late):
+        s.stop()  # as SIGTERM does: the server's shutdown, with its grace
+        for t in readers:
             t.join(timeout=15)
     finally:
         s.engine.step = real
     assert events[-1] == "data: [DONE]", events[-3:]
     error = json.loads(events[-2].removeprefix("data: "))["error"]
     assert error["type"] == "service_unavailable" and error["code"] == 503
+    assert "--grace 1.5 s" in error["message"]
     assert len(whole) == 2
     for r in whole:
         assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
