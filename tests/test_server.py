@@ -1299,6 +1299,44 @@ def test_requests_left_at_the_end_of_the_grace_get_a_503(
         assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
 
 
+def test_a_forced_exit_still_ends_streams_in_the_error_shape(artifact: Path) -> None:
+    """A second Ctrl-C (uvicorn's force_exit) skips the grace, and the loop's end cancelled
+    the handlers: streams were cut mid-event. They now end with the error event and [DONE]."""
+    s = serve(artifact, grace=60)
+    real = s.engine.step
+
+    def slow_step():
+        time.sleep(0.02)
+        return real()
+
+    s.engine.step = slow_step
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True}
+    events: list[str] = []
+
+    def stream() -> None:
+        with httpx2.stream("POST", s.url + "/v1/completions", json={**body, "stream": True}) as r:
+            events.extend(line for line in r.iter_lines() if line)
+
+    reader = threading.Thread(target=stream, daemon=True)
+    try:
+        reader.start()
+        deadline = time.monotonic() + 30
+        while len(events) < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        s.server.should_exit = True  # the first Ctrl-C: draining, within a minute's grace
+        time.sleep(0.5)
+        s.server.force_exit = True  # the second
+        s.thread.join(timeout=10)
+        reader.join(timeout=10)
+    finally:
+        s.engine.step = real
+    assert not s.thread.is_alive() and not reader.is_alive()
+    assert events[-1] == "data: [DONE]", events[-3:]
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["type"] == "service_unavailable" and "second Ctrl-C" in error["message"]
+
+
 # ---- runtime check ----
 
 CHECK = ["--num-blocks", "32", "--session-len", "256"]

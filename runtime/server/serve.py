@@ -59,6 +59,9 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+FORCED_WRITE_S = 0.2  # what a forced exit leaves the handlers to write their 503s
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, whose shutdown (SIGTERM) closes the listening socket at once and
     gives requests in flight --grace seconds (timeout_graceful_shutdown) to finish. Those
@@ -80,3 +83,11 @@ class DrainingServer(uvicorn.Server):
         finally:
             if timer is not None:
                 timer.cancel()
+        if self.force_exit:
+            # a second Ctrl-C: no grace, but the error shape still, not streams cut mid-event;
+            # and the engine stopped after its step, which uvicorn's forced exit skips (its
+            # lifespan task was then cancelled with a traceback)
+            if state.engine.closing is None:
+                state.engine.fail_in_flight("the server was stopped (a second Ctrl-C)")
+                await asyncio.sleep(FORCED_WRITE_S)
+            await self.lifespan.shutdown()
