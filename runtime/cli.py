@@ -8,6 +8,7 @@ import logging
 import re
 import signal
 import sys
+from collections import Counter
 from pathlib import Path
 
 import click
@@ -507,8 +508,21 @@ def check_cmd(artifact: Path, max_new_tokens: int, **kw) -> None:
         raise click.ClickException(str(e)) from e
     click.echo(f"reply     {r.text!r} ({len(r.token_ids)} tokens, finish {r.finish_reason})")
     if r.finish_reason != "stop" or r.token_ids[-1] not in engine.eos_ids:
+        why = "check the chat template and the stop token ids"
+        if _loops(r.token_ids):  # the template led to an answer; greedy decoding then cycled
+            why = (
+                "the reply repeats itself, which a small or heavily quantized model can do "
+                "under greedy decoding whatever its template: if it answered the question, "
+                f"the template is likely right; else {why}"
+            )
         raise click.ClickException(
             f"the reply did not end on an end token {list(engine.eos_ids)} within "
-            f"{max_new_tokens} tokens: check the chat template and the stop token ids"
+            f"{max_new_tokens} tokens: {why}"
         )
     click.echo("ok")
+
+
+def _loops(ids: list[int], span: int = 8, times: int = 3) -> bool:
+    """Whether some run of `span` tokens comes `times` times: a reply caught in a cycle."""
+    runs = Counter(tuple(ids[i : i + span]) for i in range(len(ids) - span + 1))
+    return bool(runs) and max(runs.values()) >= times

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import re
 import shutil
 import signal
@@ -1352,6 +1353,19 @@ def test_check_fails_when_the_reply_never_ends(artifact: Path) -> None:
     )
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception  # no traceback
     assert "over session_len 256" in r.output
+
+
+def test_check_tells_a_reply_in_a_loop_from_a_template_problem() -> None:
+    """A reply that cycles (the model answered, then repeated itself under greedy decoding)
+    was blamed on the chat template and the stop ids, which were right."""
+    from runtime.cli import _loops
+
+    rng = random.Random(0)
+    cycle = [rng.randrange(1000) for _ in range(11)]
+    assert _loops([5, 6, *cycle * 3, 7])
+    assert not _loops([5, 6, *cycle * 2])  # twice may be chance
+    assert not _loops(rng.sample(range(10_000), 200))
+    assert not _loops([1, 2, 3])
 
 
 def test_check_passes_when_the_reply_ends_on_an_end_token(artifact: Path, tmp_path: Path) -> None:
