@@ -10,6 +10,7 @@ damaged conversion is redone rather than blamed on the GGUF).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import json
 from collections.abc import Iterator
@@ -175,13 +176,26 @@ def _from_hub(repo_id: str, hash_files: bool = True) -> ModelSource:
 
 def _from_gguf(gguf: Path, spec: str) -> ModelSource:
     digest = sha256_file(gguf)
-    target = cache_root() / "gguf" / digest[:16]
+    target = cache_root() / "gguf" / _gguf_key(digest)
     cached_entry(target, lambda tmp: convert_gguf(gguf, tmp), directory=True)
     # the user's file is the source, not its conversion: hashing that (538 MB for SmolLM2)
     # again on every resolve would only be thrown away
     source = _from_dir(target, spec, hash_files=False)
     source.files = {gguf.name: digest}
     return source
+
+
+def _gguf_key(digest: str) -> str:
+    """The GGUF's bytes and what dequantizes them (transformers' GGUF reader and this module's
+    code around it): a conversion made before a fix to either is not reused after it."""
+    import transformers
+
+    ident = {
+        "gguf": digest,
+        "transformers": transformers.__version__,
+        "converter": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+    }
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def convert_gguf(gguf: Path, out: Path) -> None:

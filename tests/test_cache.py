@@ -25,14 +25,8 @@ from runtime.kernels.build_cache import cached_build, is_whole_elf
 TINY_C = "int answer(void) { return 42; }\n"
 
 
-def _needs_cc() -> None:
-    if shutil.which(os.environ.get("CC", "cc")) is None:
-        pytest.skip("no C compiler")
-
-
 def _tiny_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
     """(the C file, its library) built through the real kernel build into a fresh cache."""
-    _needs_cc()
     monkeypatch.setenv("LITESERVE_CACHE", str(tmp_path / "cache"))
     source = tmp_path / "tiny.c"
     source.write_text(TINY_C)
@@ -211,3 +205,19 @@ def test_the_cache_root_expands_the_home_directory(
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("LITESERVE_CACHE", "~/cache")
     assert cache_root() == tmp_path / "cache"
+
+
+def test_conversions_are_keyed_by_the_code_that_makes_them(monkeypatch) -> None:
+    """A conversion made before a fix to the converter (or to transformers' GGUF reader) was
+    served after it: the source's bytes alone named the entry."""
+    import transformers
+
+    from runtime.artifact import convert
+
+    files = {"config.json": "0" * 64}
+    key, gguf_key = convert.cache_key(files), sources._gguf_key("1" * 64)
+    assert convert.cache_key({"config.json": "2" * 64}) != key
+    monkeypatch.setattr(convert, "converter_hash", lambda: "other code")
+    assert convert.cache_key(files) != key
+    monkeypatch.setattr(transformers, "__version__", "0.0.1")
+    assert sources._gguf_key("1" * 64) != gguf_key

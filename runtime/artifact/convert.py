@@ -10,6 +10,7 @@ appears by one rename, never half-written.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -57,6 +58,7 @@ from runtime.artifact.writer import (
     write_streamed,
 )
 from runtime.cache import cache_root, cached_entry, matches_record
+from runtime.kernels import repack
 from runtime.kernels.repack import repack_codes
 from runtime.model.llama import FUSED_LINEARS
 
@@ -416,9 +418,25 @@ def is_quantized_checkpoint(path: Path) -> bool:
 
 
 def cache_key(files: dict[str, str]) -> str:
-    """The source's content and the layout it is converted into (a new layout, a new entry)."""
-    ident = {"files": files, "layout": layout.LAYOUT_NAME, "version": layout.LAYOUT_VERSION}
+    """The source's content, the layout it is converted into and the code that converts it:
+    a conversion made before a fix to that code is not served after it."""
+    ident = {
+        "files": files,
+        "layout": layout.LAYOUT_NAME,
+        "version": layout.LAYOUT_VERSION,
+        "converter": converter_hash(),
+    }
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@functools.cache
+def converter_hash() -> str:
+    """The sources that decide a conversion's bytes: this package's and the repacking's."""
+    sources = sorted(Path(layout.__file__).parent.glob("*.py")) + [Path(repack.__file__)]
+    digest = hashlib.sha256()
+    for source in sources:
+        digest.update(source.read_bytes())
+    return digest.hexdigest()
 
 
 def served_artifact(path: Path) -> Path:
