@@ -10,13 +10,19 @@ maps a truncated one (a cut-short copy of a cache built elsewhere) and dies of S
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import logging
 import os
+import shutil
 import struct
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from runtime.cache import CacheUnwritable, cached_entry
+
+log = logging.getLogger(__name__)
 
 # The 64-bit little-endian ELF header (what cc and nvcc build here): identification, then from
 # e_type to e_shstrndx; and a program header (p_type to p_align).
@@ -45,7 +51,24 @@ def cached_build(target: Path, compile_into: Callable[[str], None]) -> Path:
     try:
         return cached_entry(target, build, valid=is_whole_elf)
     except CacheUnwritable as e:
-        raise BuildUnavailable(f"cannot write the kernel cache: {e}") from e
+        return _private_build(target.name, build, e)
+
+
+def _private_build(name: str, build: Callable[[Path], None], why: CacheUnwritable) -> Path:
+    """The library built for this process alone, in a temporary directory removed at exit: a
+    read-only home (a container's read-only root) fell back to torch's ops, several times
+    slower and with other numbers. Every start compiles it again, hence the warning."""
+    log.warning(
+        "cannot write the kernel cache (%s): building %s for this process only, again at "
+        "every start",
+        why,
+        name,
+    )
+    private = Path(tempfile.mkdtemp(prefix="liteserve-kernels-"))
+    atexit.register(shutil.rmtree, private, ignore_errors=True)
+    library = private / name
+    build(library)
+    return library
 
 
 def is_whole_elf(path: Path) -> bool:
