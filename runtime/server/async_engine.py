@@ -186,7 +186,11 @@ class AsyncEngine:
             added.add_done_callback(self._abort_admitted)
             raise ServerClosing(closing.result())
         seqs = admitted.result()
-        return [Updates(self, seq.seq_id, out) for seq, out in zip(seqs, outs, strict=True)]
+        updates = [Updates(self, seq.seq_id, out) for seq, out in zip(seqs, outs, strict=True)]
+        if self.closing is not None:  # admitted in the same turn of the loop as the failing
+            for u in updates:
+                u.fail(self.closing)
+        return updates
 
     def _abort_admitted(self, added: Future) -> None:
         """Requests admitted for a caller that was cancelled meanwhile: nobody reads them."""
