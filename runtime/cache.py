@@ -22,6 +22,7 @@ the project.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -45,6 +46,12 @@ class CacheUnwritable(RuntimeError):
 def cache_root() -> Path:
     env = os.environ.get("LITESERVE_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "liteserve"
+
+
+def entry_key(ident: dict) -> str:
+    """An entry's name from everything that decides its bytes (the source's hashes, the
+    versions and code that convert it): 16 hex digits of their canonical JSON's sha256."""
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def cached_entry(

@@ -57,7 +57,7 @@ from runtime.artifact.writer import (
     write_shards,
     write_streamed,
 )
-from runtime.cache import cache_root, cached_entry, matches_record
+from runtime.cache import cache_root, cached_entry, entry_key, matches_record
 from runtime.kernels import repack
 from runtime.kernels.repack import repack_codes
 from runtime.model.llama import FUSED_LINEARS
@@ -426,7 +426,7 @@ def cache_key(files: dict[str, str]) -> str:
         "version": layout.LAYOUT_VERSION,
         "converter": converter_hash(),
     }
-    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+    return entry_key(ident)
 
 
 @functools.cache
