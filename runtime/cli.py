@@ -14,10 +14,9 @@ from pathlib import Path
 import click
 
 from runtime.artifact.manifest import DEFAULT_BLOCK_SEQ_LEN
-from runtime.artifact.reader import Artifact, ArtifactError
 from runtime.cache import CacheUnwritable
-from runtime.distributed.group import RankFailure
 from runtime.server.cluster import replica_options
+from runtime.server.listen import listen_socket
 from runtime.termination import unwind_on_sigterm
 
 _UNITS = {
@@ -137,6 +136,7 @@ def _served(path: Path) -> Path:
 
 def _pipeline(artifact: Path, kw: dict):
     from runtime import EngineConfig, pipeline
+    from runtime.artifact.reader import ArtifactError
 
     template = kw.pop("chat_template")
     try:
@@ -165,6 +165,8 @@ def main(verbose: bool) -> None:
 @click.argument("artifact", type=click.Path(path_type=Path))
 def verify_cmd(artifact: Path) -> None:
     """Check an artifact's manifest, file sizes and every checksum."""
+    from runtime.artifact.reader import Artifact, ArtifactError
+
     try:
         art = Artifact(_served(artifact), checksums=True)
     except ArtifactError as e:
@@ -216,6 +218,7 @@ def generate_cmd(
 ) -> None:
     """Generate one completion, streamed to stdout."""
     from runtime import GenerationConfig
+    from runtime.distributed.group import RankFailure
 
     pipe = _pipeline(artifact, kw)
     gen = GenerationConfig(
@@ -242,6 +245,7 @@ def chat_cmd(
     """Interactive chat with streaming, through the artifact's chat template. Ctrl-D exits."""
     from runtime import GenerationConfig
     from runtime.api import NOT_UTF8_FIX
+    from runtime.distributed.group import RankFailure
     from runtime.text import check_text
 
     pipe = _pipeline(artifact, kw)
@@ -330,6 +334,7 @@ def plan_cmd(
     artifact: Path, memory: str, avg_len: int | None, cache_block_seq_len: int, tp: int
 ) -> None:
     """How many tokens and sequences fit, for each KV policy, side by side."""
+    from runtime.artifact.reader import Artifact, ArtifactError
     from runtime.plan import default_avg_len, plan, render
 
     size = parse_bytes(memory)
@@ -394,16 +399,12 @@ def serve_cmd(
     **kw,
 ) -> None:
     """Serve ARTIFACT over an OpenAI-compatible HTTP API."""
-    import uvicorn
-
-    from runtime.kernels.omp_threads import openmp_left_to_the_engine_thread
     from runtime.server.cluster import (
         pop_replica_options,
         refuse_stray_replica_options,
         serve_replicas,
         wants_replicas,
     )
-    from runtime.server.serve import DrainingServer, build_app, listen_socket
 
     keys = tuple(k.strip() for k in (api_keys or "").split(",") if k.strip())
     replica_kw = pop_replica_options(kw)
@@ -422,10 +423,15 @@ def serve_cmd(
             **replica_kw,
         )
         return
-    try:
+    try:  # before the imports below (torch, the engine: seconds), so a busy port fails at once
         sock = listen_socket(server_name, server_port)
     except OSError as e:
         raise click.ClickException(str(e)) from e
+    import uvicorn
+
+    from runtime.kernels.omp_threads import openmp_left_to_the_engine_thread
+    from runtime.server.serve import DrainingServer, build_app
+
     loading = openmp_left_to_the_engine_thread() if kw["tp"] == 1 else contextlib.nullcontext()
     with loading:
         pipe = _pipeline(artifact, kw)
@@ -484,6 +490,7 @@ def serve_cmd(
 def check_cmd(artifact: Path, max_new_tokens: int, **kw) -> None:
     """Deploy check: load, render a chat, run one greedy request that must end on an end token."""
     from runtime import GenerationConfig
+    from runtime.distributed.group import RankFailure
 
     pipe = _pipeline(artifact, kw)
     engine = pipe.engine

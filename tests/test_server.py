@@ -1230,12 +1230,14 @@ def test_sigterm_drains_in_flight_and_exits_0(artifact: Path, sig: signal.Signal
 
 def test_a_port_in_use_is_refused_before_the_model_loads(artifact: Path) -> None:
     """On a GPU loading means warm-up and graph capture: the port must be checked first, and
-    no line may claim the server is up."""
+    no line may claim the server is up. It is checked before torch is even imported (seconds):
+    here torch cannot be imported at all, and the answer is still the port's."""
+    no_torch = "import sys; sys.modules['torch'] = None; from runtime.cli import main; main()"
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        cmd = [sys.executable, "-m", "runtime", "-v", "serve", str(artifact)]
+        cmd = [sys.executable, "-c", no_torch, "-v", "serve", str(artifact)]
         done = subprocess.run(
             [*cmd, "--server-port", str(port)], cwd=ROOT, capture_output=True, text=True,
             timeout=120,

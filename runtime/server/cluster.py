@@ -43,7 +43,6 @@ from typing import Any
 
 import click
 
-from runtime.artifact.reader import Artifact, ArtifactError
 from runtime.server.routing import (
     MAX_IMBALANCE,
     TABLE_SIZE,
@@ -680,6 +679,8 @@ def serve_replicas(
     template = engine_kw.pop("chat_template", None)
     if template is not None:
         app_kw.setdefault("chat_template", template)
+    from runtime.artifact.reader import Artifact, ArtifactError
+
     name = model_name or Path(artifact).resolve().name
     try:  # bad input fails here, before Ray starts, not in every replica a minute later
         Artifact(artifact, checksums=False)

@@ -40,25 +40,6 @@ def build_app(
     return app
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
-    """The server's socket, bound before the model loads: a port in use must fail in a second,
-    not after minutes of loading, warm-up and graph capture. Bound as uvicorn binds it (IPv6
-    for a host with a colon, SO_REUSEADDR), and handed to it."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise OSError(
-            f"cannot listen on {host}:{port}: {e.strerror or e}; choose another --server-port "
-            "(or --server-name), or stop the process that holds it"
-        ) from e
-    sock.set_inheritable(True)
-    return sock
-
-
 FORCED_WRITE_S = 0.2  # what a forced exit leaves the handlers to write their 503s
 
 
