@@ -434,7 +434,8 @@ class _State:
 
         try:
             requests = [(ids, params) for _, _, ids, params in jobs]
-            streams += await self._open(requests, "messages" if chat else "prompt")
+            scored = _scores_prompt(req)
+            streams += await self._open(requests, "messages" if chat else "prompt", scored)
             if req.stream:  # the response releases them when it ends
                 return _EventStream(self._sse(req, jobs, streams, chat), release)
         except BaseException:
@@ -446,13 +447,16 @@ class _State:
             await release()
 
     async def _open(
-        self, requests: list[tuple[list[int], SamplingParams]], prompt_param: str
+        self,
+        requests: list[tuple[list[int], SamplingParams]],
+        prompt_param: str,
+        scored_only: bool = False,
     ) -> list[Updates]:
         """Start every sequence of a request in one step; the engine's refusal of any (too
         long, bad ids) becomes a 400 here, and none of them runs. Too long for the session
         carries OpenAI's code, context_length_exceeded: clients trim their history on it."""
         try:
-            return await self.engine.submit(requests)
+            return await self.engine.submit(requests, scored_only)
         except ContextLengthError as e:
             raise ApiError(400, str(e), param=prompt_param, code="context_length_exceeded") from e
         except ServerClosing as e:
@@ -784,9 +788,14 @@ def _failing(failure: StepFailure) -> str:
     )
 
 
+def _scores_prompt(req) -> bool:
+    """max_tokens 0 with echo asks for the prompt's logprobs alone (lm-eval's loglikelihood)."""
+    return getattr(req, "echo", False) and req.max_tokens == 0
+
+
 def _scored_only(req, u: Update) -> Update:
-    """max_tokens 0 with echo asks for the prompt's logprobs alone: drop what was generated."""
-    if getattr(req, "echo", False) and req.max_tokens == 0:
+    """A request that scores its prompt gets nothing of the token that was run for it."""
+    if _scores_prompt(req):
         return replace(
             u, text="", token_ids=[], logprobs=[], finish_reason=u.finish_reason and "length"
         )

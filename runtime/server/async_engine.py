@@ -78,6 +78,7 @@ class _Stream:
     out: asyncio.Queue
     arrival: float
     hold: int  # characters held back while a stop string may be forming
+    scored_only: bool = False  # echo with max_tokens 0: its one token is run, never returned
     sent_tokens: int = 0
     sent_logprobs: int = 0
     first_token: float | None = None
@@ -159,18 +160,22 @@ class AsyncEngine:
         self._thread.join(timeout=10)
         self.alive = False
 
-    async def submit(self, requests: list[tuple[list[int], SamplingParams]]) -> list[Updates]:
+    async def submit(
+        self, requests: list[tuple[list[int], SamplingParams]], scored_only: bool = False
+    ) -> list[Updates]:
         """Admit requests (prompt ids, params) together, in one command: the engine adds them
         between two steps, so the n choices or prompts of one API request start in the same
         step. Raises ValueError (nothing admitted) if the engine refuses any of them. Returns
         once they are admitted, not when they have a token: a client that leaves while they
-        wait for a slot can then be seen leaving, and they are aborted."""
+        wait for a slot can then be seen leaving, and they are aborted. `scored_only`: the
+        requests score their prompts (echo, max_tokens 0), so the token each runs is not
+        counted as generated, as the usage does not count it."""
         if self.closing is not None:
             raise ServerClosing(self.closing)
         loop = asyncio.get_running_loop()
         outs: list[asyncio.Queue] = [asyncio.Queue() for _ in requests]
         added: Future = Future()
-        self._inbox.put(("add", requests, loop, outs, added))
+        self._inbox.put(("add", requests, loop, outs, added, scored_only))
         admitted, closing = asyncio.wrap_future(added), loop.create_future()
         self._admitting.add(closing)
         try:
@@ -295,6 +300,7 @@ class AsyncEngine:
         loop: asyncio.AbstractEventLoop,
         outs: list[asyncio.Queue],
         added: Future,
+        scored_only: bool,
     ) -> None:
         """All of a submission's requests, or none: one refused (ValueError) or failing takes
         out the ones added before it, which have not run a step yet."""
@@ -314,7 +320,7 @@ class AsyncEngine:
         now = time.perf_counter()
         for seq, out, (_, params) in zip(seqs, outs, requests, strict=True):
             hold = max((len(s) for s in params.stop), default=1) - 1
-            self._streams[seq.seq_id] = _Stream(seq, loop, out, now, hold)
+            self._streams[seq.seq_id] = _Stream(seq, loop, out, now, hold, scored_only)
         # a prompt once, as the usage counts it: the n choices of one share its list
         shared = {id(ids): len(ids) for ids, _ in requests}
         self.metrics.prompt_tokens.inc(sum(shared.values()))
@@ -341,7 +347,8 @@ class AsyncEngine:
         if st is None:
             return
         new_tokens = seq.output_ids[st.sent_tokens :]
-        self.metrics.generation_tokens.inc(len(new_tokens))
+        if not st.scored_only:
+            self.metrics.generation_tokens.inc(len(new_tokens))
         if st.first_token is None:
             st.first_token = now
             self.metrics.ttft.observe(now - st.arrival)
