@@ -16,19 +16,27 @@ entry is rebuilt, with a warning, instead of crashing the loader (a truncated li
 SIGBUS) or being blamed on the user's model. The checks read sizes and headers, not hashes: an
 entry is opened on every start, and a GGUF conversion is hundreds of MB.
 
+Entries are never deleted behind the user's back (a GGUF conversion took minutes to make), but
+a new liteserve or torch makes new keys and leaves the old entries unused, hundreds of MB each:
+every use of an entry stamps its modification time, and :func:`prune` (`runtime cache prune`)
+removes the entries not used for a while, each under its lock so no writer is cut short.
+
 A leaf module: the kernels, the artifact code and ``lite`` all import it; it imports nothing of
 the project.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from filelock import FileLock, Timeout
@@ -72,6 +80,7 @@ def cached_entry(
     """
     whole = valid or (matches_record if directory else Path.exists)
     if whole(target):
+        _mark_used(target)
         return target
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -101,6 +110,72 @@ def cached_entry(
         lock.release()
 
 
+def _mark_used(target: Path) -> None:
+    """Stamp the entry's time of last use, which :func:`prune` reads (a read-only cache, such
+    as one baked into an image, is still used: it just keeps its stamps)."""
+    with contextlib.suppress(OSError):
+        os.utime(target)
+
+
+@dataclass(frozen=True)
+class Entry:
+    kind: str  # the cache directory it is in: gguf, converted, native, cuda, dispatch
+    path: Path
+    size: int  # bytes, all its files
+    used: float  # last use (or the build), seconds since the epoch
+
+
+def list_entries(root: Path | None = None) -> list[Entry]:
+    """Every entry in the cache, oldest use first; the locks and temporaries (dot names) are
+    not entries."""
+    root = cache_root() if root is None else root
+    kinds = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    found = [
+        Entry(kind.name, p, _size(p), p.lstat().st_mtime)
+        for kind in kinds
+        for p in kind.iterdir()
+        if not p.name.startswith(".")
+    ]
+    return sorted(found, key=lambda e: e.used)
+
+
+def _size(path: Path) -> int:
+    if path.is_dir() and not path.is_symlink():
+        return sum(p.lstat().st_size for p in path.rglob("*") if not p.is_dir())
+    return path.lstat().st_size
+
+
+def prune(entries: list[Entry], unused_for_s: float) -> tuple[list[Entry], list[Entry]]:
+    """Remove the entries not used for `unused_for_s` seconds, with their orphaned
+    temporaries; returns (removed, busy). Each is removed while holding its lock, so a process
+    writing it is never cut short (that entry is busy and stays). A reader that has it open
+    keeps its data (a mapped file outlives its name), and the next start rebuilds it. The lock
+    files stay: deleting one another process may be waiting on would let two writers in."""
+    cutoff = time.time() - unused_for_s
+    removed: list[Entry] = []
+    busy: list[Entry] = []
+    for entry in entries:
+        if entry.used > cutoff:
+            continue
+        lock = FileLock(entry.path.parent / f".{entry.path.name}.lock")
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            busy.append(entry)
+            continue
+        try:
+            if entry.path.lstat().st_mtime > cutoff:  # used since it was listed
+                continue
+            _remove_orphans(entry.path)
+            _take_away(entry.path, "pruned")
+            removed.append(entry)
+        except FileNotFoundError:  # another prune took it
+            continue
+        finally:
+            lock.release()
+    return removed, busy
+
+
 def matches_record(entry: Path) -> bool:
     """Whether the directory ``entry`` holds every file its record lists, each at its recorded
     size: what a cut-short copy or a failing disk breaks. An entry without a record (made
@@ -123,14 +198,19 @@ def _write_record(entry: Path) -> None:
 
 
 def _remove_damaged(target: Path) -> None:
-    """Delete a ``target`` that failed its check, first renaming it to a temporary's name: one
-    step takes it from readers, and what a failed delete leaves is an orphan that a later
-    writer removes, not a half-deleted entry in the way of the rename."""
+    """Delete a ``target`` that failed its check (:func:`_take_away`: a failed delete leaves
+    an orphan, not a half-deleted entry in the way of the rename)."""
     if target.exists() or target.is_symlink():
         log.warning("damaged cache entry %s: rebuilding it", target)
-        aside = target.parent / f"{_tmp_prefix(target)}damaged-{os.urandom(4).hex()}"
-        os.replace(target, aside)
-        _remove(aside)
+        _take_away(target, "damaged")
+
+
+def _take_away(target: Path, why: str) -> None:
+    """Delete an entry, first renaming it to a temporary's name: one step takes it from
+    readers, and what a failed delete leaves is an orphan that a later writer removes."""
+    aside = target.parent / f"{_tmp_prefix(target)}{why}-{os.urandom(4).hex()}"
+    os.replace(target, aside)
+    _remove(aside)
 
 
 def _acquire(lock: FileLock, target: Path) -> None:

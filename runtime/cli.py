@@ -8,6 +8,7 @@ import logging
 import re
 import signal
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -178,11 +179,77 @@ def verify_cmd(artifact: Path) -> None:
     )
 
 
+_AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_age(text: str) -> float:
+    """'30d', '12h', '90m', '45s' or '0' to seconds."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([smhd]?)\s*", text)
+    if not m or (not m.group(2) and float(m.group(1)) != 0):
+        raise click.BadParameter(f"{text!r} is not an age; write e.g. 30d, 12h or 0 (all)")
+    return float(m.group(1)) * _AGE_UNITS[m.group(2) or "s"]
+
+
+@main.group("cache")
+def cache_group() -> None:
+    """The liteserve cache (LITESERVE_CACHE): conversions and kernels, by last use."""
+
+
+@cache_group.command("list")
+def cache_list_cmd() -> None:
+    """Every entry with its size and last use, oldest first."""
+    from runtime.cache import cache_root, list_entries
+
+    entries = list_entries()
+    for e in entries:
+        click.echo(f"{_ago(e.used):>9}  {_mib(e.size):>10}  {e.kind}/{e.path.name}")
+    total = sum(e.size for e in entries)
+    click.echo(f"{len(entries)} entries, {_mib(total)} in {cache_root()}")
+
+
+@cache_group.command("prune")
+@click.option(
+    "--unused-for",
+    default="30d",
+    show_default=True,
+    help="Remove the entries not used for this long (30d, 12h, 0 = all).",
+)
+@click.option("--dry-run", is_flag=True, help="Say what would go, remove nothing.")
+def cache_prune_cmd(unused_for: str, dry_run: bool) -> None:
+    """Remove entries not used lately (a new liteserve or torch leaves the old ones unused);
+    whatever needs one again rebuilds it. An entry being written stays."""
+    from runtime.cache import list_entries, prune
+
+    age = parse_age(unused_for)
+    entries = list_entries()
+    if dry_run:
+        cutoff = time.time() - age
+        gone, busy = [e for e in entries if e.used <= cutoff], []
+    else:
+        gone, busy = prune(entries, age)
+    verb = "would remove" if dry_run else "removed"
+    for e in gone:
+        click.echo(f"{verb} {e.kind}/{e.path.name} ({_mib(e.size)}, used {_ago(e.used)})")
+    for e in busy:
+        click.echo(f"kept {e.kind}/{e.path.name}: another process is writing it")
+    click.echo(f"{verb} {len(gone)} of {len(entries)} entries, {_mib(sum(e.size for e in gone))}")
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"
+
+
+def _ago(when: float) -> str:
+    s = max(time.time() - when, 0)
+    for unit, span in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= span:
+            return f"{s / span:.0f}{unit} ago"
+    return f"{s:.0f}s ago"
+
+
 @main.command("build-kernels")
 def build_kernels_cmd() -> None:
     """Build the csrc CUDA library now (otherwise the cuda backend builds it on first use)."""
-    import time
-
     from runtime.kernels.build_cache import BuildUnavailable
     from runtime.kernels.cuda import library
 

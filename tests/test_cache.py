@@ -12,13 +12,25 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from lite import sources
-from runtime.cache import ENTRY_RECORD, cache_root, cached_entry, matches_record
+from runtime.cache import (
+    ENTRY_RECORD,
+    cache_root,
+    cached_entry,
+    list_entries,
+    matches_record,
+    prune,
+)
+from runtime.cli import main as runtime_main
 from runtime.kernels import native
 from runtime.kernels.build_cache import cached_build, is_whole_elf
 
@@ -221,3 +233,95 @@ def test_conversions_are_keyed_by_the_code_that_makes_them(monkeypatch) -> None:
     assert convert.cache_key(files) != key
     monkeypatch.setattr(transformers, "__version__", "0.0.1")
     assert sources._gguf_key("1" * 64) != gguf_key
+
+
+def _entry_dir(target: Path) -> Path:
+    def build(tmp: Path) -> None:
+        (tmp / "weights.bin").write_bytes(os.urandom(3000))
+
+    return cached_entry(target, build, directory=True)
+
+
+def _age(path: Path, days: float) -> None:
+    when = time.time() - days * 86400
+    os.utime(path, (when, when))
+
+
+def test_using_an_entry_stamps_its_last_use(tmp_path: Path) -> None:
+    """What prune reads: an entry built long ago and used today is not unused."""
+    target = _entry_dir(tmp_path / "gguf" / "abc")
+    _age(target, 40)
+    assert _entry_dir(target) == target
+    assert time.time() - target.stat().st_mtime < 60
+
+
+def test_prune_removes_the_unused_entries_and_keeps_the_rest(tmp_path: Path) -> None:
+    old = _entry_dir(tmp_path / "gguf" / "old")
+    recent = _entry_dir(tmp_path / "gguf" / "recent")
+    lib = tmp_path / "native" / "k.so"
+    lib.parent.mkdir()
+    lib.write_bytes(os.urandom(100))
+    orphan = tmp_path / "gguf" / ".old.tmp-killed"  # a writer of `old` killed mid-build
+    orphan.mkdir()
+    _age(old, 40)
+    _age(lib, 31)
+    _age(recent, 2)
+    entries = list_entries(tmp_path)
+    assert [(e.kind, e.path.name) for e in entries] == [
+        ("gguf", "old"),
+        ("native", "k.so"),
+        ("gguf", "recent"),
+    ]
+    assert entries[0].size == 3000 + (old / ENTRY_RECORD).stat().st_size
+    removed, busy = prune(entries, unused_for_s=30 * 86400)
+    assert [e.path.name for e in removed] == ["old", "k.so"] and busy == []
+    assert not old.exists() and not lib.exists() and not orphan.exists()
+    assert matches_record(recent)
+    left = sorted(p.name for p in (tmp_path / "gguf").iterdir())
+    assert left == [".old.lock", ".recent.lock", "recent"]  # the locks stay: see prune
+
+
+def test_prune_leaves_an_entry_another_process_is_writing(tmp_path: Path) -> None:
+    """Its lock is held (a rebuild under way): removing it would pull the entry from under the
+    writer, whose rename then lands on nothing it expects."""
+    entry = _entry_dir(tmp_path / "converted" / "busy")
+    _age(entry, 60)
+    held = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from filelock import FileLock; "
+            "lock = FileLock(sys.argv[1]); lock.acquire(); print('held', flush=True); time.sleep(60)",
+            str(entry.parent / ".busy.lock"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert held.stdout.readline().strip() == "held"
+        removed, busy = prune(list_entries(tmp_path), unused_for_s=0)
+    finally:
+        held.kill()
+        held.wait()
+    assert removed == [] and [e.path.name for e in busy] == ["busy"] and matches_record(entry)
+
+
+def test_runtime_cache_list_and_prune(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LITESERVE_CACHE", str(tmp_path))
+    old = _entry_dir(tmp_path / "gguf" / "old")
+    recent = _entry_dir(tmp_path / "gguf" / "recent")
+    _age(old, 45)
+    listed = CliRunner().invoke(runtime_main, ["cache", "list"])
+    assert listed.exit_code == 0, listed.output
+    assert "45d ago" in listed.output and "gguf/old" in listed.output
+    assert f"2 entries, 0.0 MiB in {tmp_path}" in listed.output
+
+    dry = CliRunner().invoke(runtime_main, ["cache", "prune", "--dry-run"])
+    assert dry.exit_code == 0 and "would remove gguf/old" in dry.output and old.exists()
+    pruned = CliRunner().invoke(runtime_main, ["cache", "prune", "--unused-for", "30d"])
+    assert pruned.exit_code == 0 and "removed 1 of 2 entries" in pruned.output, pruned.output
+    assert not old.exists() and recent.exists()
+
+    bad = CliRunner().invoke(runtime_main, ["cache", "prune", "--unused-for", "30"])
+    assert bad.exit_code == 2 and "not an age; write e.g. 30d" in bad.output
+    assert recent.exists()
