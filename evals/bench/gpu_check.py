@@ -523,6 +523,30 @@ def plan(
         needs=(awq_src,),
         render=render_awq(awq_src, 32),
     )
+    # `lite tune` had never run on a GPU: pin the cuda GEMM's launches for two buckets into a
+    # copy of the artifact (the other stages read the untuned one), then show what it pinned.
+    # The default run's budget has no room left for it: it runs when named, with the model
+    # it needs (--only model-1b,tune)
+    tuned = work / f"art-{small}-tuned"
+    tune = Stage(
+        "tune",
+        "`lite tune --backend cuda` on a copy of the artifact, buckets 1 and 16, and what "
+        "`lite inspect` then reports",
+        [
+            "bash",
+            "-c",
+            'rm -rf "$2" && cp -r "$1" "$2" && "$0" -m lite tune "$2" --backend cuda '
+            '--buckets 1,16 --max-configs 4 && "$0" -m lite inspect "$2"',
+            PY,
+            str(art),
+            str(tuned),
+        ],
+        cap=90,
+        reserve=20,
+        env=triton_cache,
+        needs=(art,),
+        skip=gpu_only or named_only("tune", chosen, "model-1b,tune"),
+    )
     if smoke:  # the memory code on the tiny model instead, to check it runs
         memory = Stage(
             "memory",
@@ -543,7 +567,7 @@ def plan(
         cap=240 if smoke else a.budget - 60,
     )
     measuring = [decode, engine_cuda, agree, serve, kernels, cuda_attention, cuda_gemm, memory]
-    measuring.append(awq)
+    measuring += [awq, tune]
     p = Plan([tests, suite], [model, model8], measuring, [cpu_isa] if cpus else [])
     if not cpus:
         measuring.append(cpu_isa)
@@ -785,9 +809,14 @@ def suite_skip(smoke: bool, chosen: set[str] | None) -> str | None:
     it runs only when named (`chosen`: the --only names), being minutes long even on 16 cores."""
     if smoke:
         return "smoke run: on a CPU the whole suite is CI's"
-    if chosen is not None and "all-tests" in chosen:
+    return named_only("all-tests", chosen, "all-tests")
+
+
+def named_only(name: str, chosen: set[str] | None, only: str) -> str | None:
+    """Why a stage outside the default run does not run: it was not named (--only ONLY)."""
+    if chosen is not None and name in chosen:
         return None
-    return "not selected: the whole suite runs only when named (--only all-tests)"
+    return f"not selected: it runs only when named (--only {only})"
 
 
 def test_workers(smoke: bool) -> list[str]:
