@@ -97,3 +97,24 @@ def test_runtime_serve_replicas_deploys_answers_and_stops(rtn_artifact: Path, tm
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_runtime_serve_replicas_refuses_a_port_in_use_before_ray_starts(rtn_artifact: Path):
+    """Serve's proxy could not bind and the command ended 25 s later in a hundred lines of its
+    actors' tracebacks: the port is tried first, and Ray is never imported (here it cannot be,
+    so this runs without the cluster extra too)."""
+    no_ray = "import sys; sys.modules['ray'] = None; from runtime.cli import main; main()"
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-c", no_ray, "serve", str(rtn_artifact), "--replicas", "2"]
+            + ["--server-port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert done.returncode == 1, done.stderr
+    assert f"Error: cannot listen on 127.0.0.1:{port}" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "liteserve[cluster]" not in done.stderr

@@ -43,6 +43,7 @@ from typing import Any
 
 import click
 
+from runtime.server.listen import listen_socket
 from runtime.server.routing import (
     MAX_IMBALANCE,
     TABLE_SIZE,
@@ -668,6 +669,12 @@ def serve_replicas(
 ) -> None:
     """What `runtime serve --replicas N` runs: deploy, log where, serve until SIGINT or
     SIGTERM, then shut Serve down (the replicas drain and stop)."""
+    if ray_address is None:  # Serve's proxy will bind here: a port in use fails now, not
+        # after Ray's start-up and a hundred lines of its actors' tracebacks (about 25 s)
+        try:
+            listen_socket(server_name, server_port).close()
+        except OSError as e:
+            raise click.ClickException(str(e)) from e
     if not ray_available():
         raise click.ClickException(INSTALL_HINT)
     from ray import serve
