@@ -10,6 +10,7 @@ for chunk in pipe.stream("Tell me about Paris"):
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,11 +69,21 @@ class Response:
 
 
 class Pipeline:
+    """Callable from several threads: the engine takes one caller at a time (its steps are
+    not reentrant), a batch call whole and a stream a step at a time, and every caller's step
+    advances every request in the engine, so streams in other threads go on meanwhile."""
+
     def __init__(self, engine: Engine, chat_template: ChatTemplate | None) -> None:
         self.engine = engine
         self.chat_template = chat_template
+        self._lock = threading.RLock()
 
     def sampling_params(self, gen: GenerationConfig) -> SamplingParams:
+        if not isinstance(gen, GenerationConfig):
+            raise TypeError(
+                f"gen must be a GenerationConfig, not {type(gen).__name__}: "
+                "GenerationConfig(max_new_tokens=..., temperature=...)"
+            )
         return self.engine.sampling_params(**dataclasses.asdict(gen))
 
     def encode(self, prompt: Prompt) -> list[int]:
@@ -105,26 +116,40 @@ class Pipeline:
             raise TypeError(f"prompts are a prompt or a list of them, not {type(prompts).__name__}")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]
-        params = self.sampling_params(gen or GenerationConfig())
-        seqs = self.engine.generate([self.encode(p) for p in prompts], params)
+        params = self.sampling_params(GenerationConfig() if gen is None else gen)
+        ids = [self.encode(p) for p in prompts]
+        with self._lock:
+            seqs = self.engine.generate(ids, params)
         return [Response.of(s) for s in seqs]
 
     def stream(self, prompt: Prompt, gen: GenerationConfig | None = None) -> Iterator[Response]:
-        """Text deltas as they are decoded. Closing the iterator early aborts the request."""
-        params = self.sampling_params(gen or GenerationConfig())
-        seq = self.engine.add_request(self.encode(prompt), params)
+        """Text deltas as they are decoded, the last one carrying the finish reason. Closing the
+        iterator early aborts the request. Another call's steps (another stream read in turn,
+        a batch call, another thread) advance this request too: it may be finished, whole or
+        in part, before this iterator steps it, and its text is still all delivered."""
+        params = self.sampling_params(GenerationConfig() if gen is None else gen)
+        ids = self.encode(prompt)
         hold = max((len(s) for s in params.stop), default=1) - 1  # a stop string may be forming
+        with self._lock:
+            seq = self.engine.add_request(ids, params)
         try:
-            while not seq.finished:
-                self.engine.step()
-                end = len(seq.text) if seq.finished else max(seq.emitted, len(seq.text) - hold)
-                if end > seq.emitted or seq.finished:
+            while True:
+                with self._lock:
+                    if not seq.finished:
+                        self.engine.step()
+                    done = seq.finished
+                    end = len(seq.text) if done else max(seq.emitted, len(seq.text) - hold)
                     delta = seq.text[seq.emitted : end]
                     seq.emitted = end
-                    yield Response.of(seq, delta)
+                    response = Response.of(seq, delta)
+                if delta or done:
+                    yield response
+                if done:
+                    return
         finally:
-            if not seq.finished:
-                self.engine.abort(seq.seq_id)
+            with self._lock:
+                if not seq.finished:
+                    self.engine.abort(seq.seq_id)
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks (EngineConfig(tp=N)); nothing to do with one."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -247,6 +248,68 @@ def test_stream_and_abort(artifacts: dict[str, Path]) -> None:
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     assert not engine.scheduler.has_work()
     engine.blocks.check()
+
+
+def test_a_stream_finished_by_other_calls_still_delivers_all_its_text(
+    artifacts: dict[str, Path],
+) -> None:
+    """Every call's step advances every request: a stream read in turn with a longer one, or
+    left while a batch call ran, is finished by those steps. It lost the rest of its text and
+    never gave its finish reason."""
+    pipe = pipeline(artifacts["llama"], _config())
+    short = GenerationConfig(max_new_tokens=6, temperature=0, ignore_eos=True)
+    long = GenerationConfig(max_new_tokens=12, temperature=0, ignore_eos=True)
+    want_a, want_b = pipe([_ids(8, 4)], short)[0], pipe([_ids(9, 5)], long)[0]
+    a, b = pipe.stream(_ids(8, 4), short), pipe.stream(_ids(9, 5), long)
+    got: dict[str, list] = {"a": [], "b": []}
+    live = {"a": a, "b": b}
+    while live:  # read in turn, one chunk each
+        for name, it in list(live.items()):
+            chunk = next(it, None)
+            if chunk is None:
+                del live[name]
+            else:
+                got[name].append(chunk)
+    for chunks, want in ((got["a"], want_a), (got["b"], want_b)):
+        assert "".join(c.text for c in chunks) == want.text
+        assert chunks[-1].finish_reason == "length" and chunks[-1].token_ids == want.token_ids
+        assert [c.finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+
+    stream = pipe.stream(_ids(8, 4), short)
+    first = next(stream)
+    pipe([_ids(10, 6)], long)  # its steps finish the stream's request
+    rest = list(stream)
+    assert first.text + "".join(c.text for c in rest) == want_a.text
+    assert rest[-1].finish_reason == "length"
+
+
+def test_one_pipeline_from_several_threads(artifacts: dict[str, Path]) -> None:
+    """Six threads calling one pipeline at once all failed ("sequence 3 has 4 tokens, cannot
+    have 6 computed"): the engine's steps are not reentrant. Each now gets what it gets alone."""
+    pipe = pipeline(artifacts["llama"], _config())
+    gen = GenerationConfig(max_new_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [_ids(6 + k, k) for k in range(6)]
+    alone = [pipe([p], gen)[0].text for p in prompts]
+
+    def call(k: int) -> str:
+        if k % 2:
+            return "".join(c.text for c in pipe.stream(prompts[k], gen))
+        return pipe([prompts[k]], gen)[0].text
+
+    with ThreadPoolExecutor(6) as pool:
+        assert list(pool.map(call, range(6))) == alone
+    engine = pipe.engine
+    assert not engine.sequences and engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_a_generation_config_of_another_type_is_refused_by_name(
+    artifacts: dict[str, Path],
+) -> None:
+    pipe = pipeline(artifacts["llama"], _config())
+    with pytest.raises(TypeError, match="gen must be a GenerationConfig, not dict"):
+        pipe([_ids(4, 1)], {"max_new_tokens": 4})
+    with pytest.raises(TypeError, match="gen must be a GenerationConfig, not dict"):
+        next(pipe.stream(_ids(4, 1), {"max_new_tokens": 4}))
 
 
 def test_a_batch_with_a_refused_prompt_leaves_nothing_running(
