@@ -20,6 +20,7 @@ from runtime.config import EngineConfig
 from runtime.engine.engine import Engine
 from runtime.engine.sampler import SamplingParams, TokenLogprobs
 from runtime.engine.sequence import Sequence
+from runtime.message_text import MessageText
 from runtime.text import check_text
 
 Prompt = str | list[int] | list[dict]  # text, token ids, or chat messages
@@ -76,6 +77,7 @@ class Pipeline:
     def __init__(self, engine: Engine, chat_template: ChatTemplate | None) -> None:
         self.engine = engine
         self.chat_template = chat_template
+        self.message_text = MessageText(engine.tokenizer)
         self._lock = threading.RLock()
 
     def sampling_params(self, gen: GenerationConfig) -> SamplingParams:
@@ -91,10 +93,16 @@ class Pipeline:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             if self.chat_template is None:
                 raise ValueError("this artifact has no chat template; pass text instead")
-            for i, message in enumerate(prompt):
-                if isinstance(message.get("content"), str):
-                    check_text(message["content"], f"messages[{i}].content", NOT_UTF8_FIX)
-            prompt = self.chat_template.render(prompt)
+            contents = [m.get("content") if isinstance(m, dict) else None for m in prompt]
+            for i, content in enumerate(contents):
+                if isinstance(content, str):
+                    check_text(content, f"messages[{i}].content", NOT_UTF8_FIX)
+            rendered = self.chat_template.render(prompt)
+            check_text(rendered, "the rendered chat", NOT_UTF8_FIX)
+            # a special token typed in a message stays text (runtime/message_text.py)
+            return self.message_text.encode(
+                rendered, [c if isinstance(c, str) else None for c in contents]
+            )
         if isinstance(prompt, str):
             check_text(prompt, "the prompt", NOT_UTF8_FIX)
             return self.engine.tokenizer.encode(prompt, add_special_tokens=False).ids

@@ -30,6 +30,7 @@ from runtime.chat_template import ChatTemplate, ChatTemplateError
 from runtime.engine.engine import ContextLengthError
 from runtime.engine.grammar import GrammarError, schema_key
 from runtime.engine.sampler import SamplingParams, TokenLogprobs
+from runtime.message_text import MessageText
 from runtime.server import protocol as p
 from runtime.server.async_engine import (
     AsyncEngine,
@@ -262,6 +263,7 @@ class _State:
         self.engine = engine
         self.settings = settings
         self.tokenizer = engine.engine.tokenizer
+        self.message_text = MessageText(self.tokenizer)
         self.session_len = engine.engine.session_len
         self.vocab = engine.engine.arch.vocab_size
         self.capacity_tokens = engine.engine.pool_stats().capacity_tokens
@@ -301,10 +303,7 @@ class _State:
 
     def _encode(self, text: str, param: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of request text; half of a UTF-16 surrogate pair is a 400 naming it."""
-        try:
-            check_text(text, param, JSON_TEXT_FIX)
-        except ValueError as e:
-            raise ApiError(400, str(e), param=param) from e
+        _check_text(text, param)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_chat(
@@ -326,7 +325,11 @@ class _State:
             tools = [t.model_dump(exclude_none=True) for t in req.tools]
         text = _render(template, messages, add_generation_prompt, tools)
         _check_tools_rendered(template, messages, add_generation_prompt, tools, text, req)
-        return self._encode(text, "messages")
+        _check_text(text, "messages")
+        try:  # a special token typed in a message stays text (runtime/message_text.py)
+            return self.message_text.encode(text, [m["content"] for m in messages])
+        except ValueError as e:
+            raise ApiError(400, str(e), param="messages") from e
 
     def encode_tokenize(self, req: p.TokenizeRequest) -> list[int]:
         if req.messages is not None:
@@ -786,6 +789,13 @@ def _failing(failure: StepFailure) -> str:
         f"the engine's steps are failing ({failure.count} since the last success, the last "
         f"{ago:.1f} s ago at {when}): {failure.message}"
     )
+
+
+def _check_text(text: str, param: str) -> None:
+    try:
+        check_text(text, param, JSON_TEXT_FIX)
+    except ValueError as e:
+        raise ApiError(400, str(e), param=param) from e
 
 
 def _scores_prompt(req) -> bool:
