@@ -23,6 +23,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -587,6 +588,46 @@ def test_health_version_metrics_are_open(srv: Served, http: httpx2.Client) -> No
     assert m["liteserve:request_queue_time_seconds_count"] > 0
 
 
+def _responses(route: str, status: int) -> str:
+    return f'liteserve:http_responses_total{{route="{route}",status="{status}"}}'
+
+
+def test_every_response_is_counted_and_logged_under_a_request_id(
+    srv: Served, http: httpx2.Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Refusals changed no metric and no request was logged: a dashboard and a log showed
+    nothing of clients being refused. The id is the client's X-Request-Id, else a new one."""
+    before = metrics(srv.url)
+    with caplog.at_level(logging.INFO, logger="liteserve"):
+        ok = http.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2},
+            headers={"X-Request-Id": "client-7f3a"},
+        )
+        bad = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "n": 99})
+        unknown = httpx2.post(srv.url + "/v1/completions", json={})  # no key
+        lost = http.get("/no/such/page")
+        odd = http.get("/health", headers={"X-Request-Id": "has space"})
+    assert ok.status_code == 200 and ok.headers["x-request-id"] == "client-7f3a"
+    assert bad.status_code == 400 and unknown.status_code == 401 and lost.status_code == 404
+    rid = bad.headers["x-request-id"]
+    assert len(rid) == 24 and rid != unknown.headers["x-request-id"]
+    assert odd.headers["x-request-id"] != "has space"  # not a usable id: a new one
+    m = metrics(srv.url)
+    for route, status in (
+        ("/v1/completions", 200),
+        ("/v1/completions", 400),
+        ("/v1/completions", 401),
+        ("other", 404),
+        ("/health", 200),
+    ):
+        assert grew(m, before, _responses(route, status)) == 1, (route, status)
+    lines = [r.getMessage() for r in caplog.records if r.name == "liteserve"]
+    assert "request client-7f3a: POST '/v1/completions' 200" in "\n".join(lines)
+    assert any(line.startswith(f"request {rid}: POST '/v1/completions' 400") for line in lines)
+    assert PROMPT not in "\n".join(lines) and KEY not in "\n".join(lines)
+
+
 def test_tokenize_detokenize_and_tokenizer_info(http: httpx2.Client, artifact: Path) -> None:
     t = http.post("/tokenize", json={"prompt": PROMPT}).json()
     assert t["count"] == len(t["tokens"]) > 1 and t["max_model_len"] == SESSION_LEN
@@ -1029,6 +1070,46 @@ def test_a_client_that_leaves_while_queued_is_aborted_at_once(artifact: Path) ->
             )
             assert s.state.in_flight == 1
         wait_idle(s, timeout=10)
+    finally:
+        s.engine.step = real
+        s.stop()
+
+
+def test_latencies_and_the_waiting_gauge_count_a_request_the_engine_has_not_taken_in(
+    artifact: Path,
+) -> None:
+    """The engine thread takes new requests between steps, and a CPU prefill step takes
+    seconds: the latencies started at admission, leaving that wait out, and the waiting gauge
+    did not count the request until the step after. Here every step takes 0.6 s."""
+    s = serve(artifact)
+    real = s.engine.step
+
+    def slow_step():
+        time.sleep(0.6)
+        return real()
+
+    s.engine.step = slow_step
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1}
+    try:
+        before = metrics(s.url)
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(httpx2.post, s.url + "/v1/completions", json=body, timeout=30)
+            time.sleep(0.2)  # the first one's step is under way: the second waits in the inbox
+            sent = time.perf_counter()
+            second = pool.submit(httpx2.post, s.url + "/v1/completions", json=body, timeout=30)
+            deadline = time.monotonic() + 0.3
+            seen = 0.0
+            while time.monotonic() < deadline and not seen:
+                seen = metrics(s.url)["liteserve:num_requests_waiting"]
+            assert seen >= 1  # counted while the engine thread is still in its step
+            assert first.result().status_code == 200 and second.result().status_code == 200
+            waited = time.perf_counter() - sent
+        m = metrics(s.url)
+        ttft = grew(m, before, "liteserve:time_to_first_token_seconds_sum")
+        # the first: its step, 0.6 s; the second: the rest of that step (about 0.4 s) in the
+        # inbox, then its own step. Counted from admission, the two made 1.2 s
+        assert ttft >= 0.6 + 0.25 + 0.6 and waited >= 0.6 + 0.25
+        assert m["liteserve:num_requests_waiting"] == 0
     finally:
         s.engine.step = real
         s.stop()

@@ -32,6 +32,7 @@ from runtime.engine.grammar import GrammarError, schema_key
 from runtime.engine.sampler import SamplingParams, TokenLogprobs
 from runtime.message_text import MessageText
 from runtime.server import protocol as p
+from runtime.server.access import AccessLog
 from runtime.server.async_engine import (
     AsyncEngine,
     ServerClosing,
@@ -149,7 +150,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     # server cannot reach; /openapi.json stays (it is the schema, served without a key)
     app = FastAPI(title="liteserve", version=__version__, docs_url=None, redoc_url=None)
     app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
-    app.add_middleware(_Auth, keys=settings.api_keys)  # outermost: keys before anything else
+    app.add_middleware(_Auth, keys=settings.api_keys)  # keys before anything else
     state = _State(engine, settings)
 
     @app.exception_handler(RequestValidationError)
@@ -177,8 +178,13 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         return _error(exc.status_code, str(exc.detail), "invalid_request_error")
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
-        return _error(500, f"internal error: {type(exc).__name__}", "internal_error")
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        rid = getattr(request.state, "request_id", "?")
+        return _error(
+            500,
+            f"internal error: {type(exc).__name__} (request {rid}; the server's log has it)",
+            "internal_error",
+        )
 
     @app.get("/health")
     async def health() -> Response:
@@ -235,6 +241,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         return await state.respond(request, req, prompts, chat=False)
 
     app.state.liteserve = state
+    # outermost, added last: it counts and logs the refusals of the middleware inside it too
+    routes = frozenset(r.path for r in app.routes if "{" not in r.path)
+    app.add_middleware(AccessLog, responses=engine.metrics.responses, routes=routes)
     return app
 
 

@@ -175,7 +175,8 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         outs: list[asyncio.Queue] = [asyncio.Queue() for _ in requests]
         added: Future = Future()
-        self._inbox.put(("add", requests, loop, outs, added, scored_only))
+        self.metrics.submitted(len(requests))
+        self._inbox.put(("add", requests, loop, outs, added, scored_only, time.perf_counter()))
         admitted, closing = asyncio.wrap_future(added), loop.create_future()
         self._admitting.add(closing)
         try:
@@ -301,9 +302,11 @@ class AsyncEngine:
         outs: list[asyncio.Queue],
         added: Future,
         scored_only: bool,
+        arrival: float,
     ) -> None:
         """All of a submission's requests, or none: one refused (ValueError) or failing takes
         out the ones added before it, which have not run a step yet."""
+        self.metrics.submitted(-len(requests))
         if not added.set_running_or_notify_cancel():  # its caller was cancelled meanwhile
             return
         seqs: list[Sequence] = []
@@ -317,13 +320,15 @@ class AsyncEngine:
                 self.engine.abort(seq.seq_id)
             added.set_exception(e)
             return
-        now = time.perf_counter()
+        # the latencies count from the submission, not from this admission: the engine thread
+        # reads its inbox between steps, and a CPU prefill step takes seconds
         for seq, out, (_, params) in zip(seqs, outs, requests, strict=True):
             hold = max((len(s) for s in params.stop), default=1) - 1
-            self._streams[seq.seq_id] = _Stream(seq, loop, out, now, hold, scored_only)
+            self._streams[seq.seq_id] = _Stream(seq, loop, out, arrival, hold, scored_only)
         # a prompt once, as the usage counts it: the n choices of one share its list
         shared = {id(ids): len(ids) for ids, _ in requests}
         self.metrics.prompt_tokens.inc(sum(shared.values()))
+        self.metrics.sync_engine(self.engine)  # running and waiting now, not after the step
         added.set_result(seqs)
 
     def _add_probe(self) -> None:
