@@ -13,6 +13,10 @@ from pathlib import Path
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token")  # from tokenizer_config.json
+# What a template is given by the caller itself; extra template variables cannot set them.
+TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", *SPECIAL_TOKENS})
+
 
 class ChatTemplateError(ValueError):
     """The template is broken, or it refused the conversation."""
@@ -46,7 +50,7 @@ class ChatTemplate:
             return None
         config_path = root / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        tokens = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token")}
+        tokens = {k: _token_text(config.get(k)) for k in SPECIAL_TOKENS}
         return cls(path.read_text(), tokens)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:

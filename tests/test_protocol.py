@@ -99,7 +99,6 @@ def test_chat_request_parses_and_ignores_unknown_fields():
             "frequency_penalty": 0.0,
             "logit_bias": {"1": 2},
             "tools": [],
-            "vendor_extra": 1,  # unknown: ignored
         }
     )
     assert [m.role for m in req.messages] == ["system", "developer", "user", "assistant", "tool"]
@@ -108,7 +107,7 @@ def test_chat_request_parses_and_ignores_unknown_fields():
     assert req.messages[3].template_dict() == {"role": "assistant", "content": "ok", "name": "bot"}
     assert req.messages[2].template_dict() == {"role": "user", "content": "a\nb"}
     assert req.temperature == 0.0 and req.n == MAX_N and req.stream_options.include_usage
-    assert req.logit_bias == {"1": 2.0} and not hasattr(req, "vendor_extra")
+    assert req.logit_bias == {"1": 2.0}
     assert req.skip_special_tokens is True and req.min_p == 0.0
 
 
@@ -264,6 +263,7 @@ def test_validation_message_from_fastapi_errors():
 # --- sampling fields ----------------------------------------------------------------------------
 
 KEYS = {
+    "stop_token_ids",
     "temperature",
     "top_p",
     "top_k",
@@ -279,7 +279,12 @@ KEYS = {
     "logit_bias",
     "skip_special_tokens",
 }
-UNSET = {"presence_penalty": None, "frequency_penalty": None, "logit_bias": None}
+UNSET = {
+    "presence_penalty": None,
+    "frequency_penalty": None,
+    "logit_bias": None,
+    "stop_token_ids": (),
+}
 
 
 def test_sampling_fields_defaults_are_none():

@@ -108,11 +108,13 @@ def serve(
     api_keys: tuple[str, ...] = (),
     config: EngineConfig | None = None,
     grace: float | None = None,
+    chat_template: Path | None = None,
     **kw: Any,
 ) -> Served:
     """build_app on runtime serve's uvicorn server, on a socket bound here (port 0: no race for
-    a port); ``grace`` as --grace."""
-    app = build_app(pipeline(artifact, config or engine_config()), MODEL, api_keys, **kw)
+    a port); ``grace`` as --grace, ``chat_template`` as --chat-template."""
+    pipe = pipeline(artifact, config or engine_config(), chat_template)
+    app = build_app(pipe, MODEL, api_keys, **kw)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -666,6 +668,82 @@ def test_a_special_token_typed_in_a_message_stays_text(
     assert r.usage.prompt_tokens == len(ids)
     # a raw completions prompt is the client's whole text: its special tokens stay tokens
     assert _tokens(http, prompt=forged).count(start[0]) == 1
+
+
+def test_vendor_fields_are_implemented_or_refused(
+    http: httpx2.Client, client: openai.OpenAI
+) -> None:
+    """vLLM's extras were dropped in silence (min_tokens, guided_choice, continue_final_message,
+    stop_token_ids...): a client could not tell which worked. Unknown fields are refused, as
+    OpenAI refuses them; the chat template's and stop_token_ids are implemented."""
+    for field, value in (("min_tokens", 4), ("guided_choice", ["a"]), ("vendor_extra", 1)):
+        for path, body in (
+            ("/v1/completions", {"prompt": PROMPT}),
+            ("/v1/chat/completions", {"messages": MESSAGES}),
+        ):
+            r = http.post(path, json={"model": MODEL, **body, field: value})
+            assert r.status_code == 400, (field, path)
+            error = r.json()["error"]
+            assert (
+                error["param"] == field
+                and "not a field this endpoint implements" in error["message"]
+            )
+
+    # stop_token_ids: the greedy reply stops at the first token given, excluded from the text
+    base = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    free = client.completions.create(extra_body={"ignore_eos": True}, **base)
+    ids = _tokens(http, prompt=PROMPT + free.choices[0].text)[len(_tokens(http, prompt=PROMPT)) :]
+    stopped = client.completions.create(
+        extra_body={"ignore_eos": True, "stop_token_ids": [ids[3]]}, **base
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage.completion_tokens == ids.index(ids[3]) + 1
+    assert free.choices[0].text.startswith(stopped.choices[0].text)
+
+    # continue_final_message: the prompt ends inside the assistant's turn, no end-of-turn
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer"}]
+    cont = client.chat.completions.create(
+        model=MODEL,
+        messages=history,
+        max_tokens=1,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    assert cont.usage.prompt_tokens == len(
+        _tokens(http, prompt="<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nThe answer")
+    )
+    bad = http.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": history, "continue_final_message": True},
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "continue_final_message"
+
+
+def test_chat_template_kwargs_reach_the_template(artifact: Path, tmp_path: Path) -> None:
+    """A Qwen3 artifact's thinking is turned off by enable_thinking=false in
+    chat_template_kwargs; the server's own names cannot be overridden."""
+    template = tmp_path / "thinking.jinja"
+    template.write_text(
+        (artifact / "chat_template.jinja").read_text()
+        + "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+    )
+    s = serve(artifact, chat_template=template)
+    try:
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1}
+        plain = httpx2.post(s.url + "/v1/chat/completions", json=body).json()
+        off = httpx2.post(
+            s.url + "/v1/chat/completions",
+            json={**body, "chat_template_kwargs": {"enable_thinking": False}},
+        ).json()
+        grown = len(s.state.encode_prompt("<think></think>"))
+        assert off["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] + grown
+        taken = httpx2.post(
+            s.url + "/v1/chat/completions",
+            json={**body, "chat_template_kwargs": {"messages": []}},
+        )
+        assert taken.status_code == 400
+        assert taken.json()["error"]["param"] == "chat_template_kwargs"
+    finally:
+        s.stop()
 
 
 # ---- bad requests ----

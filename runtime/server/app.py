@@ -332,8 +332,13 @@ class _State:
         tools = None
         if req.tools and req.tool_choice_mode() != "none":  # as transformers passes them
             tools = [t.model_dump(exclude_none=True) for t in req.tools]
-        text = _render(template, messages, add_generation_prompt, tools)
-        _check_tools_rendered(template, messages, add_generation_prompt, tools, text, req)
+        options = _RenderOptions(
+            add_generation_prompt and req.add_generation_prompt, req.chat_template_kwargs or {}
+        )
+        text = _render(template, messages, options, tools)
+        _check_tools_rendered(template, messages, options, tools, text, req)
+        if req.continue_final_message:
+            text = _continued(text, messages[-1]["content"])
         _check_text(text, "messages")
         try:  # a special token typed in a message stays text (runtime/message_text.py)
             return self.message_text.encode(text, [m["content"] for m in messages])
@@ -727,20 +732,43 @@ def _error_type(u: Update) -> str:
     )
 
 
+@dataclass(frozen=True)
+class _RenderOptions:
+    add_generation_prompt: bool
+    kwargs: dict  # chat_template_kwargs: the template's own variables (enable_thinking, ...)
+
+
 def _render(
-    template: ChatTemplate, messages: list[dict], generation_prompt: bool, tools: list | None
+    template: ChatTemplate, messages: list[dict], options: _RenderOptions, tools: list | None
 ) -> str:
     try:
-        extra = {"tools": tools} if tools else {}
-        return template.render(messages, add_generation_prompt=generation_prompt, **extra)
+        extra = {**options.kwargs, **({"tools": tools} if tools else {})}
+        return template.render(
+            messages, add_generation_prompt=options.add_generation_prompt, **extra
+        )
     except ChatTemplateError as e:
         raise ApiError(400, str(e), param="messages") from e
+
+
+def _continued(text: str, final: str | None) -> str:
+    """The prompt cut after the final (assistant) message's text, so the model goes on with it
+    instead of after its end-of-turn (continue_final_message, vLLM's way: the text's last
+    occurrence in the rendered prompt)."""
+    at = text.rfind(final or "") if final else -1
+    if at < 0:
+        raise ApiError(
+            400,
+            "continue_final_message: the chat template does not render the last message's text "
+            "as given, so there is nothing to continue; send it as a completions prompt",
+            param="continue_final_message",
+        )
+    return text[: at + len(final)]
 
 
 def _check_tools_rendered(
     template: ChatTemplate,
     messages: list[dict],
-    generation_prompt: bool,
+    options: _RenderOptions,
     tools: list | None,
     text: str,
     req: p.ChatCompletionRequest,
@@ -751,7 +779,7 @@ def _check_tools_rendered(
     if (
         tools
         and req.tool_choice_mode() == "auto"
-        and text == _render(template, messages, generation_prompt, None)
+        and text == _render(template, messages, options, None)
     ):
         raise ApiError(
             400,
@@ -765,7 +793,7 @@ def _check_tools_rendered(
     if not calls:
         return
     plain = [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
-    if text == _render(template, plain, generation_prompt, tools):
+    if text == _render(template, plain, options, tools):
         raise ApiError(
             400,
             f"this model's chat template drops the tool_calls of messages[{calls[0]}]: serve "

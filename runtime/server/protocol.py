@@ -1,9 +1,10 @@
 """Request and response models in OpenAI's wire format, plus the helpers routes need around them.
 
-Requests ignore unknown fields (OpenAI's server tolerates them, and clients send vendor extras)
-but validate every known field strictly (no "1" for 1, no true for 1), and every error names the
-field, so a client sees which parameter to fix. OpenAI fields the server does not implement are
-refused, never dropped: REFUSED is their one list (a 400 naming the field). Responses use
+Chat and completions requests refuse unknown fields, as OpenAI's API does (a vendor extra dropped
+in silence looks like it worked), and validate every known field strictly (no "1" for 1, no true
+for 1); every error names the field, so a client sees which parameter to fix. OpenAI fields the
+server does not implement are refused with their reason: REFUSED is their one list (a 400 naming
+the field). Responses use
 OpenAI's exact field names and shapes; tests check them against the official openai-python types.
 """
 
@@ -29,8 +30,11 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from runtime.chat_template import TEMPLATE_NAMES
+
 MAX_N = 8  # choices per request: each one is a full sequence in the batch
 MAX_STOP = 4  # OpenAI's limit on stop strings
+MAX_STOP_IDS = 64  # stop_token_ids (vLLM's extension): checked against every sampled token
 MAX_LOGPROBS = 20  # top alternatives per token; the engine's sampler has the same cap
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; a masked token's logprob is sent as this instead
 
@@ -292,6 +296,7 @@ class _SamplingRequest(_Request):
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP_IDS)
     user: str | None = None
 
     @field_validator("stream_options")
@@ -303,7 +308,26 @@ class _SamplingRequest(_Request):
             raise ValueError("stream_options is only allowed when stream is true")
         return v
 
-    _refused = model_validator(mode="before")(_refuse_unsupported)
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields_only(cls, data: Any) -> Any:
+        """REFUSED's fields with their reasons; any other field the endpoint does not know is
+        refused too, as OpenAI's own API does ("Unrecognized request argument"): a vendor
+        extra dropped in silence (vLLM's min_tokens, guided_choice, ...) looks like it worked."""
+        data = _refuse_unsupported(data)
+        known = cls.model_fields.keys() | REFUSED.keys()  # REFUSED's no-op values pass
+        unknown = [k for k in data if k not in known] if isinstance(data, dict) else []
+        if unknown:
+            raise PydanticCustomError(
+                "unsupported_field",
+                "{field}: {why}",
+                {
+                    "field": unknown[0],
+                    "why": "not a field this endpoint implements (OpenAI's fields and the "
+                    "extensions listed in the server's docs, docs/server.md); remove it",
+                },
+            )
+        return data
 
     @field_validator("logit_bias", mode="before")
     @classmethod
@@ -325,6 +349,36 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # vLLM's chat template extensions.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _template_options_agree(self) -> ChatCompletionRequest:
+        if self.continue_final_message and (
+            self.add_generation_prompt or self.messages[-1].role != "assistant"
+        ):
+            raise PydanticCustomError(
+                "unsupported_field",
+                "{field}: {why}",
+                {
+                    "field": "continue_final_message",
+                    "why": "continues the last message, which must be the assistant's, and "
+                    "needs add_generation_prompt false",
+                },
+            )
+        taken = sorted(set(self.chat_template_kwargs or {}) & TEMPLATE_NAMES)
+        if taken:
+            raise PydanticCustomError(
+                "unsupported_field",
+                "{field}: {why}",
+                {
+                    "field": "chat_template_kwargs",
+                    "why": f"{taken[0]!r} is set by the server (from the request's own fields)",
+                },
+            )
+        return self
 
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
@@ -460,6 +514,7 @@ def sampling_fields(req: ChatCompletionRequest | CompletionRequest) -> dict[str,
         "max_new_tokens": max_new_tokens,
         "stop": (stop,) if isinstance(stop, str) else tuple(stop),
         "ignore_eos": req.ignore_eos,
+        "stop_token_ids": tuple(req.stop_token_ids or ()),
         "logprobs": logprobs,
     }
 
