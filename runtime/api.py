@@ -21,7 +21,7 @@ from runtime.engine.engine import Engine
 from runtime.engine.sampler import SamplingParams, TokenLogprobs
 from runtime.engine.sequence import Sequence
 from runtime.message_text import MessageText
-from runtime.text import check_text
+from runtime.text import check_text, token_ids
 
 Prompt = str | list[int] | list[dict]  # text, token ids, or chat messages
 # bytes that were not UTF-8 reach a str as surrogates (sys.argv and stdin decode them so)
@@ -105,7 +105,7 @@ class Pipeline:
             )
         if isinstance(prompt, str):
             check_text(prompt, "the prompt", NOT_UTF8_FIX)
-            return self.engine.tokenizer.encode(prompt, add_special_tokens=False).ids
+            return token_ids(self.engine.tokenizer, prompt)
         if not isinstance(prompt, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
         ):

@@ -20,6 +20,8 @@ import re
 
 from tokenizers import Tokenizer
 
+from runtime.text import token_ids
+
 
 class MessageText:
     def __init__(self, tokenizer: Tokenizer) -> None:
@@ -36,10 +38,10 @@ class MessageText:
         ids: list[int] = []
         at = 0
         for start, end in self._typed_specials(rendered, contents):
-            ids += self.tokenizer.encode(rendered[at:start], add_special_tokens=False).ids
-            ids += self._as_text.encode(rendered[start:end], add_special_tokens=False).ids
+            ids += token_ids(self.tokenizer, rendered[at:start])
+            ids += token_ids(self._as_text, rendered[start:end])
             at = end
-        return ids + self.tokenizer.encode(rendered[at:], add_special_tokens=False).ids
+        return ids + token_ids(self.tokenizer, rendered[at:])
 
     def _typed_specials(self, rendered: str, contents: list[str | None]) -> list[tuple[int, int]]:
         """The spans of special tokens' text inside the messages' contents, in order."""

@@ -718,6 +718,26 @@ def test_vendor_fields_are_implemented_or_refused(
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "continue_final_message"
 
 
+def test_a_huge_prompt_is_tokenized_off_the_event_loop(artifact: Path) -> None:
+    """A 4 MB message takes seconds to tokenize (5 s for 1.2M tokens of SmolLM2's on a 2-core
+    machine); on the event loop, and with the GIL held by Tokenizer.encode, it stalled every
+    other request that long. /health, sent while it is tokenized, must answer within 2 s."""
+    s = serve(artifact, max_body_bytes=8 * 2**20)
+    huge = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 800_000}]}
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            done = pool.submit(httpx2.post, s.url + "/v1/chat/completions", json=huge, timeout=120)
+            time.sleep(0.5)  # the huge body has arrived and is being tokenized
+            assert not done.done()
+            health = httpx2.get(s.url + "/health", timeout=2.0)  # ReadTimeout when stalled
+            assert health.status_code == 200 and not done.done()
+            refused = done.result()
+        assert refused.status_code == 400
+        assert refused.json()["error"]["code"] == "context_length_exceeded"
+    finally:
+        s.stop()
+
+
 def test_chat_template_kwargs_reach_the_template(artifact: Path, tmp_path: Path) -> None:
     """A Qwen3 artifact's thinking is turned off by enable_thinking=false in
     chat_template_kwargs; the server's own names cannot be overridden."""

@@ -23,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime import __version__
@@ -42,7 +43,7 @@ from runtime.server.async_engine import (
     merge,
 )
 from runtime.server.tools import Delta, ToolCallParser, forced_schema, merge_calls, syntax_for
-from runtime.text import check_text
+from runtime.text import check_text, token_ids
 from runtime.validation import validation_message
 
 MAX_SEQUENCES = 1024  # prompts x n in one request: a bound on what one body can ask for
@@ -218,9 +219,11 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def tokenizer_info() -> dict:
         return state.tokenizer_info()
 
+    # Rendering and tokenizing run on worker threads: a 4 MB message takes seconds, which on
+    # the event loop stalled every stream and /health
     @app.post("/tokenize")
     async def tokenize(req: p.TokenizeRequest) -> dict:
-        ids = state.encode_tokenize(req)
+        ids = await run_in_threadpool(state.encode_tokenize, req)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
 
     @app.post("/detokenize")
@@ -231,13 +234,13 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(req: p.ChatCompletionRequest, request: Request) -> Response:
         state.check_model(req.model)
-        ids = state.encode_chat(req)
+        ids = await run_in_threadpool(state.encode_chat, req)
         return await state.respond(request, req, [ids], chat=True)
 
     @app.post("/v1/completions")
     async def completions(req: p.CompletionRequest, request: Request) -> Response:
         state.check_model(req.model)
-        prompts = [state.encode_prompt(x) for x in req.prompts()]
+        prompts = await run_in_threadpool(lambda: [state.encode_prompt(x) for x in req.prompts()])
         return await state.respond(request, req, prompts, chat=False)
 
     app.state.liteserve = state
@@ -313,7 +316,7 @@ class _State:
     def _encode(self, text: str, param: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of request text; half of a UTF-16 surrogate pair is a 400 naming it."""
         _check_text(text, param)
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return token_ids(self.tokenizer, text, add_special_tokens)
 
     def encode_chat(
         self, req: p.ChatCompletionRequest, add_generation_prompt: bool = True
