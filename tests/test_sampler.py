@@ -359,14 +359,15 @@ def test_check_stop_string_across_tokens():
 
 def test_check_stop_tokens_and_length():
     p = SamplingParams(max_new_tokens=3, stop_token_ids=(42,))
-    assert check_stop("a", 0, 0, p, (0, 1), 1) == ("stop", None)
-    assert check_stop("a", 0, 1, p, (0, 1), 1) == ("stop", None)
-    assert check_stop("a", 0, 42, p, (0, 1), 1) == ("stop", None)
+    # a stop token's own text (from 2 in "ab<e>") is cut, as vLLM cuts it
+    assert check_stop("ab<e>", 2, 0, p, (0, 1), 1) == ("stop", 2)
+    assert check_stop("a", 1, 1, p, (0, 1), 1) == ("stop", 1)
+    assert check_stop("a,", 1, 42, p, (0, 1), 1) == ("stop", 1)
     assert check_stop("a", 0, 5, p, (0, 1), 2) == (None, None)
     assert check_stop("a", 0, 5, p, (0, 1), 3) == ("length", None)
     ig = SamplingParams(max_new_tokens=3, stop_token_ids=(42,), ignore_eos=True)
     assert check_stop("a", 0, 0, ig, (0, 1), 1) == (None, None)
-    assert check_stop("a", 0, 42, ig, (0, 1), 1) == ("stop", None)
+    assert check_stop("a", 0, 42, ig, (0, 1), 1) == ("stop", 0)
     # a stop string on the last allowed token is a stop, not length
     s = SamplingParams(max_new_tokens=1, stop=("a",))
     assert check_stop("xa", 1, 5, s, (), 1) == ("stop", 1)

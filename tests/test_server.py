@@ -738,6 +738,25 @@ def test_a_huge_prompt_is_tokenized_off_the_event_loop(artifact: Path) -> None:
         s.stop()
 
 
+def test_the_end_token_is_not_in_the_text_with_special_tokens_kept(
+    http: httpx2.Client, client: openai.OpenAI
+) -> None:
+    """skip_special_tokens false ended the reply in "<|im_end|>", which a client that sends
+    the reply back in the next turn doubled; vLLM leaves a stop token's text out."""
+    (end,) = _tokens(http, prompt="<|im_end|>")
+    for stream in (False, True):
+        kw = dict(model=MODEL, messages=MESSAGES, max_tokens=8, logit_bias={str(end): 100})
+        extra = {"skip_special_tokens": False}
+        if stream:
+            chunks = list(client.chat.completions.create(stream=True, extra_body=extra, **kw))
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        else:
+            r = client.chat.completions.create(extra_body=extra, **kw)
+            text, reason = r.choices[0].message.content, r.choices[0].finish_reason
+        assert text == "" and reason == "stop", stream
+
+
 def test_chat_template_kwargs_reach_the_template(artifact: Path, tmp_path: Path) -> None:
     """A Qwen3 artifact's thinking is turned off by enable_thinking=false in
     chat_template_kwargs; the server's own names cannot be overridden."""

@@ -532,12 +532,13 @@ def check_stop(
     text_so_far: all generated (visible) text including this token's; new_text_start: where this
     token's text begins in it; n_generated: tokens generated so far, this one included. For a
     stop string the cut index is where the text must be truncated (text_so_far[:cut]) so the
-    stop string is not returned. Priority: stop_token_ids, EOS, stop strings, then length.
+    stop string is not returned; for a stop token (stop_token_ids, EOS) it is where the token's
+    text begins, so that text is not returned either (vLLM's way: with skip_special_tokens false
+    the reply ended in "<|im_end|>", which a client sending it back doubled). Priority:
+    stop_token_ids, EOS, stop strings, then length.
     """
-    if token_id in params.stop_token_ids:
-        return "stop", None
-    if not params.ignore_eos and token_id in eos_ids:
-        return "stop", None
+    if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_ids):
+        return "stop", new_text_start
     if params.stop and new_text_start < len(text_so_far):
         cut: int | None = None
         for s in params.stop:
