@@ -51,7 +51,29 @@ class ChatTemplate:
         config_path = root / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         tokens = {k: _token_text(config.get(k)) for k in SPECIAL_TOKENS}
-        return cls(path.read_text(), tokens)
+        try:
+            source = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ChatTemplateError(f"{path}: the chat template is not UTF-8 text ({e})") from e
+        template = cls(source, tokens)
+        template.check(path)
+        return template
+
+    def check(self, path: Path) -> None:
+        """Render a one-message conversation at load: a template that fails on it, or
+        renders nothing, would fail every chat request while the server said it was healthy."""
+        try:
+            text = self.render([{"role": "user", "content": "Hello"}])
+        except ChatTemplateError as e:
+            raise ChatTemplateError(
+                f"{path}: the chat template cannot render a one-message conversation "
+                f"({e}); fix it, or give --chat-template FILE"
+            ) from e
+        if "Hello" not in text:
+            raise ChatTemplateError(
+                f"{path}: the chat template renders a one-message conversation as {text!r}, "
+                "without the message; fix it, or give --chat-template FILE"
+            )
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
         for m in messages:

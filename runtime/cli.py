@@ -573,10 +573,10 @@ def check_cmd(artifact: Path, max_new_tokens: int, **kw) -> None:
     if pipe.chat_template is None:
         raise click.ClickException("no chat template in the artifact (give --chat-template)")
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    ids = pipe.encode(messages)
-    click.echo(f"template  {pipe.chat_template.render(messages)!r}")
-    click.echo(f"tokens    {ids}")
     try:
+        ids = pipe.encode(messages)
+        click.echo(f"template  {pipe.chat_template.render(messages)!r}")
+        click.echo(f"tokens    {ids}")
         r = pipe(messages, GenerationConfig(max_new_tokens=max_new_tokens, temperature=0))[0]
     except (ValueError, RankFailure) as e:  # e.g. max_new_tokens past session_len
         raise click.ClickException(str(e)) from e

@@ -214,3 +214,25 @@ def test_parse_bytes() -> None:
     for text in ("lots", "1.2.3GiB", ".", "", "1e3"):  # "1.2.3GiB" and "." failed in float()
         with pytest.raises(click.BadParameter, match="not a size"):
             parse_bytes(text)
+
+
+@pytest.mark.parametrize(
+    ("template", "says"),
+    [
+        (b'{{ raise_exception("no system prompt") }}', "cannot render a one-message conversation"),
+        (b"", "without the message"),
+        (b"{% for m in messages %}{{ m.role }}{% endfor %}", "without the message"),
+        (b"\xff\xfe{{ messages }}", "is not UTF-8 text"),
+    ],
+    ids=["raises", "empty", "drops-content", "not-utf8"],
+)
+def test_a_broken_chat_template_is_refused_at_load(
+    art: Path, tmp_path: Path, template: bytes, says: str
+) -> None:
+    """`runtime check` ended in a traceback, and `runtime serve` started healthy and failed
+    every chat: a template is tried on one message when it loads, and named when it fails."""
+    path = tmp_path / "bad.jinja"
+    path.write_bytes(template)
+    r = CliRunner().invoke(main, ["check", str(art), "--chat-template", str(path)])
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    assert f"Error: {path}: the chat template" in r.output and says in r.output, r.output
