@@ -10,12 +10,39 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, nodes
+from jinja2.ext import Extension
+from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token")  # from tokenizer_config.json
 # What a template is given by the caller itself; extra template variables cannot set them.
 TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", *SPECIAL_TOKENS})
+
+
+def _tojson(
+    value: object,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """transformers' tojson: its four keyword arguments (templates pass them)."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+class _Generation(Extension):
+    """`{% generation %}...{% endgeneration %}`, which transformers' templates use to mark the
+    assistant's tokens for training masks: rendered as its body (the mask is not needed here)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
 
 
 class ChatTemplateError(ValueError):
@@ -29,13 +56,13 @@ def _raise(message: str) -> None:
 class ChatTemplate:
     def __init__(self, source: str, special_tokens: dict[str, str | None]) -> None:
         env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            trim_blocks=True,
+            lstrip_blocks=True,
+            extensions=["jinja2.ext.loopcontrols", _Generation],
         )
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        env.filters["tojson"] = lambda v, indent=None: json.dumps(
-            v, ensure_ascii=False, indent=indent
-        )
+        env.filters["tojson"] = _tojson
         try:
             self.template = env.from_string(source)
         except TemplateError as e:
