@@ -757,6 +757,21 @@ def test_the_end_token_is_not_in_the_text_with_special_tokens_kept(
         assert text == "" and reason == "stop", stream
 
 
+def test_small_request_checks(http: httpx2.Client) -> None:
+    """A tool message without the id of the call it answers was accepted (OpenAI: 400), a
+    tool_call_id on a user message too, and /tokenize and /detokenize answered any model."""
+    for message, param in (
+        ({"role": "tool", "content": "42"}, "messages.1.tool_call_id"),
+        ({"role": "user", "content": "hi", "tool_call_id": "c1"}, "messages.1.tool_call_id"),
+    ):
+        body = {"model": MODEL, "messages": [MESSAGES[0], message]}
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
+        assert http.post(path, json={**body, "model": "nope"}).status_code == 404
+        assert http.post(path, json={**body, "model": MODEL}).status_code == 200
+
+
 def test_chat_template_kwargs_reach_the_template(artifact: Path, tmp_path: Path) -> None:
     """A Qwen3 artifact's thinking is turned off by enable_thinking=false in
     chat_template_kwargs; the server's own names cannot be overridden."""

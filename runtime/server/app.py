@@ -223,11 +223,15 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     # the event loop stalled every stream and /health
     @app.post("/tokenize")
     async def tokenize(req: p.TokenizeRequest) -> dict:
+        if req.model is not None:
+            state.check_model(req.model)
         ids = await run_in_threadpool(state.encode_tokenize, req)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(req: p.DetokenizeRequest) -> dict:
+        if req.model is not None:
+            state.check_model(req.model)
         state.check_ids(req.tokens, "tokens")
         return {"prompt": state.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
@@ -350,7 +354,9 @@ class _State:
 
     def encode_tokenize(self, req: p.TokenizeRequest) -> list[int]:
         if req.messages is not None:
-            chat = p.ChatCompletionRequest(model=self.settings.model_name, messages=req.messages)
+            chat = p.ChatCompletionRequest(
+                model=self.settings.model_name, messages=req.messages, tools=req.tools
+            )
             return self.encode_chat(chat, req.add_generation_prompt)
         return self._encode(req.prompt or "", "prompt", req.add_special_tokens)
 

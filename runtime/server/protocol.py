@@ -118,7 +118,7 @@ class ChatMessage(_Request):
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     content: str | list[TextContentPart] | None = Field(None, validate_default=True)
     name: str | None = None
-    tool_call_id: str | None = None  # a tool message: the call it answers
+    tool_call_id: str | None = Field(None, validate_default=True)  # a tool message: its call
 
     @field_validator("tool_calls")
     @classmethod
@@ -154,6 +154,15 @@ class ChatMessage(_Request):
     def _content_or_calls(cls, v: Any, info: ValidationInfo) -> Any:
         if v is None and not info.data.get("tool_calls"):
             raise ValueError("Field required (only an assistant with tool_calls may omit it)")
+        return v
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _answers_a_call(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is not None and info.data.get("role") != "tool":
+            raise ValueError("only tool messages carry tool_call_id")
+        if v is None and info.data.get("role") == "tool":
+            raise ValueError("Field required (a tool message answers the call whose id it gives)")
         return v
 
     @property
@@ -472,6 +481,7 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: Messages | None = None
+    tools: list[Tool] | None = None  # with messages: rendered as a chat request renders them
     add_generation_prompt: bool = True  # with messages: end on the assistant's turn
     add_special_tokens: bool = False
 
