@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 from filelock import FileLock, Timeout
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from lite.awq import (
@@ -182,19 +183,14 @@ class RunState:
     fallbacks: list[str] = field(default_factory=list)
     devices: list[str] = field(default_factory=list)  # every device that calibrated a layer
 
+    identity: dict = field(default_factory=dict)  # what the fingerprint hashes, to name a change
+    command: str = ""  # the command that started the run
+
     @classmethod
-    def open(cls, partial: Path, fingerprint: str) -> RunState:
+    def open(cls, partial: Path, identity: dict, command: str = "") -> RunState:
         state_file = partial / "state.json"
         if state_file.is_file():
-            saved = json.loads(state_file.read_text())
-            if saved["fingerprint"] != fingerprint:
-                raise ValueError(
-                    f"{partial} holds an unfinished run with other settings or another model; "
-                    f"rerun the original command to resume it, or delete it (rm -r {partial}) "
-                    f"to start over"
-                )
-            kept = {k: saved[k] for k in ("fingerprint", "created", "done", "fallbacks")}
-            return cls(partial, **kept, devices=saved.get("devices", []))
+            return cls._resume(partial, identity)
         if partial.is_symlink() or (
             partial.exists() and (not partial.is_dir() or any(partial.iterdir()))
         ):
@@ -204,8 +200,41 @@ class RunState:
             )
         partial.mkdir(parents=True, exist_ok=True)
         (partial / "layers").mkdir(exist_ok=True)
-        state = cls(partial, fingerprint, utc_now())
+        state = cls(partial, fingerprint_of(identity), utc_now(), identity=identity)
+        state.command = command
         state.save()
+        return state
+
+    @classmethod
+    def _resume(cls, partial: Path, identity: dict) -> RunState:
+        """The saved run, if it is this run and whole; otherwise an error that says why and
+        what to do (a state file or layer cut short by a crash gave a traceback, or failed
+        only after every remaining layer was calibrated again)."""
+        damaged = f"{partial} is damaged (%s); delete it (rm -r {partial}) to start over"
+        try:
+            saved = json.loads((partial / "state.json").read_text())
+            kept = {k: saved[k] for k in ("fingerprint", "created", "done", "fallbacks")}
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(damaged % f"state.json is unreadable: {e}") from e
+        if saved["fingerprint"] != fingerprint_of(identity):
+            started = saved.get("command")
+            raise ValueError(
+                f"{partial} holds an unfinished run of another model or with other settings "
+                f"({_changes(saved.get('identity'), identity)}); rerun "
+                + (f"its command ({started})" if started else "the original command")
+                + f" to resume it, or delete it (rm -r {partial}) to start over"
+            )
+        state = cls(
+            partial,
+            **kept,
+            devices=saved.get("devices", []),
+            identity=identity,
+            command=saved.get("command", ""),
+        )
+        for path in [state.layer_file(i) for i in range(state.done + 1)]:
+            why = unreadable(path)
+            if why:
+                raise ValueError(damaged % f"layers/{path.name} {why}")
         return state
 
     def layer_file(self, i: int) -> Path:
@@ -242,23 +271,77 @@ class RunState:
 
     def load_inputs(self) -> torch.Tensor:
         path = self.inputs_file(self.done + 1)
-        if not path.is_file():
+        why = "is missing" if not path.is_file() else unreadable(path)
+        if why:
             raise ValueError(
-                f"{self.dir} is damaged ({path.name} is missing); delete it (rm -r {self.dir}) "
+                f"{self.dir} is damaged ({path.name} {why}); delete it (rm -r {self.dir}) "
                 f"to start over"
             )
         return load_file(str(path))["x"]
 
 
-def fingerprint(source: ModelSource, cfg: AwqConfig, calib: CalibrationSet | None) -> str:
+def unreadable(path: Path) -> str | None:
+    """Why a saved safetensors file cannot be read back (cut short by a crash), or None; reads
+    the header, whose offsets safetensors checks against the file's size."""
+    try:
+        with safe_open(str(path), "pt"):
+            return None
+    except (OSError, SafetensorError) as e:
+        return f"is unreadable ({e})"
+
+
+def identity(source: ModelSource, cfg: AwqConfig, calib: CalibrationSet | None) -> dict:
+    """What decides a run's bytes: a partial run resumes only under the same. As JSON keeps it
+    (lists, not tuples), so the one saved in state.json compares equal."""
     ident = {
         "source": source.files,
-        "config": json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str),
+        "config": dataclasses.asdict(cfg),
         "calib": calib.sha256 if calib else None,
         "liteserve": __version__,
         "torch": torch.__version__,
     }
+    return json.loads(json.dumps(ident, sort_keys=True, default=str))
+
+
+def fingerprint_of(ident: dict) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+
+
+def _flat(config: dict, prefix: str = "") -> dict:
+    """Nested settings (the quantization spec, the launch config) as dotted names."""
+    out: dict = {}
+    for k, v in config.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _changes(saved: dict | None, now: dict) -> str:
+    """What differs between a saved run's identity and this one's, for the refusal."""
+    if not isinstance(saved, dict):  # a run started by a version that did not save it
+        return "settings not recorded by the version that started it"
+    names = {
+        "source": "the model's files",
+        "calib": "the calibration set",
+        "liteserve": "liteserve's version",
+        "torch": "torch's version",
+    }
+    changed = [
+        f"{names[k]}: {saved.get(k)} then, {now[k]} now"
+        if k in ("liteserve", "torch")
+        else names[k]
+        for k in names
+        if saved.get(k) != now[k]
+    ]
+    before, after = _flat(saved.get("config") or {}), _flat(now["config"])
+    changed += [
+        f"{k}: {before.get(k)} then, {after.get(k)} now"
+        for k in sorted(set(before) | set(after))
+        if before.get(k) != after.get(k)
+    ]
+    return "; ".join(changed[:4]) or "settings not recorded"
 
 
 def check_writable(work_dir: Path, overwrite: bool) -> None:
@@ -706,7 +789,7 @@ def auto_awq(
     calib = _calibration(cfg, tokenizer)
     with _only_run_on(work_dir):
         state = RunState.open(
-            work_dir.with_name(work_dir.name + ".partial"), fingerprint(source, cfg, calib)
+            work_dir.with_name(work_dir.name + ".partial"), identity(source, cfg, calib), command
         )
         resumed_at = state.done + 1  # 0: a fresh run
         bar_label = f"{cfg.method} {Path(model).name} on {device_label(device)}"

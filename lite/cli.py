@@ -37,6 +37,20 @@ def _fail(e: Exception) -> None:
     raise click.ClickException(str(e)) from e
 
 
+def _interrupted(work_dir: Path, sig: int | None) -> None:
+    """Ctrl-C or SIGTERM during a run: say what is kept, and exit as the signal does (130,
+    143), so scripts tell it from an error (it ended with status 1; SIGTERM said nothing)."""
+    partial = work_dir.with_name(work_dir.name + ".partial")
+    kept = (
+        f"the finished layers are kept in {partial}: rerun the same command to go on after "
+        "the last of them"
+        if (partial / "state.json").is_file()
+        else "it had not started calibrating, so nothing is kept"
+    )
+    click.echo(f"Error: interrupted; {kept}", err=True)
+    raise SystemExit(128 + (sig or signal.SIGTERM))
+
+
 # shown before a dry run's one-layer run: minutes to hours on a CPU for a large layer
 TIMING = (
     "timing one decoder layer (loaded, calibrated and packed once; Ctrl-C stops here, the plan "
@@ -222,11 +236,10 @@ def auto_awq_cmd(
         command = shlex.join(["lite", *sys.argv[1:]])
         try:
             auto_awq(model, work_dir, cfg, command, overwrite, not quiet, compute)
-        except KeyboardInterrupt:
-            raise click.ClickException(
-                f"interrupted; the finished layers are kept in {work_dir}.partial: rerun the "
-                "same command to go on after the last of them"
-            ) from None
+        except (KeyboardInterrupt, SystemExit) as e:
+            if isinstance(e, SystemExit) and not terminated():
+                raise
+            _interrupted(work_dir, signal.SIGINT if isinstance(e, KeyboardInterrupt) else None)
         if tune_after:
             tune(work_dir, progress=click.echo)
     except USER_ERRORS as e:

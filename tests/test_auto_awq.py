@@ -247,7 +247,12 @@ def test_user_mistakes_get_one_line_with_the_way_on(
 
     monkeypatch.setattr(auto_awq, "auto_awq", interrupted)
     code, out = lite("auto_awq", str(tiny_models["llama"]), *work)
-    assert code == 1 and "rerun the same command to go on" in out, out
+    # 130, as a shell reports Ctrl-C (it was 1, a user error's status); no partial is claimed
+    assert code == 130 and "it had not started calibrating, so nothing is kept" in out, out
+    (tmp_path / "art.partial").mkdir()
+    (tmp_path / "art.partial" / "state.json").write_text("{}")
+    code, out = lite("auto_awq", str(tiny_models["llama"]), *work)
+    assert code == 130 and "rerun the same command to go on" in out, out
 
 
 def test_recipe_with_flag_override(tiny_models: dict[str, Path], tmp_path: Path) -> None:
@@ -318,6 +323,9 @@ def test_existing_work_dir_needs_overwrite(tiny_models: dict[str, Path], tmp_pat
     ):
         code, out = lite(*args[:3], str(target), *args[4:], "--overwrite")
         assert code != 0 and why in out and "Traceback" not in out, out
+        # without --overwrite the refusal does not suggest the flag that would refuse too
+        code, out = lite(*args[:3], str(target), *args[4:])
+        assert code != 0 and "pass --overwrite" not in out and "choose another output" in out
     assert (mine / "sub" / "notes.txt").read_text() == "precious"
     assert (tmp_path / "a-file").read_text() == "also precious"
     assert (web / "manifest.json").is_file() and (art / "NOTES.md").is_file()
@@ -326,6 +334,13 @@ def test_existing_work_dir_needs_overwrite(tiny_models: dict[str, Path], tmp_pat
     assert lite(*args, "--overwrite")[0] == 0
     assert (tmp_path / "art.old" / "kept.txt").read_text() == "kept"
     assert not list(tmp_path.glob(".art.old-*"))  # the replaced artifact is gone
+
+    # a run killed between publishing and deleting its state: the state is named
+    (tmp_path / "art.partial").mkdir()
+    (tmp_path / "art.partial" / "state.json").write_text("{}")
+    code, out = lite(*args)
+    assert "pass --overwrite" in out and f"rm -r {tmp_path / 'art.partial'}" in out, out
+    shutil.rmtree(tmp_path / "art.partial")
 
     # WORK_DIR.partial is deleted when the run ends: it must be a run's, not the user's
     (tmp_path / "pp.partial").mkdir()
@@ -392,16 +407,60 @@ def test_resume_after_kill_is_byte_identical(tmp_path: Path, tokenizer_dir: Path
         assert (ref / name).read_bytes() == (art / name).read_bytes(), name
 
 
-def test_mismatched_partial_run_is_refused(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+def _interrupted_after_layer_0(
+    tiny: Path, art: Path, monkeypatch: pytest.MonkeyPatch, *flags: str
+) -> Path:
+    """A run stopped by Ctrl-C once layer 0 is saved; its partial directory."""
+    from lite import auto_awq
+
+    real = auto_awq.RunState.finish_layer
+
+    def stop_after(self, i, *args, **kw):
+        real(self, i, *args, **kw)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(auto_awq.RunState, "finish_layer", stop_after)
+        code, out = lite("auto_awq", str(tiny), "--work-dir", str(art), *flags)
+    assert code == 130 and "rerun the same command" in out, out
+    return art.with_name(art.name + ".partial")
+
+
+def test_mismatched_partial_run_is_refused_naming_what_changed(
+    tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The refusal said only "other settings or another model" and "rerun the original
+    command", which nothing recorded: it names the settings that changed and the command."""
     art = tmp_path / "art"
-    partial = tmp_path / "art.partial"
-    partial.mkdir()
-    (partial / "state.json").write_text(
-        json.dumps({"fingerprint": "other", "created": "x", "done": 0, "fallbacks": []})
-    )
+    partial = _interrupted_after_layer_0(tiny_models["llama"], art, monkeypatch, *FAST)
+    other = [*FAST[:-2], "32", "--quiet"]  # --w-group-size 32, not 64
+    code, out = lite("auto_awq", str(tiny_models["llama"]), "--work-dir", str(art), *other)
+    assert code == 1 and "unfinished run of another model or with other settings" in out
+    assert "spec.group_size: 64 then, 32 now" in out, out
+    assert "rerun its command (lite " in out  # sys.argv of the run that started it
+    assert not art.exists() and partial.is_dir()
+
+
+@pytest.mark.parametrize("damage", ["layer", "state", "inputs"])
+def test_a_damaged_partial_run_is_named_not_a_traceback(
+    tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
+) -> None:
+    """A file of the partial run cut short (a crash of the host) gave a SafetensorError or
+    KeyError traceback, for a layer only after every later one was calibrated again."""
+    art = tmp_path / "art"
+    partial = _interrupted_after_layer_0(tiny_models["llama"], art, monkeypatch, *FAST)
+    victim = {
+        "layer": partial / "layers" / "00000.safetensors",
+        "state": partial / "state.json",
+        "inputs": partial / "inputs-00001.safetensors",
+    }[damage]
+    victim.write_bytes(victim.read_bytes()[:100])
     code, out = lite("auto_awq", str(tiny_models["llama"]), "--work-dir", str(art), *FAST)
-    assert code != 0 and "unfinished run with other settings" in out
-    assert not art.exists()
+    assert code == 1 and "Traceback" not in out, out
+    assert f"{partial} is damaged (" in out and f"rm -r {partial}" in out, out
+    assert victim.name in out, out
+    shutil.rmtree(partial)  # as the message says: then the run starts over and finishes
+    assert lite("auto_awq", str(tiny_models["llama"]), "--work-dir", str(art), *FAST)[0] == 0
 
 
 def _bad_inputs(tmp_path: Path, tiny: Path) -> list[tuple[list[str], str]]:

@@ -49,9 +49,13 @@ def sha256_file(path: Path) -> str:
 
 
 def save_tensors_atomic(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """A crash leaves the old file or the new one, never a torn one (resume relies on it)."""
+    """A crash leaves the old file or the new one, never a torn one (resume relies on it):
+    synced before the rename, as the run's state.json that counts it is, or a power loss
+    could keep the count and lose the file's data."""
     tmp = path.with_name(path.name + ".tmp")
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -262,7 +266,16 @@ def check_replaceable(target: Path, overwrite: bool, marker: str = MANIFEST_FILE
     if not (target.exists() or target.is_symlink()):
         return
     if not overwrite:
-        raise FileExistsError(f"{target} already exists; pass --overwrite to replace it")
+        if target.is_symlink() or not target.is_dir():
+            why: str | None = "is not a directory this tool wrote"
+        else:
+            why = _not_written_here(target, marker)
+        advice = (
+            "pass --overwrite to replace it"
+            if why is None
+            else f"it {why}, which --overwrite does not replace either: choose another output"
+        )
+        raise FileExistsError(f"{target} already exists; {advice}{_stale_partial(target)}")
     if target.is_symlink():
         raise FileExistsError(
             f"{target} is a symbolic link, so --overwrite will not replace it; give the "
@@ -276,6 +289,15 @@ def check_replaceable(target: Path, overwrite: bool, marker: str = MANIFEST_FILE
             f"{target} {why}: it is not only what this tool wrote, so --overwrite will not "
             "delete it; choose another output, or remove it yourself"
         )
+
+
+def _stale_partial(target: Path) -> str:
+    """A run killed after publishing its artifact, before deleting its state, leaves that
+    state (GBs of calibration inputs on a large model) beside it."""
+    partial = target.with_name(target.name + ".partial")
+    if partial.is_dir() and (partial / "state.json").is_file():
+        return f" ({partial} is left from an earlier run; rm -r {partial} if it is done)"
+    return ""
 
 
 def write_export_marker(out_dir: Path) -> None:
