@@ -9,8 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from lite.quantizer import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 from runtime.artifact.manifest import LaunchConfig
 from runtime.validation import validation_message
 
@@ -21,12 +22,22 @@ class Recipe(BaseModel):
     description: str = ""
     model: str | None = None
     calib_dataset: str | None = None
-    calib_samples: int | None = None
-    calib_seqlen: int | None = None
+    calib_samples: int | None = Field(None, ge=0)  # 0: RTN
+    calib_seqlen: int | None = Field(None, ge=2)
     w_bits: int | None = None
     w_group_size: int | None = None
-    w_sym: bool | None = None
+    w_sym: bool | None = Field(None, strict=True)  # true or false, not "yes"
     launch: LaunchConfig = LaunchConfig()
+
+    @field_validator("w_bits", "w_group_size")
+    @classmethod
+    def _supported(cls, v: int | None, info: ValidationInfo) -> int | None:
+        """Named as the recipe's key: the flag's message (--w-group-size 100 is not supported)
+        blamed a flag the user never passed."""
+        allowed = SUPPORTED_BITS if info.field_name == "w_bits" else SUPPORTED_GROUP_SIZES
+        if v is not None and v not in allowed:
+            raise ValueError(f"must be one of {', '.join(map(str, allowed))}")
+        return v
 
     def flags(self) -> dict[str, object]:
         """The recipe's values under the names of `lite auto_awq`'s options."""

@@ -221,6 +221,30 @@ def test_a_recipe_that_could_not_be_served_is_refused_before_calibrating(
     assert not art.exists()
 
 
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ("w_group_size: 100", "w_group_size: must be one of 32, 64, 128 (got 100)"),
+        ("w_bits: 3", "w_bits: must be one of 4 (got 3)"),
+        ("calib_samples: -5", "calib_samples: Input should be greater than or equal to 0"),
+        ("calib_seqlen: 1", "calib_seqlen: Input should be greater than or equal to 2"),
+        ("w_sym: 'yes'", "w_sym: Input should be a valid boolean (got 'yes')"),
+    ],
+)
+def test_a_recipes_own_settings_are_checked_under_their_names(
+    tiny_models: dict[str, Path], tmp_path: Path, setting: str, message: str
+) -> None:
+    """A recipe's group size of 100 was refused as "--w-group-size 100", a flag never passed;
+    -5 samples as "at least 1" (0 is RTN); and "yes" taken for true."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(setting + "\n")
+    art = tmp_path / "art"
+    args = ["auto_awq", str(tiny_models["llama"]), "--work-dir", str(art), "--recipe", str(recipe)]
+    code, out = lite(*args, "--quiet")
+    assert code == 1 and f"recipe {recipe} has invalid settings: {message}" in out, out
+    assert "--w-" not in out and not art.exists()
+
+
 def test_user_mistakes_get_one_line_with_the_way_on(
     tiny_models: dict[str, Path],
     rtn_artifact: Path,
