@@ -213,6 +213,9 @@ def auto_awq_cmd(
         for name, value in rec.flags().items():
             if ctx.get_parameter_source(name) != ParameterSource.COMMANDLINE:
                 flags[name] = value
+            elif flags[name] != value:  # explicit flags win; say so, the recipe said otherwise
+                flag = "--" + name.replace("_", "-")
+                click.echo(f"note: {flag} {flags[name]} overrides {recipe}'s {value}", err=True)
         cfg = AwqConfig(
             spec=QuantSpec(flags["w_bits"], flags["w_group_size"], flags["w_sym"]),
             calib_dataset=flags["calib_dataset"],

@@ -300,6 +300,7 @@ def test_recipe_with_flag_override(tiny_models: dict[str, Path], tmp_path: Path)
     )
     assert code == 0, out
     assert f"warning: {recipe} was written for org/some-other-model; quantizing" in out
+    assert f"note: --w-group-size 32 overrides {recipe}'s 128" in out
     m = Artifact(art).manifest
     assert m.quantization.group_size == 32  # the flag wins
     assert (m.quantization.calib_samples, m.quantization.calib_seqlen) == (4, 32)
