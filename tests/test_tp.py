@@ -373,3 +373,23 @@ def test_smollm2_tp2_matches_tp1(smollm2_rtn: Path) -> None:
                 continue
             assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-3
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def test_a_script_without_a_main_guard_is_told_to_add_one(
+    artifacts: dict[str, Path], tmp_path: Path
+) -> None:
+    """Workers are spawned and import the script: without the guard each runs it again and
+    dies in multiprocessing's bootstrapping check, and all the user saw was "rank 1 exited
+    with 1 while starting"."""
+    script = tmp_path / "unguarded.py"
+    art = next(iter(artifacts.values()))
+    script.write_text(
+        "from runtime import EngineConfig, pipeline\n"
+        f"pipe = pipeline({str(art)!r}, EngineConfig(tp=2, dtype='float32', num_blocks=16,"
+        " cache_block_seq_len=16, session_len=64, tp_timeout=20.0))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=tmp_path
+    )
+    assert done.returncode != 0
+    assert "while starting" in done.stderr and "if __name__ == '__main__':" in done.stderr

@@ -184,7 +184,11 @@ def _await_joins(store: dist.Store, procs: list[mp.Process]) -> None:
     while not store.check(keys):
         dead = [p for p in procs if p.exitcode is not None]
         if dead:
-            raise RankFailure(f"{_describe(dead[0])} while starting")
+            raise RankFailure(
+                f"{_describe(dead[0])} while starting (its error is above, on stderr; a script "
+                "that makes a tp > 1 engine needs its code under `if __name__ == '__main__':`, "
+                "since each worker is a new process that imports the script)"
+            )
         if time.monotonic() > deadline:
             raise RankFailure(f"the tensor-parallel workers did not start in {START_SECONDS} s")
         time.sleep(0.05)
