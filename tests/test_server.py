@@ -767,6 +767,10 @@ def test_small_request_checks(http: httpx2.Client) -> None:
         body = {"model": MODEL, "messages": [MESSAGES[0], message]}
         r = http.post("/v1/chat/completions", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    for prompt, says in (("", "the prompt is empty"), (["hi", ""], "prompt 1 is empty")):
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert r.json()["error"]["message"].startswith(says), r.text
     for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
         assert http.post(path, json={**body, "model": "nope"}).status_code == 404
         assert http.post(path, json={**body, "model": MODEL}).status_code == 200

@@ -244,7 +244,11 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(req: p.CompletionRequest, request: Request) -> Response:
         state.check_model(req.model)
-        prompts = await run_in_threadpool(lambda: [state.encode_prompt(x) for x in req.prompts()])
+        texts = req.prompts()
+        named = range(len(texts)) if len(texts) > 1 else [None]
+        prompts = await run_in_threadpool(
+            lambda: [state.encode_prompt(x, i) for x, i in zip(texts, named, strict=True)]
+        )
         return await state.respond(request, req, prompts, chat=False)
 
     app.state.liteserve = state
@@ -311,11 +315,17 @@ class _State:
                 param=param,
             )
 
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+    def encode_prompt(self, prompt: str | list[int], index: int | None = None) -> list[int]:
+        """A prompt's ids; `index` names it among a request's several prompts."""
         if isinstance(prompt, str):
-            return self._encode(prompt, "prompt")
-        self.check_ids(prompt)
-        return list(prompt)
+            ids = self._encode(prompt, "prompt")
+        else:
+            self.check_ids(prompt)
+            ids = list(prompt)
+        if not ids:  # the engine's own refusal named no prompt and no field
+            which = "the prompt" if index is None else f"prompt {index}"
+            raise ApiError(400, f"{which} is empty (no tokens): send some text", param="prompt")
+        return ids
 
     def _encode(self, text: str, param: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of request text; half of a UTF-16 surrogate pair is a 400 naming it."""
