@@ -290,8 +290,8 @@ def test_prune_leaves_an_entry_another_process_is_writing(tmp_path: Path) -> Non
         [
             sys.executable,
             "-c",
-            "import sys, time; from filelock import FileLock; "
-            "lock = FileLock(sys.argv[1]); lock.acquire(); print('held', flush=True); time.sleep(60)",
+            "import sys, time; from filelock import FileLock; lock = FileLock(sys.argv[1]); "
+            "lock.acquire(); print('held', flush=True); time.sleep(60)",
             str(entry.parent / ".busy.lock"),
         ],
         stdout=subprocess.PIPE,
