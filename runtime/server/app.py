@@ -343,6 +343,8 @@ class _State:
                 "start the server with --chat-template FILE",
             )
         messages = [m.template_dict() for m in req.messages]
+        for i, m in enumerate(messages):  # named by message, not by an offset in the render
+            _check_text(m["content"], f"messages.{i}.content")
         if "developer" not in template.source:  # OpenAI's newer name for the system role
             for m in messages:
                 m["role"] = "system" if m["role"] == "developer" else m["role"]
