@@ -237,6 +237,11 @@ def auto_awq_cmd(
                 click.echo("\n".join(render_measured(timed())))
             return
         command = shlex.join(["lite", *sys.argv[1:]])
+        if quiet:  # transformers' bar loading the weights too (its GGUF conversion, once per
+            # file, uses tqdm directly, which reads TQDM_DISABLE only when imported)
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
         try:
             auto_awq(model, work_dir, cfg, command, overwrite, not quiet, compute)
         except (KeyboardInterrupt, SystemExit) as e:
