@@ -771,11 +771,11 @@ def _render(
         raise ApiError(400, str(e), param="messages") from e
 
 
-def _continued(text: str, final: str | None) -> str:
+def _continued(text: str, final: str) -> str:
     """The prompt cut after the final (assistant) message's text, so the model goes on with it
     instead of after its end-of-turn (continue_final_message, vLLM's way: the text's last
     occurrence in the rendered prompt)."""
-    at = text.rfind(final or "") if final else -1
+    at = text.rfind(final) if final else -1
     if at < 0:
         raise ApiError(
             400,
