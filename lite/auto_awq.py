@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import math
 import resource
@@ -177,13 +176,11 @@ class RunState:
     """What survives a kill: the run's identity, its start time and the last finished layer."""
 
     dir: Path
-    fingerprint: str
+    identity: dict  # what decides the run's bytes (identity()): a resume must match it
     created: str
     done: int = -1
     fallbacks: list[str] = field(default_factory=list)
     devices: list[str] = field(default_factory=list)  # every device that calibrated a layer
-
-    identity: dict = field(default_factory=dict)  # what the fingerprint hashes, to name a change
     command: str = ""  # the command that started the run
 
     @classmethod
@@ -200,8 +197,7 @@ class RunState:
             )
         partial.mkdir(parents=True, exist_ok=True)
         (partial / "layers").mkdir(exist_ok=True)
-        state = cls(partial, fingerprint_of(identity), utc_now(), identity=identity)
-        state.command = command
+        state = cls(partial, identity, utc_now(), command=command)
         state.save()
         return state
 
@@ -213,10 +209,10 @@ class RunState:
         damaged = f"{partial} is damaged (%s); delete it (rm -r {partial}) to start over"
         try:
             saved = json.loads((partial / "state.json").read_text())
-            kept = {k: saved[k] for k in ("fingerprint", "created", "done", "fallbacks")}
+            kept = {k: saved[k] for k in ("created", "done", "fallbacks")}
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(damaged % f"state.json is unreadable: {e}") from e
-        if saved["fingerprint"] != fingerprint_of(identity):
+        if saved.get("identity") != identity:
             started = saved.get("command")
             raise ValueError(
                 f"{partial} holds an unfinished run of another model or with other settings "
@@ -226,9 +222,9 @@ class RunState:
             )
         state = cls(
             partial,
+            identity,
             **kept,
             devices=saved.get("devices", []),
-            identity=identity,
             command=saved.get("command", ""),
         )
         for path in [state.layer_file(i) for i in range(state.done + 1)]:
@@ -303,10 +299,6 @@ def identity(source: ModelSource, cfg: AwqConfig, calib: CalibrationSet | None) 
     return json.loads(json.dumps(ident, sort_keys=True, default=str))
 
 
-def fingerprint_of(ident: dict) -> str:
-    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
-
-
 def _flat(config: dict, prefix: str = "") -> dict:
     """Nested settings (the quantization spec, the launch config) as dotted names."""
     out: dict = {}
@@ -318,10 +310,10 @@ def _flat(config: dict, prefix: str = "") -> dict:
     return out
 
 
-def _changes(saved: dict | None, now: dict) -> str:
+def _changes(saved: object, now: dict) -> str:
     """What differs between a saved run's identity and this one's, for the refusal."""
-    if not isinstance(saved, dict):  # a run started by a version that did not save it
-        return "settings not recorded by the version that started it"
+    if not isinstance(saved, dict):  # state.json of an older liteserve
+        return "settings not recorded by the liteserve that started it"
     names = {
         "source": "the model's files",
         "calib": "the calibration set",

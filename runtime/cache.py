@@ -84,7 +84,7 @@ def cached_entry(
         return target
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        lock = FileLock(target.parent / f".{target.name}.lock")
+        lock = _lock_for(target)
         _acquire(lock, target)
     except OSError as e:
         raise CacheUnwritable(
@@ -145,6 +145,12 @@ def _size(path: Path) -> int:
     return path.lstat().st_size
 
 
+def unused(entries: list[Entry], unused_for_s: float) -> list[Entry]:
+    """The entries not used for `unused_for_s` seconds: what :func:`prune` removes."""
+    cutoff = time.time() - unused_for_s
+    return [e for e in entries if e.used <= cutoff]
+
+
 def prune(entries: list[Entry], unused_for_s: float) -> tuple[list[Entry], list[Entry]]:
     """Remove the entries not used for `unused_for_s` seconds, with their orphaned
     temporaries; returns (removed, busy). Each is removed while holding its lock, so a process
@@ -154,10 +160,8 @@ def prune(entries: list[Entry], unused_for_s: float) -> tuple[list[Entry], list[
     cutoff = time.time() - unused_for_s
     removed: list[Entry] = []
     busy: list[Entry] = []
-    for entry in entries:
-        if entry.used > cutoff:
-            continue
-        lock = FileLock(entry.path.parent / f".{entry.path.name}.lock")
+    for entry in unused(entries, unused_for_s):
+        lock = _lock_for(entry.path)
         try:
             lock.acquire(timeout=0)
         except Timeout:
@@ -243,6 +247,11 @@ def give_umask_modes(path: Path) -> None:
         if not p.is_symlink():
             executable = p.is_dir() or p.stat().st_mode & 0o111
             os.chmod(p, base if executable else base & 0o666)
+
+
+def _lock_for(target: Path) -> FileLock:
+    """The lock every writer of ``target`` (and prune) takes, beside it."""
+    return FileLock(target.parent / f".{target.name}.lock")
 
 
 def _tmp_prefix(target: Path) -> str:

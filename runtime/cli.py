@@ -218,15 +218,11 @@ def cache_list_cmd() -> None:
 def cache_prune_cmd(unused_for: str, dry_run: bool) -> None:
     """Remove entries not used lately (a new liteserve or torch leaves the old ones unused);
     whatever needs one again rebuilds it. An entry being written stays."""
-    from runtime.cache import list_entries, prune
+    from runtime.cache import list_entries, prune, unused
 
     age = parse_age(unused_for)
     entries = list_entries()
-    if dry_run:
-        cutoff = time.time() - age
-        gone, busy = [e for e in entries if e.used <= cutoff], []
-    else:
-        gone, busy = prune(entries, age)
+    gone, busy = (unused(entries, age), []) if dry_run else prune(entries, age)
     verb = "would remove" if dry_run else "removed"
     for e in gone:
         click.echo(f"{verb} {e.kind}/{e.path.name} ({_mib(e.size)}, used {_ago(e.used)})")

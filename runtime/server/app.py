@@ -146,13 +146,13 @@ class _Auth:
         return scheme.lower() == "bearer" and known
 
 
-def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
+def create_app(engine: AsyncEngine, settings: ServerSettings, message_text: MessageText) -> FastAPI:
     # no /docs or /redoc: their pages load Swagger's scripts from a CDN, which an offline
     # server cannot reach; /openapi.json stays (it is the schema, served without a key)
     app = FastAPI(title="liteserve", version=__version__, docs_url=None, redoc_url=None)
     app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(_Auth, keys=settings.api_keys)  # keys before anything else
-    state = _State(engine, settings)
+    state = _State(engine, settings, message_text)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -279,11 +279,13 @@ class _EventStream(StreamingResponse):
 
 
 class _State:
-    def __init__(self, engine: AsyncEngine, settings: ServerSettings) -> None:
+    def __init__(
+        self, engine: AsyncEngine, settings: ServerSettings, message_text: MessageText
+    ) -> None:
         self.engine = engine
         self.settings = settings
         self.tokenizer = engine.engine.tokenizer
-        self.message_text = MessageText(self.tokenizer)
+        self.message_text = message_text  # the pipeline's: one copy of the tokenizer
         self.session_len = engine.engine.session_len
         self.vocab = engine.engine.arch.vocab_size
         self.capacity_tokens = engine.engine.pool_stats().capacity_tokens

@@ -85,14 +85,18 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+def _field_error(field: str, why: str) -> PydanticCustomError:
+    """A 400 whose message starts with the field's name and whose param is that field
+    (runtime/validation.py reads both from this shape)."""
+    return PydanticCustomError("unsupported_field", "{field}: {why}", {"field": field, "why": why})
+
+
 def _refuse_unsupported(data: Any) -> Any:
     """A 400 naming the first OpenAI field in REFUSED that is set to something that matters."""
     if isinstance(data, dict):
         for name, (noops, why) in REFUSED.items():
             if name in data and not any(data[name] == v for v in noops):
-                raise PydanticCustomError(
-                    "unsupported_field", "{field}: {why}", {"field": name, "why": why}
-                )
+                raise _field_error(name, why)
     return data
 
 
@@ -327,14 +331,10 @@ class _SamplingRequest(_Request):
         known = cls.model_fields.keys() | REFUSED.keys()  # REFUSED's no-op values pass
         unknown = [k for k in data if k not in known] if isinstance(data, dict) else []
         if unknown:
-            raise PydanticCustomError(
-                "unsupported_field",
-                "{field}: {why}",
-                {
-                    "field": unknown[0],
-                    "why": "not a field this endpoint implements (OpenAI's fields and the "
-                    "extensions listed in the server's docs, docs/server.md); remove it",
-                },
+            raise _field_error(
+                unknown[0],
+                "not a field this endpoint implements (OpenAI's fields and the extensions "
+                "listed in the server's docs, docs/server.md); remove it",
             )
         return data
 
@@ -368,24 +368,16 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.continue_final_message and (
             self.add_generation_prompt or self.messages[-1].role != "assistant"
         ):
-            raise PydanticCustomError(
-                "unsupported_field",
-                "{field}: {why}",
-                {
-                    "field": "continue_final_message",
-                    "why": "continues the last message, which must be the assistant's, and "
-                    "needs add_generation_prompt false",
-                },
+            raise _field_error(
+                "continue_final_message",
+                "continues the last message, which must be the assistant's, and needs "
+                "add_generation_prompt false",
             )
         taken = sorted(set(self.chat_template_kwargs or {}) & TEMPLATE_NAMES)
         if taken:
-            raise PydanticCustomError(
-                "unsupported_field",
-                "{field}: {why}",
-                {
-                    "field": "chat_template_kwargs",
-                    "why": f"{taken[0]!r} is set by the server (from the request's own fields)",
-                },
+            raise _field_error(
+                "chat_template_kwargs",
+                f"{taken[0]!r} is set by the server (from the request's own fields)",
             )
         return self
 
@@ -397,17 +389,9 @@ class ChatCompletionRequest(_SamplingRequest):
             and not names
             or (isinstance(choice, NamedToolChoice) and choice.function.name not in names)
         ):
-            raise PydanticCustomError(
-                "unsupported_field",
-                "{field}: {why}",
-                {"field": "tool_choice", "why": "names no tool in tools"},
-            )
+            raise _field_error("tool_choice", "names no tool in tools")
         if self.response_format is not None and self.tool_choice_mode() in ("required", "named"):
-            raise PydanticCustomError(
-                "unsupported_field",
-                "{field}: {why}",
-                {"field": "response_format", "why": "cannot be combined with a forced tool call"},
-            )
+            raise _field_error("response_format", "cannot be combined with a forced tool call")
         return self
 
     def tool_choice_mode(self) -> str:

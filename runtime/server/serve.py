@@ -27,7 +27,7 @@ def build_app(
     settings = ServerSettings(
         model_name, api_keys, max_concurrent_requests, max_body_bytes, pipe.chat_template
     )
-    app = create_app(engine, settings)
+    app = create_app(engine, settings, pipe.message_text)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
