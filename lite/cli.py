@@ -16,19 +16,25 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from lite.tune import TUNED_BACKENDS
-from runtime.artifact.reader import ArtifactError
+from runtime.artifact.manifest import TUNED_BACKENDS
 from runtime.cache import CacheUnwritable
 from runtime.termination import terminated, unwind_on_sigterm
 
-USER_ERRORS = (
-    ValueError,
-    ArtifactError,
-    CacheUnwritable,
-    FileExistsError,
-    PermissionError,
-    FileNotFoundError,
-)
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    """The errors shown as one line. Read only when one is raised: the reader imports torch,
+    and at the top of this module it made every command, `--help` included, take 2 s before
+    click could answer a Ctrl-C."""
+    from runtime.artifact.reader import ArtifactError
+
+    return (
+        ValueError,
+        ArtifactError,
+        CacheUnwritable,
+        FileExistsError,
+        PermissionError,
+        FileNotFoundError,
+    )
 
 
 def _fail(e: Exception) -> None:
@@ -250,7 +256,7 @@ def auto_awq_cmd(
             _interrupted(work_dir, signal.SIGINT if isinstance(e, KeyboardInterrupt) else None)
         if tune_after:
             tune(work_dir, progress=click.echo)
-    except USER_ERRORS as e:
+    except _user_errors() as e:
         _fail(e)
     except Exception as e:
         if not _disk_full(e):
@@ -281,7 +287,7 @@ def convert_cmd(src: str, work_dir: Path, overwrite: bool) -> None:
         source = resolve(src, hash_files=False)  # convert hashes them while it works
         command = shlex.join(["lite", *sys.argv[1:]])
         convert(source.path, work_dir, src, command, overwrite, revision=source.revision)
-    except USER_ERRORS as e:
+    except _user_errors() as e:
         _fail(e)
     click.echo(f"wrote {work_dir}")
 
@@ -299,7 +305,7 @@ def export_cmd(artifact: Path, fmt: str, output: Path, overwrite: bool) -> None:
 
     try:
         export(artifact, fmt, output, overwrite)
-    except USER_ERRORS as e:
+    except _user_errors() as e:
         _fail(e)
     click.echo(f"wrote {output} ({fmt})")
 
@@ -342,7 +348,7 @@ def tune_cmd(
             artifact, chosen, max_configs, getattr(torch, dtype), progress=click.echo,
             backend=backend,
         )  # fmt: skip
-    except USER_ERRORS as e:
+    except _user_errors() as e:
         _fail(e)
     click.echo(f"pinned {len(winners)} GEMM configs in {artifact / 'manifest.json'}")
 
@@ -357,7 +363,7 @@ def inspect_cmd(artifact: Path, verify: bool, as_json: bool) -> None:
 
     try:
         facts = describe(artifact, checksums=verify)
-    except USER_ERRORS as e:
+    except _user_errors() as e:
         _fail(e)
     click.echo(json.dumps(facts, indent=2) if as_json else render(facts))
 
@@ -538,7 +544,7 @@ def _run_eval(
             report = ppl_report(plan, command, text_file, seqlen, windows, progress=not quiet)
         else:
             report = task_report(plan, command, progress=not quiet)
-    except USER_ERRORS as e:
+    except _user_errors() as e:
         _fail(e)
     out = output or Path("reports") / report["created"].replace(":", "")
     files = write_report(report, out)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from filelock import FileLock
 
+from runtime.artifact.manifest import TUNED_BACKENDS
 from runtime.artifact.reader import Artifact, read_manifest
 from runtime.artifact.writer import write_manifest
 from runtime.device import resolve_device
@@ -29,7 +30,6 @@ from runtime.kernels.ops import interpreting
 from runtime.model.llama import FUSED_LINEARS
 
 log = logging.getLogger("lite.tune")
-TUNED_BACKENDS = ("auto", "cuda", "triton")
 
 
 class TuneError(ValueError):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from runtime.artifact.manifest import DEFAULT_BLOCK_SEQ_LEN
+from runtime.artifact.manifest import BACKENDS, DEFAULT_BLOCK_SEQ_LEN
 from runtime.cache import CacheUnwritable
 from runtime.server.cluster import replica_options
 from runtime.server.listen import listen_socket
@@ -66,7 +66,7 @@ def _engine_options(f):
             click.option("--enable-prefix-caching", is_flag=True),
             click.option(
                 "--backend",
-                type=click.Choice(["auto", "cpu", "triton", "cuda"]),
+                type=click.Choice(BACKENDS),
                 help="Kernels (default: the artifact's launch config; auto, given here, overrides "
                 "a backend it pins: on a CUDA GPU the csrc kernels where their library runs, "
                 "else triton; cpu without a GPU).",

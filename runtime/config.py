@@ -12,12 +12,12 @@ from typing import Any
 import torch
 
 from runtime.artifact.manifest import (
+    BACKENDS,
     BLOCK_MULTIPLE,
     DEFAULT_BLOCK_SEQ_LEN,
     MIN_PREFILL_TOKENS,
     MIN_SESSION_LEN,
 )
-from runtime.kernels.ops import BACKENDS
 from runtime.kv.format import KV_QUANT
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")

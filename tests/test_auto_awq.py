@@ -279,6 +279,17 @@ def test_user_mistakes_get_one_line_with_the_way_on(
     assert code == 130 and "rerun the same command to go on" in out, out
 
 
+def test_help_answers_without_torch() -> None:
+    """`lite` imported torch before click ran (2-5 s), so every command's help was slow and a
+    Ctrl-C in that time printed a traceback. Here torch cannot be imported at all."""
+    no_torch = "import sys; sys.modules['torch'] = None; from lite.cli import main; main()"
+    for args in (["--help"], ["auto_awq", "--help"], ["tune", "--help"], ["eval", "--help"]):
+        done = subprocess.run(
+            [sys.executable, "-c", no_torch, *args], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0 and "Usage: " in done.stdout, (args, done.stderr)
+
+
 def test_recipe_with_flag_override(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     recipe = tmp_path / "r.yaml"
     recipe.write_text(

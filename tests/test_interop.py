@@ -734,7 +734,7 @@ def test_sigterm_leaves_no_staging_directory(command, gs32_artifact, tiny_models
 
 def test_an_unwritable_cache_is_an_error_not_a_traceback(tiny_models, tmp_path, monkeypatch):
     """Converting a checkpoint needs the cache: one that cannot be written (here a path under
-    a file) is a one-line error naming LITESERVE_CACHE (`lite` lists it in USER_ERRORS)."""
+    a file) is a one-line error naming LITESERVE_CACHE (`lite` lists it in _user_errors)."""
     src = tmp_path / "src"
     make_checkpoint(tiny_models["llama"], src, "gptq", 32, True)
     (tmp_path / "afile").write_text("")

@@ -7,7 +7,7 @@ something else, and guessing would be worse than refusing.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -20,6 +20,10 @@ MANIFEST_FILE = "manifest.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 MODEL_CARD_FILE = "README.md"
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+Backend = Literal["auto", "cpu", "triton", "cuda"]
+BACKENDS: tuple[str, ...] = get_args(Backend)
+# the backends whose GEMM launches `lite tune` measures and the manifest's `kernels` pins
+TUNED_BACKENDS = ("auto", "cuda", "triton")
 
 
 class _Strict(BaseModel):
@@ -171,7 +175,7 @@ class LaunchConfig(_Strict):
     )
     max_batch_size: int = Field(64, ge=1)
     max_prefill_tokens: int = Field(4096, ge=MIN_PREFILL_TOKENS)
-    backend: Literal["auto", "cpu", "triton", "cuda"] = "auto"
+    backend: Backend = "auto"
     kernels: dict[str, dict[str, dict[str, int]]] = Field(default_factory=dict)
 
 

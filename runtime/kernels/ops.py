@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
+from runtime.artifact.manifest import BACKENDS
 from runtime.device import make_current, resolve_device
 from runtime.kernels.reference import ACTIVATIONS, apply_rotary
 from runtime.kv.layer import LayerKV
 
-BACKENDS = ("auto", "cpu", "triton", "cuda")
 log = logging.getLogger(__name__)
 
 
