@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import math
+import os
 import shlex
 import signal
 import sys
@@ -198,6 +199,9 @@ def auto_awq_cmd(
     finished layer (state in WORK_DIR.partial/), also with another --device or
     --calib-batch-size (after running out of GPU memory, for instance).
     """
+    if quiet:  # every bar, transformers' GGUF conversion too: it calls tqdm directly, and
+        # tqdm reads TQDM_DISABLE when first imported, which is below
+        os.environ["TQDM_DISABLE"] = "1"
     from lite.auto_awq import SEARCHES, AwqConfig, Compute, auto_awq, dry_run_plan
     from lite.plan import render, render_measured
     from lite.quantizer import QuantSpec
@@ -243,11 +247,6 @@ def auto_awq_cmd(
                 click.echo("\n".join(render_measured(timed())))
             return
         command = shlex.join(["lite", *sys.argv[1:]])
-        if quiet:  # transformers' bar loading the weights too (its GGUF conversion, once per
-            # file, uses tqdm directly, which reads TQDM_DISABLE only when imported)
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.disable_progress_bar()
         try:
             auto_awq(model, work_dir, cfg, command, overwrite, not quiet, compute)
         except (KeyboardInterrupt, SystemExit) as e:
