@@ -444,10 +444,9 @@ def _eval_options(f):
 @click.option("--num-fewshot", type=click.IntRange(min=0), help="Few-shot examples per task.")
 @click.option(
     "--max-length",
-    default=2048,
-    show_default=True,
     type=click.IntRange(min=16),
-    help="Context of every model (lm-eval's max_length): long inputs are cut on the left.",
+    help="Context of every model (lm-eval's max_length): long inputs are cut on the left. "
+    "Default 2048, or less where an artifact's positions hold less.",
 )
 @click.option("--seed", default=1234, show_default=True, type=int)
 @click.option("--ppl", is_flag=True, help="Perplexity, KL and top-1 agreement instead of tasks.")
@@ -504,7 +503,7 @@ def _run_eval(
     include_path: Path | None = None,
     data_dir: Path | None = None,
     num_fewshot: int | None = None,
-    max_length: int = 2048,
+    max_length: int | None = None,
     seed: int = 1234,
     quiet: bool = False,
 ) -> None:

@@ -12,7 +12,7 @@ import gc
 import os
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from functools import cached_property
 from pathlib import Path
@@ -21,7 +21,7 @@ from urllib.parse import urlparse
 
 from lite.perplexity import PerplexityResult, eval_dtype, run_ppl, variant_name
 from lite.report import SCHEMA_VERSION
-from runtime.artifact.reader import Artifact
+from runtime.artifact.reader import Artifact, read_manifest
 
 BASELINE = "source"
 _LOCAL_BUILDERS = {"json", "csv", "parquet", "text", "arrow", None}
@@ -42,7 +42,7 @@ class EvalPlan:
     limit: float | None = None
     num_fewshot: int | None = None
     batch_size: int = 16
-    max_length: int = 2048
+    max_length: int | None = None  # None: 2048, or less where an artifact holds less
     dtype: str = "auto"
     seed: int = 1234
 
@@ -222,10 +222,27 @@ def _require_hub(tasks: tuple[str, ...]) -> None:
         ) from e
 
 
+def _max_length(plan: EvalPlan) -> int:
+    """One context for every model, checked before any loads: a --max-length an artifact
+    cannot hold would be cut on one side only."""
+    from lite.lm_eval_model import DEFAULT_MAX_LENGTH, default_max_length, session_len
+
+    positions = {a: read_manifest(a).architecture.max_position_embeddings for a in plan.artifacts}
+    if plan.max_length is None:
+        return min([DEFAULT_MAX_LENGTH, *map(default_max_length, positions.values())])
+    for art, n in positions.items():
+        try:
+            session_len(plan.max_length, n)
+        except ValueError as e:
+            raise EvalError(f"--max-length: {e} ({art})") from e
+    return plan.max_length
+
+
 def task_report(plan: EvalPlan, command: str, progress: bool = True) -> dict:
     if not plan.tasks:
         raise EvalError("give --tasks (for example piqa_local,arc_easy_local) or --ppl")
     check_artifacts(plan)
+    plan = replace(plan, max_length=_max_length(plan))
     manager = task_manager(plan)
     outputs = {}
     for variant in plan.variants:

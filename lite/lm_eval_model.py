@@ -1,8 +1,8 @@
 """lm-eval model ``liteserve``: an artifact served by the runtime engine, in-process.
 
 Every request goes through the engine's scheduler (continuous batching, paged and optionally
-quantized KV), so a score measures the artifact exactly as ``runtime serve`` would run it,
-KV policy included. Loglikelihoods come from the engine's prompt logprobs; the tokenization
+quantized KV), so a score measures the artifact as ``runtime serve`` would run it, KV policy
+included, with float activations on a CPU (LiteserveLM's docstring says why). Loglikelihoods come from the engine's prompt logprobs; the tokenization
 (no special tokens, BOS as the prefix of an empty context) matches lm-eval's ``hf`` model, so
 the source model scored by ``hf`` and its artifacts scored here see identical token streams.
 
@@ -21,6 +21,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from lite.perplexity import eval_dtype
 from runtime.artifact.reader import read_manifest
 from runtime.chat_template import ChatTemplate
 from runtime.config import EngineConfig
@@ -32,41 +33,66 @@ DEFAULT_MAX_LENGTH = 2048
 _MIN_BLOCKS = 256  # short multiple-choice requests: room for a full batch of them at once
 
 
+def default_max_length(positions: int) -> int:
+    """2048, or what the model's positions hold (session_len)."""
+    return min(DEFAULT_MAX_LENGTH, positions - 2)
+
+
+def session_len(max_length: int, positions: int) -> int:
+    """Tokens a request may hold: a loglikelihood's max_length + 1 prompt tokens (hf's
+    max_length predictions) and the one token the engine samples after them; a generation
+    fits in max_length, as hf's does. A max_length the model's positions cannot hold is
+    refused: hf would run it past them, the engine cuts it, and the two sides saw different
+    tokens."""
+    if max_length < 1 or max_length + 2 > positions:
+        raise ValueError(
+            f"max_length {max_length} does not fit the model's {positions} positions (a request "
+            f"holds max_length + 2 tokens); use at most {positions - 2}"
+        )
+    return max_length + 2
+
+
 @register_model("liteserve")
 class LiteserveLM(TemplateLM):
     """``--model_args artifact=DIR[,kv_quant=none|int8|int4,max_length=2048,dtype=auto,
-    backend=auto,max_gen_toks=256,num_blocks=N]``; kv_quant defaults to the artifact's launch
-    config, as ``runtime serve`` runs it. ``--batch_size`` is the requests in flight."""
+    backend=auto,max_gen_toks=256,num_blocks=N,int8_activations=False]``; kv_quant defaults to
+    the artifact's launch config, as ``runtime serve`` runs it. ``dtype=auto`` is fp32 on a CPU
+    and bf16 on a GPU, and the CPU's int8 activations are off unless asked for: they are a
+    speed path each host picks by measurement, so with them a score would change with the
+    machine. ``--batch_size`` is the requests in flight."""
 
     def __init__(
         self,
         artifact: str,
         kv_quant: str | None = None,
-        max_length: int = DEFAULT_MAX_LENGTH,
+        max_length: int | None = None,  # None: default_max_length
         dtype: str = "auto",
         backend: str | None = None,  # None: the artifact's launch config
         batch_size: int | str = 32,
         max_gen_toks: int = 256,
         num_blocks: int | None = None,
+        int8_activations: bool = False,
         **_ignored: object,  # lm-eval passes device/max_batch_size to every model
     ) -> None:
         super().__init__()
         # within the positions the model was trained for, which the engine holds sessions to
         positions = read_manifest(artifact).architecture.max_position_embeddings
-        self._max_gen_toks = min(int(max_gen_toks), positions // 2)
-        self._max_length = min(int(max_length), positions - self._max_gen_toks)
+        self._max_length = default_max_length(positions) if max_length is None else int(max_length)
+        session = session_len(self._max_length, positions)
+        self._max_gen_toks = int(max_gen_toks)  # the default of a task that sets none
         self._batch_size = 32 if str(batch_size).startswith("auto") else int(batch_size)
         block = 64
-        per_session = -(-(self._max_length + self._max_gen_toks) // block)
+        per_session = -(-session // block)
         config = EngineConfig(
             kv_quant=kv_quant,
-            session_len=self._max_length + self._max_gen_toks,
+            session_len=session,
             cache_block_seq_len=block,
             num_blocks=int(num_blocks) if num_blocks else max(2 * per_session, _MIN_BLOCKS),
             max_batch_size=self._batch_size,
             enable_prefix_caching=True,
-            dtype=dtype,
+            dtype=str(eval_dtype(dtype)).removeprefix("torch."),
             backend=backend,
+            int8_activations=int8_activations,
         )
         self.engine = Engine(artifact, config)
         self.artifact = Path(artifact)
@@ -148,6 +174,12 @@ class LiteserveLM(TemplateLM):
         """Context and continuation as one prompt, left-truncated to max_length + 1 tokens
         (max_length predictions, as lm-eval's hf model); the continuation's prompt logprobs
         are summed, and it is greedy when each token was the top-1."""
+        for key, _, cont in requests:
+            if not cont:  # its slice below was the whole prompt: the context's likelihood
+                raise ValueError(
+                    f"loglikelihood request {key!r}: the continuation encodes to no tokens, so "
+                    "there is nothing to score (lm-eval's hf model refuses it too)"
+                )
         prompts = [(ctx + cont)[-(self._max_length + 1) :] for _, ctx, cont in requests]
         params = SamplingParams(temperature=0.0, max_new_tokens=1, prompt_logprobs=1)
         seqs = self._run(prompts, [params] * len(prompts), "liteserve loglikelihood", disable_tqdm)
@@ -208,10 +240,10 @@ class LiteserveLM(TemplateLM):
         if eot not in until:
             until.append(eot)
         max_new = int(kwargs.pop("max_gen_toks", self._max_gen_toks))
-        if max_new > self._max_gen_toks:
+        if not 0 < max_new < self._max_length:  # its context is the rest of max_length
             raise ValueError(
-                f"max_gen_toks {max_new} exceeds the model's {self._max_gen_toks}; "
-                f"pass --model_args max_gen_toks={max_new}"
+                f"max_gen_toks {max_new} leaves no context within max_length "
+                f"{self._max_length}; raise max_length (--model_args) above it"
             )
         sample = bool(kwargs.pop("do_sample", False))
         temperature = float(kwargs.pop("temperature", 0.0))

@@ -37,6 +37,10 @@ class EngineConfig:
     # None: the artifact's launch config; auto: cuda where its library runs, triton, then cpu
     backend: str | None = None
     dtype: str = "auto"  # activation dtype; auto = the fastest measured for the backend
+    # the CPU backend's int8 activations (llama.cpp's Q8 scheme) on the linears and lm_head
+    # where measured faster; False: float math only, what evaluation measures (an env of
+    # LITESERVE_CPU_INT8=0 turns them off for every engine)
+    int8_activations: bool = True
     # auto, cpu, cuda or cuda:N; auto = the backend's (the current GPU); a torch.device is
     # taken as its string
     device: str = "auto"
@@ -144,7 +148,13 @@ _INT_FIELDS = (
     "tp",
 )
 _NUMBER_FIELDS = ("cache_max_entry_count", "tp_timeout")
-_BOOL_FIELDS = ("enable_prefix_caching", "enforce_eager", "overlap_schedule", "verify_checksums")
+_BOOL_FIELDS = (
+    "enable_prefix_caching",
+    "enforce_eager",
+    "int8_activations",
+    "overlap_schedule",
+    "verify_checksums",
+)
 _OPTIONAL = ("overlap_schedule",)  # None: decided by the device
 
 

@@ -19,6 +19,10 @@ TEXT = (
 )
 
 
+# the engine the scores are checked against: float math, as LiteserveLM runs by default
+REFERENCE = EngineConfig(num_blocks=32, dtype="float32", kv_quant="none", int8_activations=False)
+
+
 def _req(kind: str, *args: object) -> Instance:
     return Instance(request_type=kind, doc={}, arguments=args, idx=0)
 
@@ -41,7 +45,7 @@ def test_loglikelihood_matches_direct_computation(lm: LiteserveLM, rtn_artifact:
     words = TEXT.split(" ")
     pairs += [(" ".join(words[:i]), " " + " ".join(words[i : i + 3])) for i in range(2, 14, 2)]
     got = lm.loglikelihood([_req("loglikelihood", c, x) for c, x in pairs], disable_tqdm=True)
-    engine = Engine(rtn_artifact, EngineConfig(num_blocks=32, dtype="float32", kv_quant="none"))
+    engine = Engine(rtn_artifact, REFERENCE)
     tok = engine.tokenizer
     for (context, cont), (ll, greedy) in zip(pairs, got, strict=True):
         ctx = tok.encode(context, add_special_tokens=False).ids
@@ -59,7 +63,7 @@ def test_loglikelihood_truncates_on_the_left(lm: LiteserveLM, rtn_artifact: Path
     context, *last = TEXT.rsplit(" ", 3)
     cont = " " + " ".join(last)
     ((ll, _),) = lm.loglikelihood([_req("loglikelihood", context, cont)], True)
-    engine = Engine(rtn_artifact, EngineConfig(num_blocks=32, dtype="float32", kv_quant="none"))
+    engine = Engine(rtn_artifact, REFERENCE)
     tok = engine.tokenizer
     ctx = tok.encode(context, add_special_tokens=False).ids
     whole = tok.encode(TEXT, add_special_tokens=False).ids
@@ -101,7 +105,7 @@ def test_loglikelihood_rolling_one_window_is_the_whole_sequence(rtn_artifact: Pa
 
 
 def test_generate_until_stops_at_until(lm: LiteserveLM, rtn_artifact: Path) -> None:
-    engine = Engine(rtn_artifact, EngineConfig(num_blocks=32, dtype="float32", kv_quant="none"))
+    engine = Engine(rtn_artifact, REFERENCE)
     prompt = "def open(file, mode"
     free = engine.generate(
         [engine.tokenizer.encode(prompt, add_special_tokens=False).ids],
@@ -124,6 +128,16 @@ def test_generate_until_stops_at_until(lm: LiteserveLM, rtn_artifact: Path) -> N
 def test_bad_arguments(rtn_artifact: Path, lm: LiteserveLM) -> None:
     with pytest.raises(ValueError, match="kv_quant"):
         LiteserveLM(str(rtn_artifact), kv_quant="int3")
+    # the tiny model has 1024 positions: 1023 was cut to 768 (1024 - max_gen_toks) where
+    # lm-eval's hf model, the baseline, kept 1023, so the two sides scored different tokens
+    with pytest.raises(ValueError, match="max_length 1023 does not fit the model's 1024"):
+        LiteserveLM(str(rtn_artifact), max_length=1023)
+    with pytest.raises(ValueError, match="max_gen_toks 64 leaves no context within max_len"):
+        lm.generate_until([_req("generate_until", "x", {"max_gen_toks": 64})], True)
+    assert LiteserveLM(str(rtn_artifact), max_length=1022, num_blocks=32).max_length == 1022
+    # an empty continuation summed every prompt logprob: the context's own likelihood
+    with pytest.raises(ValueError, match="the continuation encodes to no tokens"):
+        lm.loglikelihood([_req("loglikelihood", "The sqlite3 module", "")], disable_tqdm=True)
     with pytest.raises(ValueError, match="max_gen_toks"):
         lm.generate_until([_req("generate_until", "x", {"max_gen_toks": 10_000})], True)
 
@@ -174,3 +188,45 @@ def test_a_failing_step_leaves_no_request_running(
     with pytest.raises(RuntimeError, match="a step failed"):
         lm._run([[5, 6, 7], [8, 9], [10, 11, 12]], [params] * 3, "test", True)
     assert not lm.engine.sequences and not lm.engine.has_work()
+
+
+def test_scores_are_float_math_whatever_the_host_measured(
+    rtn_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU engine quantizes activations to int8 where its host measured that faster (a
+    speed path): `lite eval`, `lite ppl` and lm-eval's `liteserve` ran it while their reports
+    said float32, so a score moved with the machine (SmolLM2 RTN: ppl 62.98 against 62.11 in
+    float). Here the int8 paths win every measurement, and the scores stay float math."""
+    from lite.perplexity import run_ppl
+    from runtime.kernels import cpu_dispatch
+
+    monkeypatch.delenv("LITESERVE_CPU_INT8", raising=False)
+    everywhere = {op: cpu_dispatch.Choice(((1 << 30, "int8"),)) for op in ("int4", "logits")}
+    real = cpu_dispatch.cached_choices
+
+    def int8_wins(key: str, run, threads: int):  # a float-only engine's table stays its own
+        return real(key, run, threads) if key.endswith("-float") else everywhere
+
+    monkeypatch.setattr(cpu_dispatch, "cached_choices", int8_wins)
+    pairs = [("The sqlite3 module", TEXT[18:80]), ("A context", " manager closes the file")]
+    reqs = [_req("loglikelihood", c, x) for c, x in pairs]
+
+    def scores(**kw: object) -> list[float]:
+        lm = LiteserveLM(str(rtn_artifact), max_length=64, kv_quant="none", num_blocks=32, **kw)
+        return [ll for ll, _ in lm.loglikelihood(reqs, disable_tqdm=True)]
+
+    engine = Engine(rtn_artifact, REFERENCE)
+    tok = engine.tokenizer
+    want = []
+    for context, cont in pairs:
+        ctx = tok.encode(context, add_special_tokens=False).ids
+        whole = tok.encode(context + cont, add_special_tokens=False).ids
+        want.append(float(_logprobs(engine, whole)[len(ctx) - 1 :].sum()))
+    assert scores() == pytest.approx(want, abs=1e-4)
+    if engine.ops.lib is not None:  # the int8 paths are the C kernels'
+        assert scores(int8_activations=True) != pytest.approx(want, abs=1e-4)
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT * 4)
+    default = run_ppl(None, (rtn_artifact,), text, seqlen=32, limit=2)[0].ppl
+    monkeypatch.setenv("LITESERVE_CPU_INT8", "0")
+    assert default == pytest.approx(run_ppl(None, (rtn_artifact,), text, seqlen=32, limit=2)[0].ppl)

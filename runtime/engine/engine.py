@@ -105,7 +105,7 @@ def load_rank(
         else ""
     )
     try:
-        ops = select_backend(requested, manifest.launch.kernels, device)
+        ops = select_backend(requested, manifest.launch.kernels, device, config.int8_activations)
     except BackendError as e:
         raise BackendError(f"{e}{why}") from e
     dtype = ops.default_dtype() if config.dtype == "auto" else _DTYPES[config.dtype]

@@ -663,17 +663,19 @@ class CpuBackend(Backend):
     # against 1516 in one of 4096, one 2048-token prompt at 1198 against 697
     step_tokens = 512
 
-    def __init__(self) -> None:
+    def __init__(self, int8_activations: bool = True) -> None:
         self.device = torch.device("cpu")
         self.lib, kernels = native.load()
         if self.lib is None:
             log.warning("CPU backend without its C kernels: %s", kernels)
-        # int8 activations (llama.cpp's Q8 scheme) where measured faster; 0: float math only
-        self.int8 = os.environ.get("LITESERVE_CPU_INT8", "1") != "0"
+        # int8 activations (llama.cpp's Q8 scheme) where measured faster; else float math only
+        by_env = os.environ.get("LITESERVE_CPU_INT8", "1") == "0"
+        self.int8 = int8_activations and not by_env
         self.threads = omp_threads.engine_threads()  # the steps', also when loading with one
         self.detail = f"torch {torch.__version__} on the CPU ({self.threads} threads), {kernels}"
         if not self.int8:
-            self.detail += ", float activations only (LITESERVE_CPU_INT8=0)"
+            why = "LITESERVE_CPU_INT8=0" if by_env else "int8_activations=False"
+            self.detail += f", float activations only ({why})"
         self._dispatch: dict[torch.dtype, dict[str, Choice]] = {}
 
     @property

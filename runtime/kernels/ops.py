@@ -228,10 +228,14 @@ def _has_triton() -> bool:
 
 
 def select_backend(
-    requested: str, pinned: dict[str, dict[str, dict[str, int]]], device: str = "auto"
+    requested: str,
+    pinned: dict[str, dict[str, dict[str, int]]],
+    device: str = "auto",
+    int8_activations: bool = True,
 ) -> Backend:
     """`pinned` is the artifact's launch.kernels (tuned configs per GPU architecture); `device`
-    is auto (the current GPU for the GPU backends), cpu, cuda or cuda:N.
+    is auto (the current GPU for the GPU backends), cpu, cuda or cuda:N; `int8_activations`
+    lets the CPU backend quantize activations where it measured that faster.
 
     ``auto`` takes cuda (the csrc library) when a GPU is there and the library builds and
     loads, then triton, then the CPU; the backend's detail line says what it passed over and
@@ -239,9 +243,9 @@ def select_backend(
     if requested not in BACKENDS:
         raise BackendError(f"unknown backend {requested!r}: expected one of {', '.join(BACKENDS)}")
     if requested != "auto":
-        return _make(requested, pinned, device)
+        return _make(requested, pinned, device, int8_activations)
     if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
-        backend = _make("cpu", pinned, "auto")
+        backend = _make("cpu", pinned, "auto", int8_activations)
         backend.detail += " (auto: no CUDA GPU)" if device == "auto" else ""
         return backend
     if not torch.cuda.is_available() and not interpreting():  # one reason, not one per backend
@@ -252,7 +256,7 @@ def select_backend(
     passed = []
     for name in ("cuda", "triton"):
         try:
-            backend = _make(name, pinned, device)
+            backend = _make(name, pinned, device, int8_activations)
         except BackendError as e:
             passed.append(f"{name}: {e}")
             continue
@@ -262,13 +266,15 @@ def select_backend(
     raise BackendError(f"no GPU backend can run here ({'; '.join(passed)}); use --backend cpu")
 
 
-def _make(name: str, pinned: dict[str, dict[str, dict[str, int]]], device: str) -> Backend:
+def _make(
+    name: str, pinned: dict[str, dict[str, dict[str, int]]], device: str, int8_activations: bool
+) -> Backend:
     if name == "cpu":
         if device not in ("auto", "cpu"):
             raise BackendError(f"backend 'cpu' runs on the CPU, not {device!r}")
         from runtime.kernels.cpu import CpuBackend
 
-        return CpuBackend()
+        return CpuBackend(int8_activations)
     if not _has_triton():  # the cuda backend's prefill attention is Triton's too
         raise BackendError(f"backend {name!r} needs the triton package: pip install triton")
     if name == "cuda":
