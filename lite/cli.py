@@ -5,9 +5,11 @@ working."""
 from __future__ import annotations
 
 import errno
+import importlib.metadata
 import json
 import math
 import os
+import re
 import shlex
 import signal
 import sys
@@ -86,7 +88,35 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
         _SHOW_WARNING(message, category, filename, lineno, file, line)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def _extra_modules(extra: str) -> set[str]:
+    """The import names of an extra's packages, from the installed metadata (pyproject.toml
+    is the one list): `lm-eval[api]` is imported as `lm_eval`."""
+    try:
+        reqs = importlib.metadata.requires("liteserve") or []
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout never installed
+        return set()
+    names = [re.match(r"[A-Za-z0-9_.-]+", r) for r in reqs if f'extra == "{extra}"' in r]
+    return {m.group(0).replace("-", "_").lower() for m in names if m}
+
+
+class _Group(click.Group):
+    """A serving host installs liteserve without the lite extra and still gets the `lite`
+    command: its commands then name the extra instead of a traceback."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except ModuleNotFoundError as e:
+            top = (e.name or "").split(".")[0]
+            if top.lower() not in _extra_modules("lite"):
+                raise
+            raise click.ClickException(
+                f"{top} is not installed: lite's commands need the lite extra, "
+                "pip install 'liteserve[lite]'"
+            ) from e
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="liteserve")
 def main() -> None:
     """liteserve's offline side: quantize models into artifacts and measure them."""

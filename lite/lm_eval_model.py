@@ -2,9 +2,10 @@
 
 Every request goes through the engine's scheduler (continuous batching, paged and optionally
 quantized KV), so a score measures the artifact as ``runtime serve`` would run it, KV policy
-included, with float activations on a CPU (LiteserveLM's docstring says why). Loglikelihoods come from the engine's prompt logprobs; the tokenization
-(no special tokens, BOS as the prefix of an empty context) matches lm-eval's ``hf`` model, so
-the source model scored by ``hf`` and its artifacts scored here see identical token streams.
+included, with float activations on a CPU (LiteserveLM's docstring says why). Loglikelihoods
+come from the engine's prompt logprobs; the tokenization (no special tokens, BOS as the prefix
+of an empty context) matches lm-eval's ``hf`` model, so the source model scored by ``hf`` and
+its artifacts scored here see identical token streams.
 
 lm-eval 0.4 finds models only through its own registry, and its ``lm_eval`` command imports
 nothing from outside: importing this module registers ``liteserve``, which ``lite eval`` and

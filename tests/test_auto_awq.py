@@ -290,6 +290,19 @@ def test_help_answers_without_torch() -> None:
         assert done.returncode == 0 and "Usage: " in done.stdout, (args, done.stderr)
 
 
+def test_a_serving_host_without_the_lite_extra_is_told_to_install_it(rtn_artifact: Path) -> None:
+    """`pip install liteserve` installs the `lite` command without its extra's packages: a
+    command then ended in a ModuleNotFoundError traceback."""
+    no_rich = "import sys; sys.modules['rich'] = None; from lite.cli import main; main()"
+    done = subprocess.run(
+        [sys.executable, "-c", no_rich, "ppl", "--artifact", str(rtn_artifact)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "rich is not installed" in done.stderr and "pip install 'liteserve[lite]'" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_recipe_with_flag_override(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     recipe = tmp_path / "r.yaml"
     recipe.write_text(

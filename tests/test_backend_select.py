@@ -200,3 +200,18 @@ def test_each_backend_names_its_own_default_dtype(monkeypatch) -> None:
     else:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         assert select_backend("triton", {}, "cpu").default_dtype() == torch.float16
+
+
+def test_the_cpu_engine_runs_without_triton(rtn_artifact) -> None:
+    """triton is a dev extra and the CPU torch wheel does not bring it: a top-level import in
+    the GPU backends' shared module made every engine fail on `pip install liteserve`."""
+    import subprocess
+    import sys
+
+    no_triton = "import sys; sys.modules['triton'] = None; from runtime.cli import main; main()"
+    args = ["generate", str(rtn_artifact), "--prompt", "Hi", "--max-new-tokens", "3"]
+    done = subprocess.run(
+        [sys.executable, "-c", no_triton, *args, "--num-blocks", "8"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip(), done.stderr[-2000:]

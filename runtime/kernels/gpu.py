@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from runtime.kernels.ops import Backend, StepInputs, StepTensors
-from runtime.kernels.triton.launch import set_programmatic_launch
 
 log = logging.getLogger("runtime.kernels")
 
@@ -164,7 +163,10 @@ class GpuBackend(Backend):
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._buffer = StepBuffer(device)
-        # the Triton kernels' programmatic launch, whichever backend launches them (opt-in)
+        # the Triton kernels' programmatic launch, whichever backend launches them (opt-in);
+        # imported here: the engine imports this module, and a CPU host has no triton
+        from runtime.kernels.triton.launch import set_programmatic_launch
+
         self.triton_pdl = set_programmatic_launch(device)
 
     def default_dtype(self) -> torch.dtype:
