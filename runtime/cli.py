@@ -16,7 +16,7 @@ import click
 
 from runtime.artifact.manifest import BACKENDS, DEFAULT_BLOCK_SEQ_LEN
 from runtime.cache import CacheUnwritable
-from runtime.server.cluster import replica_options
+from runtime.server.cluster import replica_options, served_name
 from runtime.server.listen import listen_socket
 from runtime.termination import unwind_on_sigterm
 
@@ -478,7 +478,7 @@ def serve_cmd(
             kw,
             server_name=server_name,
             server_port=server_port,
-            model_name=model_name or Path(artifact).resolve().name,
+            model_name=served_name(artifact, model_name),
             api_keys=keys,
             max_concurrent_requests=max_concurrent_requests,
             max_body_bytes=max_body_bytes,
@@ -500,7 +500,7 @@ def serve_cmd(
         pipe = _pipeline(artifact, kw)
     app = build_app(
         pipe,
-        model_name or Path(artifact).resolve().name,
+        served_name(artifact, model_name),
         keys,
         max_concurrent_requests,
         max_body_bytes,

@@ -1651,3 +1651,18 @@ def test_a_fresh_server_reports_its_pool_and_what_one_request_can_hold(artifact:
         assert card["max_model_len"] == 8 * 16 < SESSION_LEN
     finally:
         s.stop()
+
+
+def test_the_served_name_is_the_artifact_path_given_not_its_link_target(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `current -> v7` deploy link served as 'v7', so every release changed the id clients
+    must send (and a request naming 'current' got a 404)."""
+    from runtime.server.cluster import served_name
+
+    (tmp_path / "v7").mkdir()
+    (tmp_path / "current").symlink_to(tmp_path / "v7")
+    assert served_name(tmp_path / "current", None) == "current"
+    assert served_name(f"{tmp_path}/current/", None) == "current"
+    monkeypatch.chdir(tmp_path / "v7")
+    assert served_name(".", None) == "v7" and served_name(".", "mine") == "mine"

@@ -33,6 +33,7 @@ import contextlib
 import importlib
 import json
 import logging
+import os
 import signal
 import threading
 from collections import Counter
@@ -657,6 +658,13 @@ def start(
     serve.run(application, name=name, route_prefix="/", blocking=False)
 
 
+def served_name(artifact: str | Path, model_name: str | None) -> str:
+    """The id clients pass as `model`: --model-name, else the artifact's directory name as
+    given. Not the name a symbolic link points at: a `current -> v7` deploy link changed the
+    id every client sends with each release."""
+    return model_name or Path(os.path.abspath(artifact)).name
+
+
 def serve_replicas(
     artifact: str | Path,
     engine_kw: dict,
@@ -688,7 +696,7 @@ def serve_replicas(
         app_kw.setdefault("chat_template", template)
     from runtime.artifact.reader import Artifact, ArtifactError
 
-    name = model_name or Path(artifact).resolve().name
+    name = served_name(artifact, model_name)
     try:  # bad input fails here, before Ray starts, not in every replica a minute later
         Artifact(artifact, checksums=False)
         application = build_application(artifact, engine_kw, name, **app_kw)
