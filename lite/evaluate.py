@@ -9,15 +9,12 @@ after another and are freed in between, so only one is resident at a time.
 from __future__ import annotations
 
 import gc
-import os
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from functools import cached_property
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 from lite.perplexity import PerplexityResult, eval_dtype, run_ppl, variant_name
 from lite.report import SCHEMA_VERSION
@@ -206,20 +203,16 @@ def task_manager(plan: EvalPlan):
 
 
 def _require_hub(tasks: tuple[str, ...]) -> None:
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    host = urlparse(endpoint).hostname or "huggingface.co"
-    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
-    try:
-        if offline:
-            raise OSError("HF_HUB_OFFLINE is set")
-        socket.create_connection((host, 443), timeout=3).close()
-    except OSError as e:
+    from lite.sources import hub_unreachable
+
+    offline = hub_unreachable()
+    if offline:
         raise EvalError(
-            f"task(s) {', '.join(tasks)} download their data from {host}, which cannot be "
-            f"reached ({e}). Offline, use the local tasks (piqa_local, arc_easy_local, "
+            f"task(s) {', '.join(tasks)} download their data from the Hugging Face hub "
+            f"({offline}). Offline, use the local tasks (piqa_local, arc_easy_local, "
             f"arc_challenge_local, hellaswag_local, lambada_local, wikitext_local) with "
             f"--include-path evals/tasks --data-dir DIR (see evals/README.md)"
-        ) from e
+        )
 
 
 def _max_length(plan: EvalPlan) -> int:

@@ -13,9 +13,12 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import os
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -84,15 +87,37 @@ def _check_hub_id(spec: str) -> None:
         )
 
 
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face hub cannot be reached, or None, from one connection of 3 s:
+    huggingface_hub retries an unreachable host for half a minute before it fails or falls
+    back to its cache."""
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
+        return "HF_HUB_OFFLINE is set"
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    host = endpoint.hostname or "huggingface.co"
+    try:
+        port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
+        socket.create_connection((host, port), timeout=3).close()
+    except (OSError, ValueError) as e:
+        return f"{host} cannot be reached: {e}"
+    return None
+
+
+def _offline_note(offline: str | None) -> str:
+    return f"; the hub was not asked ({offline}) and its local cache has no copy" if offline else ""
+
+
 def _hub_config(repo_id: str) -> Path:
+    offline = hub_unreachable()
     try:
         from huggingface_hub import hf_hub_download
 
-        config = Path(hf_hub_download(repo_id, "config.json"))
+        config = Path(hf_hub_download(repo_id, "config.json", local_files_only=bool(offline)))
     except Exception as e:  # offline, unknown repo, gated: all end the same way for the user
         raise SourceError(
             f"could not fetch {repo_id}'s config.json from the Hugging Face hub "
-            f"({type(e).__name__}: {e}); offline, give a local directory with its config.json"
+            f"({type(e).__name__}: {e}{_offline_note(offline)}); offline, give a local "
+            "directory with its config.json"
         ) from e
     _read_config(config, repo_id)
     return config.parent
@@ -159,15 +184,21 @@ def _from_dir(path: Path, spec: str, hash_files: bool = True) -> ModelSource:
 
 
 def _from_hub(repo_id: str, hash_files: bool = True) -> ModelSource:
+    offline = hub_unreachable()
     try:
         from huggingface_hub import snapshot_download
 
-        local = snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, ignore_patterns=HUB_IGNORE)
+        local = snapshot_download(
+            repo_id,
+            allow_patterns=HUB_PATTERNS,
+            ignore_patterns=HUB_IGNORE,
+            local_files_only=bool(offline),
+        )
     except Exception as e:  # offline, unknown repo, gated: all end the same way for the user
         raise SourceError(
-            f"could not fetch {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {e}); "
-            f"offline, give a local model directory, a .gguf file, or one of: "
-            f"{', '.join(ALIASES)}"
+            f"could not fetch {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {e}"
+            f"{_offline_note(offline)}); offline, give a local model directory, a .gguf file, "
+            f"or one of: {', '.join(ALIASES)}"
         ) from e
     source = _from_dir(Path(local), repo_id, hash_files)
     source.revision = Path(local).name

@@ -303,6 +303,22 @@ def test_a_serving_host_without_the_lite_extra_is_told_to_install_it(rtn_artifac
     assert "Traceback" not in done.stderr
 
 
+def test_a_hub_id_with_the_hub_unreachable_fails_at_once_with_the_reason(tmp_path: Path) -> None:
+    """Without HF_HUB_OFFLINE, huggingface_hub retried the unreachable host for 37 s and
+    printed five retry lines before the error; now one 3 s connection decides, and its cache
+    (empty here) is all that is read."""
+    env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")}
+    env.pop("HF_HUB_OFFLINE", None)
+    for args in (["--dry-run"], ["--work-dir", str(tmp_path / "art")]):
+        done = subprocess.run(
+            [sys.executable, "-m", "lite", "auto_awq", "some-org/some-model", *args, "--quiet"],
+            capture_output=True, text=True, timeout=120, env=env,
+        )  # fmt: skip
+        assert done.returncode == 1, done.stderr
+        assert "the hub was not asked (127.0.0.1 cannot be reached" in done.stderr, done.stderr
+        assert "Retrying" not in done.stderr and "Traceback" not in done.stderr
+
+
 def test_recipe_with_flag_override(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     recipe = tmp_path / "r.yaml"
     recipe.write_text(

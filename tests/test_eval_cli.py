@@ -123,7 +123,7 @@ def test_ppl_mode_writes_report_and_updates_card(
         (["--kv-quant", "int3"], "use none, int8, int4"),
         ([], "give --tasks"),
         (["--tasks", "no_such_task_xyz", "--include-path", "{tasks}"], "unknown task"),
-        (["--tasks", "piqa"], "cannot be reached"),
+        (["--tasks", "piqa"], "(HF_HUB_OFFLINE is set). Offline, use the local tasks"),
         (["--tasks", "piqa_local"], "unknown task(s) piqa_local; local tasks need --include-path"),
         (["--tasks", "piqa_local", "--kv-quant", "int8,none,int8"], "lists int8 more than once"),
         (["--tasks", "piqa_local", "--artifact", "{artifact}"], "more than once; give each"),
