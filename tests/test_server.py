@@ -415,10 +415,10 @@ def test_default_max_tokens_fits_the_session(artifact: Path) -> None:
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60)
         r = c.chat.completions.create(model=MODEL, messages=MESSAGES, **GREEDY)
         assert r.usage.total_tokens == 64 and r.choices[0].finish_reason == "length"
-        with pytest.raises(openai.BadRequestError, match=r"over session_len 64"):
+        with pytest.raises(openai.BadRequestError, match=r"over this model's max_model_len 64"):
             c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60, **GREEDY)
         long = [{"role": "user", "content": "word " * 100}]
-        with pytest.raises(openai.BadRequestError, match=r"prompt \(\d+ tokens\).*session_len 64"):
+        with pytest.raises(openai.BadRequestError, match=r"\(\d+ tokens\).*max_model_len 64"):
             c.chat.completions.create(model=MODEL, messages=long, **GREEDY)
     finally:
         s.stop()
@@ -846,7 +846,7 @@ BAD = [
      rf"prompt \(30 tokens\).*\({SESSION_LEN - 10}\).*{SESSION_LEN + 20} tokens.*{SESSION_LEN}"),
     ("chat-over-session-len", "/v1/chat/completions",
      _j(model=MODEL, messages=[{"role": "user", "content": "word " * 600}], max_tokens=500),
-     AUTH, 400, "invalid_request_error", "messages", r"prompt \(\d+ tokens\).*over session_len"),
+     AUTH, 400, "invalid_request_error", "messages", r"prompt \(\d+ tokens\).*max_model_len"),
     ("seed-overflow", "/v1/completions", _j(model=MODEL, prompt="x", seed=2**70), AUTH, 400,
      "invalid_request_error", "seed", r"seed"),
     ("not-json-content-type", "/v1/completions", _j(model=MODEL, prompt="x"),
@@ -1141,7 +1141,9 @@ def test_a_refused_prompt_starts_none_of_the_request(srv: Served) -> None:
     before = metrics(srv.url)
     body = {"model": MODEL, "prompt": [[5, 6, 7], [5] * 900], "max_tokens": 600, "ignore_eos": True}
     r = httpx2.post(srv.url + "/v1/completions", json=body, headers=AUTH, timeout=30)
-    assert r.status_code == 400 and "over session_len" in r.json()["error"]["message"]
+    assert (
+        r.status_code == 400 and "over this model's max_model_len" in r.json()["error"]["message"]
+    )
     wait_idle(srv, timeout=10)
     m = metrics(srv.url)
     assert grew(m, before, GENERATED) == 0 and grew(m, before, "liteserve:prompt_tokens_total") == 0
@@ -1649,6 +1651,22 @@ def test_a_fresh_server_reports_its_pool_and_what_one_request_can_hold(artifact:
         assert m["liteserve:kv_cache_free_blocks"] == 8
         card = httpx2.get(s.url + "/v1/models").json()["data"][0]
         assert card["max_model_len"] == 8 * 16 < SESSION_LEN
+        # scoring a prompt of exactly max_model_len tokens (echo, max_tokens 0) was refused as
+        # one token over: the token run after it, never returned, was counted against the pool
+        ids = [(i * 37) % 200 + 5 for i in range(8 * 16)]
+        body = {"model": MODEL, "prompt": ids, "echo": True, "max_tokens": 0, "logprobs": 0}
+        r = httpx2.post(s.url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"][0]["logprobs"]["tokens"]) == 8 * 16
+        # over it, the refusal names the limit /v1/models gives, not session_len or KV blocks
+        body = {"model": MODEL, "prompt": ids[:100], "max_tokens": 60}
+        r = httpx2.post(s.url + "/v1/completions", json=body, timeout=120)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["code"] == "context_length_exceeded", r.text
+        assert (
+            "plus max_tokens (60) is 160 tokens, over this model's max_model_len 128"
+            in (error["message"])
+        )
     finally:
         s.stop()
 

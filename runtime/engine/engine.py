@@ -222,6 +222,7 @@ class Engine:
         self.sequences: dict[int, Sequence] = {}
         self._pending: PendingStep | None = None
         self.overlap = self._overlaps()
+        pool = self.cache.num_blocks * self.kv_spec.block_size
         log.info(
             "backend %s (%s), %s activations, kv %s: %d bytes/token, %d blocks of %d, "
             "%d tokens fit",
@@ -232,8 +233,16 @@ class Engine:
             self.kv_spec.bytes_per_token(),
             self.cache.num_blocks,
             self.kv_spec.block_size,
-            self.cache.num_blocks * self.kv_spec.block_size,
+            pool,
         )
+        if pool < self.session_len:
+            log.warning(
+                "the KV pool holds %d tokens, fewer than session_len %d: one request's prompt "
+                "and output are limited to %d (num_blocks or cache_max_entry_count sizes it)",
+                pool,
+                self.session_len,
+                pool,
+            )
 
     def _load(
         self, device: str, shard: Shard | None, group: TPGroup | None, budget: int | None
@@ -350,9 +359,13 @@ class Engine:
         }
         return SamplingParams(**{**defaults, **{k: v for k, v in fields.items() if v is not None}})
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, scored_only: bool = False
+    ) -> Sequence:
         """Queue a request; every problem with it is a ValueError raised before anything is
-        allocated."""
+        allocated. `scored_only`: the caller wants the prompt's logprobs and drops the one
+        token sampled after it (echo with max_tokens 0), which is never run, so the prompt
+        alone must fit: a prompt of exactly the session was refused as one token over."""
         params.validate()
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -362,11 +375,12 @@ class Engine:
                 raise ValueError(
                     f"{what} {bad[:5]} are outside the vocabulary (0..{self.arch.vocab_size - 1})"
                 )
-        total = len(prompt_ids) + params.max_new_tokens
+        new = 0 if scored_only else params.max_new_tokens
+        total = len(prompt_ids) + new
         if total > self.session_len:
             raise ContextLengthError(
                 f"the prompt ({len(prompt_ids)} tokens) plus max_new_tokens "
-                f"({params.max_new_tokens}) is {total} tokens, over session_len "
+                f"({new}) is {total} tokens, over session_len "
                 f"{self.session_len}; shorten the prompt or lower max_new_tokens"
             )
         needed = -(-total // self.kv_spec.block_size)

@@ -404,6 +404,19 @@ class _State:
         named = req.tool_choice.function.name if mode == "named" else None
         return ToolCallParser(mode, syntax_for(template.source if template else None), named)
 
+    def check_length(self, req, prompt_len: int, new: int) -> None:
+        """Against the max_model_len /v1/models advertises, named as such: the engine's own
+        refusal quoted session_len or KV blocks, limits the client was never told."""
+        if prompt_len + new > self.max_model_len:
+            raise ApiError(
+                400,
+                f"the prompt ({prompt_len} tokens) plus max_tokens ({new}) is "
+                f"{prompt_len + new} tokens, over this model's max_model_len "
+                f"{self.max_model_len}; shorten the prompt or lower max_tokens",
+                param="messages" if hasattr(req, "messages") else "prompt",
+                code="context_length_exceeded",
+            )
+
     def params(self, req, n_index: int, prompt_len: int) -> SamplingParams:
         fields = {k: v for k, v in p.sampling_fields(req).items() if v is not None}
         self.check_ids(list(fields.get("logit_bias", {})), "logit_bias")
@@ -423,6 +436,7 @@ class _State:
         if "seed" in fields and n_index:  # n choices with one seed must still differ
             seed = fields["seed"] + n_index
             fields["seed"] = seed - 2**64 if seed >= 2**64 else seed  # torch's range, wrapped
+        self.check_length(req, prompt_len, 0 if _scores_prompt(req) else fields["max_new_tokens"])
         if getattr(req, "echo", False):
             fields["prompt_logprobs"] = fields.get("logprobs") or 0
             # max_tokens 0 with echo scores the prompt alone: one token is run, none returned

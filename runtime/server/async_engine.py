@@ -312,7 +312,7 @@ class AsyncEngine:
         seqs: list[Sequence] = []
         try:
             for prompt_ids, params in requests:
-                seqs.append(self.engine.add_request(prompt_ids, params))
+                seqs.append(self.engine.add_request(prompt_ids, params, scored_only))
         except Exception as e:  # that submission fails, never the engine thread
             if not isinstance(e, ValueError):  # a refusal is the client's; anything else ours
                 log.exception("admitting a request failed")
