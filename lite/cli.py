@@ -21,7 +21,7 @@ from click.core import ParameterSource
 
 from runtime.artifact.manifest import TUNED_BACKENDS
 from runtime.cache import CacheUnwritable
-from runtime.termination import terminated, unwind_on_sigterm
+from runtime.termination import Group, terminated, unwind_on_sigterm
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
@@ -99,7 +99,7 @@ def _extra_modules(extra: str) -> set[str]:
     return {m.group(0).replace("-", "_").lower() for m in names if m}
 
 
-class _Group(click.Group):
+class _Group(Group):
     """A serving host installs liteserve without the lite extra and still gets the `lite`
     command: its commands then name the extra instead of a traceback."""
 

@@ -18,7 +18,7 @@ from runtime.artifact.manifest import BACKENDS, DEFAULT_BLOCK_SEQ_LEN
 from runtime.cache import CacheUnwritable
 from runtime.server.cluster import replica_options, served_name
 from runtime.server.listen import listen_socket
-from runtime.termination import unwind_on_sigterm
+from runtime.termination import Group, unwind_on_sigterm
 
 _UNITS = {
     "": 1,
@@ -138,12 +138,13 @@ def _served(path: Path) -> Path:
 def _pipeline(artifact: Path, kw: dict):
     from runtime import EngineConfig, pipeline
     from runtime.artifact.reader import ArtifactError
+    from runtime.distributed.group import RankFailure
 
     template = kw.pop("chat_template")
     try:
         config = EngineConfig(**{k: v for k, v in kw.items() if v is not None})
         pipe = pipeline(_served(artifact), config, template)
-    except (ArtifactError, ValueError) as e:
+    except (ArtifactError, ValueError, RankFailure) as e:  # a rank that died while loading
         raise click.ClickException(str(e)) from e
     # the command's end stops tensor-parallel ranks (and leaves the process group), also when
     # the command runs inside another program, as under click's CliRunner
@@ -151,7 +152,7 @@ def _pipeline(artifact: Path, kw: dict):
     return pipe
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="liteserve")
 @click.option("-v", "--verbose", is_flag=True, help="Log the engine's start-up facts.")
 def main(verbose: bool) -> None:
@@ -305,7 +306,8 @@ def generate_cmd(
 def chat_cmd(
     artifact: Path, max_new_tokens: int, temperature: float | None, system: str | None, **kw
 ) -> None:
-    """Interactive chat with streaming, through the artifact's chat template. Ctrl-D exits."""
+    """Interactive chat with streaming, through the artifact's chat template. Ctrl-C stops a
+    reply, Ctrl-D exits."""
     from runtime import GenerationConfig
     from runtime.api import NOT_UTF8_FIX
     from runtime.distributed.group import RankFailure
@@ -358,6 +360,10 @@ def chat_cmd(
             continue
         except RankFailure as e:  # a tensor-parallel rank died: no turn can run any more
             raise click.ClickException(str(e)) from e
+        except KeyboardInterrupt:  # stops the reply, as in other chat tools, not the session
+            if pipe.engine.workers is not None:  # the ranks were left mid-step
+                raise
+            click.echo("\n(stopped)", err=True)
         click.echo()
         history.append({"role": "assistant", "content": "".join(reply)})
         sys.stdout.flush()

@@ -3,12 +3,14 @@
 Its default action ends the process where it stands: a conversion into the cache, or an
 artifact being written, leaves a staging directory of the output's size beside it. Raising
 SystemExit instead runs every ``finally`` on the way out. A leaf: ``lite`` and ``runtime``
-both install it.
+both install it, and both groups of commands are ``Group``s.
 """
 
 from __future__ import annotations
 
 import signal
+
+import click
 
 _terminated = False
 
@@ -27,3 +29,15 @@ def _exit(signum: int, frame: object) -> None:
     global _terminated
     _terminated = True
     raise SystemExit(128 + signum)
+
+
+class Group(click.Group):
+    """Ctrl-C exits 130 as a shell reports it, beside SIGTERM's 143: click's own Abort
+    exits 1, a user error's status, so a script could not tell an interrupt from a failure."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            click.echo("\nAborted!", err=True)
+            raise SystemExit(128 + signal.SIGINT) from None

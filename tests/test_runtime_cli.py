@@ -77,6 +77,46 @@ def test_chat_drops_the_oldest_turns_when_the_session_is_full(art: Path) -> None
     assert "oldest messages left the context" in r.output
 
 
+def test_ctrl_c_in_chat_stops_the_reply_not_the_session(
+    art: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C mid-reply ended the whole session (exit 1, the conversation lost); it now stops
+    that reply, which stays in the history as far as it went, and the next turn runs."""
+    from runtime.api import Pipeline
+
+    real, calls = Pipeline.stream, []
+
+    def interrupted_once(self, request, gen=None):
+        calls.append(len(request))
+        for i, chunk in enumerate(real(self, request, gen)):
+            if len(calls) == 1 and i == 2:
+                raise KeyboardInterrupt
+            yield chunk
+
+    monkeypatch.setattr(Pipeline, "stream", interrupted_once)
+    r = CliRunner().invoke(
+        main,
+        ["chat", str(art), "--max-new-tokens", "8", "--temperature", "0", *ENGINE],
+        input="hello\nhow are you\n",
+    )
+    assert r.exit_code == 0, r.output
+    assert "(stopped)" in r.output and r.output.count("model> ") == 2
+    assert calls == [1, 3]  # the second turn saw the first, its partial reply included
+
+
+def test_ctrl_c_exits_130_as_a_shell_reports_it(art: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """click's Abort exited 1, a user error's status, where SIGTERM exits 143."""
+    from runtime.api import Pipeline
+
+    def interrupted(self, request, gen=None):
+        raise KeyboardInterrupt
+        yield
+
+    monkeypatch.setattr(Pipeline, "stream", interrupted)
+    r = CliRunner().invoke(main, ["generate", str(art), "--prompt", "x", *ENGINE])
+    assert r.exit_code == 130 and "Aborted!" in r.output, r.output
+
+
 def test_chat_refuses_a_line_that_is_not_utf8_and_goes_on(art: Path) -> None:
     r = CliRunner().invoke(
         main,

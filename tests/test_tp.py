@@ -21,6 +21,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+import runtime
 from lite.cli import main as lite_main
 from runtime import EngineConfig
 from runtime.artifact.manifest import Architecture
@@ -184,6 +185,35 @@ def test_killed_rank_fails_the_engine_within_the_timeout(artifacts: dict[str, Pa
             engine.step()
     finally:
         engine.close()
+
+
+def test_interrupted_mid_step_the_workers_are_stopped_not_waited_for(
+    artifacts: dict[str, Path],
+) -> None:
+    """Ctrl-C on rank 0 while a step runs: the workers wait in that step's collectives, and
+    the stop message waited out the collective timeout (60 s by default) before `runtime
+    generate --tp 2` could exit. The engine is failed after it, and close kills the workers
+    at once (a join of 60 s here is a hang; the timeout is 600 s)."""
+    engine = Engine(artifacts["llama"], _config(2, tp_timeout=600.0))
+    pid = _worker_pid(os.getpid())
+    try:
+        engine.add_request(_ids(20, 6), SamplingParams(temperature=0, max_new_tokens=50))
+        engine.step()
+
+        def interrupted() -> None:
+            raise KeyboardInterrupt
+
+        engine.runner.model = interrupted  # after the step went to the workers
+        with pytest.raises(KeyboardInterrupt):
+            engine.step()
+        with pytest.raises(RankFailure, match="rank 0 left a step unfinished"):
+            engine.step()
+    finally:
+        closing = threading.Thread(target=engine.close)
+        closing.start()
+        closing.join(60)
+    assert not closing.is_alive()
+    assert psutil.pid_exists(pid) is False or psutil.Process(pid).status() == "zombie"
 
 
 def test_stuck_rank_times_out(artifacts: dict[str, Path]) -> None:
@@ -395,3 +425,33 @@ def test_a_script_without_a_main_guard_is_told_to_add_one(
     assert "while starting" in done.stderr
     # the engine's own error names the guard (Python's note is in the worker's traceback only)
     assert "needs its code under `if __name__ == '__main__':`" in done.stderr
+
+
+def test_a_worker_killed_while_starting_is_one_line(
+    artifacts: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker killed while loading (the OOM killer, say) ended `runtime generate --tp 2` in
+    a traceback, whose text sent the user to an error above (there was none) and to a
+    `__main__` guard (the CLI has one)."""
+    import multiprocessing as mp
+
+    from runtime.distributed import worker
+
+    proc = mp.get_context("spawn").Process(target=time.sleep, args=(60,), name="liteserve-tp1")
+    proc.start()
+    proc.kill()
+    proc.join()
+    with pytest.raises(RankFailure) as e:
+        worker._await_joins(torch.distributed.HashStore(), [proc])
+    assert (
+        str(e.value)
+        == f"tensor-parallel rank 1 (pid {proc.pid}) was killed by SIGKILL while starting"
+    )
+
+    def dies(*_args, **_kw):
+        raise RankFailure(str(e.value))
+
+    monkeypatch.setattr(runtime, "pipeline", dies)
+    args = ["generate", str(artifacts["llama"]), "--prompt", "x", "--tp", "2"]
+    r = CliRunner().invoke(runtime_main, args)
+    assert r.exit_code == 1 and r.output == f"Error: {e.value}\n", r.output

@@ -145,6 +145,13 @@ class Workers:
         self._fail(_describe(dead[0]) if dead else str(error))
         return RankFailure(self.failure)
 
+    def left_mid_step(self) -> None:
+        """Rank 0 left a step (Ctrl-C) while the others wait in its collectives: no step can
+        run any more, and stop() kills them rather than waiting out the collective timeout
+        (60 s) for a stop message they cannot read."""
+        if self.failure is None:
+            self.failure = "rank 0 left a step unfinished (interrupted)"
+
     def abort(self, error: Exception) -> Exception:
         """Start-up failed on rank 0: kill the workers; the error to raise (a failed
         collective becomes the rank that died)."""
@@ -184,11 +191,14 @@ def _await_joins(store: dist.Store, procs: list[mp.Process]) -> None:
     while not store.check(keys):
         dead = [p for p in procs if p.exitcode is not None]
         if dead:
-            raise RankFailure(
-                f"{_describe(dead[0])} while starting (its error is above, on stderr; a script "
-                "that makes a tp > 1 engine needs its code under `if __name__ == '__main__':`, "
-                "since each worker is a new process that imports the script)"
+            why = (  # a signal is from outside (the OOM killer, a kill); an exit, its own error
+                ""
+                if dead[0].exitcode < 0
+                else " (its error is above, on stderr; a script that makes a tp > 1 engine "
+                "needs its code under `if __name__ == '__main__':`, since each worker is a new "
+                "process that imports the script)"
             )
+            raise RankFailure(f"{_describe(dead[0])} while starting{why}")
         if time.monotonic() > deadline:
             raise RankFailure(f"the tensor-parallel workers did not start in {START_SECONDS} s")
         time.sleep(0.05)

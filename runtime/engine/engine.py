@@ -462,6 +462,10 @@ class Engine:
             last_logits, chunk_logits = self.runner.run(batch, feed)
         except RankFailure as e:  # only under TP: name the rank that died, if one did
             raise self.workers.failed(e) from e
+        except BaseException:  # Ctrl-C: the other ranks wait in this step's collectives
+            if self.workers is not None:
+                self.workers.left_mid_step()
+            raise
         if rows:
             mask = masks.result() if masks is not None else None
             tokens, logprobs = self._sample(last_logits, [i for i, _ in rows], sampled, mask)
