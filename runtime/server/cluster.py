@@ -683,6 +683,13 @@ def serve_replicas(
             listen_socket(server_name, server_port).close()
         except OSError as e:
             raise click.ClickException(str(e)) from e
+    from runtime.artifact.reader import Artifact, ArtifactError
+
+    try:  # bad input fails here, before Ray starts, not in every replica a minute later;
+        # checksums too: a damaged shard was a minute of failing replicas and 360 log lines
+        Artifact(artifact, checksums=engine_kw.get("verify_checksums", True))
+    except ArtifactError as e:
+        raise click.ClickException(str(e)) from e
     if not ray_available():
         raise click.ClickException(INSTALL_HINT)
     from ray import serve
@@ -694,11 +701,8 @@ def serve_replicas(
     template = engine_kw.pop("chat_template", None)
     if template is not None:
         app_kw.setdefault("chat_template", template)
-    from runtime.artifact.reader import Artifact, ArtifactError
-
     name = served_name(artifact, model_name)
-    try:  # bad input fails here, before Ray starts, not in every replica a minute later
-        Artifact(artifact, checksums=False)
+    try:
         application = build_application(artifact, engine_kw, name, **app_kw)
     except (ArtifactError, ValueError) as e:
         raise click.ClickException(str(e)) from e
