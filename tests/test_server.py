@@ -1475,6 +1475,7 @@ def test_sigterm_drains_in_flight_and_exits_0(artifact: Path, sig: signal.Signal
     assert json.loads(events[-3].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
     assert rc == 0 and "Aborted" not in log, log
     assert "Traceback" not in log, log
+    assert "stopping: 1 requests in flight get up to --grace 30 s to finish" in log, log
     # the start-up line says what the backend runs on (the CPU's ISA path), at the default level
     (line,) = [x for x in log.splitlines() if "serving " in x]
     assert "backend cpu on cpu (torch " in line and "on the CPU (" in line and "kernels" in line

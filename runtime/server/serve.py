@@ -4,6 +4,7 @@ uvicorn server that drains it."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from contextlib import asynccontextmanager
 
@@ -14,6 +15,8 @@ from runtime.api import Pipeline
 from runtime.server.app import ServerSettings, create_app
 from runtime.server.async_engine import AsyncEngine
 from runtime.server.metrics import Metrics
+
+log = logging.getLogger("liteserve")
 
 
 def build_app(
@@ -54,6 +57,13 @@ class DrainingServer(uvicorn.Server):
         state = self.config.app.state.liteserve
         state.draining = True
         grace = self.config.timeout_graceful_shutdown
+        # said, as `--replicas` says it: the exit can come seconds after --grace, when the
+        # engine's step in flight (a long CPU prefill) must end before the engine stops
+        log.warning(
+            "stopping: %d requests in flight get up to --grace %s s to finish",
+            state.in_flight,
+            "unlimited" if grace is None else f"{grace:g}",
+        )
         timer = None
         if grace is not None:
             message = f"the server is shutting down: not finished within --grace {grace:g} s"
