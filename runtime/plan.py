@@ -127,6 +127,6 @@ def render(rows: list[PlanRow], art: Artifact, memory: int, avg_len: int, tp: in
         "",
         f"For a GPU (fp16 KV). The engine runs at most {batch} sequences at once "
         "(max_batch_size). On a CPU the `none` pool is fp32 (twice its bytes here) and the "
-        "weights take more than their stored bytes: its start-up log gives both.",
+        "weights take more than their stored bytes: its start-up log (-v) gives both.",
     ]
     return "\n".join(lines)

@@ -276,3 +276,19 @@ def test_a_broken_chat_template_is_refused_at_load(
     r = CliRunner().invoke(main, ["check", str(art), "--chat-template", str(path)])
     assert r.exit_code == 1 and "Traceback" not in r.output, r.output
     assert f"Error: {path}: the chat template" in r.output and says in r.output, r.output
+
+
+def test_the_start_up_log_gives_the_weights_in_memory_and_stored(
+    art: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`runtime plan` counts stored bytes and sends CPU users to this line for the rest; the
+    line never gave the weights."""
+    import logging
+
+    from runtime.plan import weight_bytes
+
+    caplog.set_level(logging.INFO)
+    engine = Engine(art, EngineConfig(num_blocks=8))
+    stored = weight_bytes(engine.artifact) / 2**30
+    held = engine.model.weight_bytes() / 2**30
+    assert f"weights {held:.2f} GiB in memory ({stored:.2f} GiB stored)" in caplog.text

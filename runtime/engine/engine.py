@@ -44,6 +44,7 @@ from runtime.kernels.ops import Backend, BackendError, select_backend
 from runtime.kv.cache import KVCache
 from runtime.kv.format import KVSpec
 from runtime.model.llama import LlamaModel
+from runtime.plan import weight_bytes
 
 if TYPE_CHECKING:
     from runtime.distributed.worker import Workers
@@ -224,11 +225,13 @@ class Engine:
         self.overlap = self._overlaps()
         pool = self.cache.num_blocks * self.kv_spec.block_size
         log.info(
-            "backend %s (%s), %s activations, kv %s: %d bytes/token, %d blocks of %d, "
-            "%d tokens fit",
+            "backend %s (%s), %s activations, weights %.2f GiB in memory (%.2f GiB stored), "
+            "kv %s: %d bytes/token, %d blocks of %d, %d tokens fit",
             self.backend,
             self.ops.detail,
             str(self.dtype).removeprefix("torch."),
+            self.model.weight_bytes() / 2**30,
+            weight_bytes(self.artifact) / 2**30,
             self.config.kv_quant,
             self.kv_spec.bytes_per_token(),
             self.cache.num_blocks,
