@@ -309,9 +309,21 @@ def auto_awq_cmd(
 def convert_cmd(src: str, work_dir: Path, overwrite: bool) -> None:
     """Turn an AutoAWQ (GEMM), GPTQ or compressed-tensors (pack-quantized) int4 checkpoint
     SRC (a directory or a hub id) into an artifact, without recalibrating."""
-    from lite.sources import resolve
+    from lite.sources import ALIASES, resolve
     from runtime.artifact.convert import convert
 
+    if src.lower() in ALIASES or src.lower().endswith(".gguf"):  # dequantized first, then
+        # refused as a dense checkpoint named by its cache path
+        raise click.ClickException(
+            f"{src} is a GGUF model, not one of the int4 checkpoints lite convert reads "
+            f"(AutoAWQ GEMM, GPTQ, compressed-tensors): quantize it with lite auto_awq {src} "
+            "--work-dir DIR"
+        )
+    if not Path(src).is_dir() and (src.startswith((".", "/", "~")) or src.count("/") != 1):
+        raise click.ClickException(
+            f"{src} is neither a directory nor a hub id (org/name): give a quantized "
+            "checkpoint's directory or hub id"
+        )
     try:
         source = resolve(src, hash_files=False)  # convert hashes them while it works
         command = shlex.join(["lite", *sys.argv[1:]])

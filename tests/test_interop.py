@@ -541,6 +541,23 @@ def test_dense_and_truncated_checkpoints_are_refused(tiny_models, tmp_path: Path
 
 
 @pytest.mark.parametrize(
+    ("src", "message"),
+    [
+        # the alias's 0.5 GB GGUF was dequantized first, then refused as a dense checkpoint
+        # named by its cache path
+        ("smollm2-135m-instruct", "is a GGUF model, not one of the int4 checkpoints"),
+        ("model.GGUF", "quantize it with lite auto_awq model.GGUF"),
+        # the advice offered a .gguf file or an alias, which convert never takes
+        ("no-such-dir", "is neither a directory nor a hub id (org/name)"),
+    ],
+)
+def test_what_convert_cannot_read_is_named_at_once(src: str, message: str, tmp_path) -> None:
+    result = CliRunner().invoke(lite_main, ["convert", src, "--work-dir", str(tmp_path / "a")])
+    assert result.exit_code == 1 and message in result.output, result.output
+    assert "alias" not in result.output and not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize(
     ("fmt", "legacy"), [("gptq", "quantize_config.json"), ("awq", "quant_config.json")]
 )
 def test_a_legacy_quantization_file_is_read(fmt, legacy, tiny_models, tmp_path: Path) -> None:
