@@ -6,12 +6,16 @@ torch._dynamo) cost seconds at every start.
 """
 
 import importlib
+import importlib.metadata
 
 from runtime.kernels.isa import limit_torch
 
 limit_torch()  # before anything imports torch: LITESERVE_CPU_ISA limits torch's kernels too
 
-__version__ = "0.1.0"
+try:  # pyproject.toml's, the one place it is written (manifests and /version report it)
+    __version__ = importlib.metadata.version("liteserve")
+except importlib.metadata.PackageNotFoundError:  # a checkout on sys.path, never installed
+    __version__ = "0+unknown"
 
 _LAZY = {
     "EngineConfig": "runtime.config",
