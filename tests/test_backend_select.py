@@ -101,7 +101,7 @@ def test_auto_on_a_gpu_tries_cuda_then_triton(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     tried, failing = [], set()
 
-    def make(name: str, pinned: dict, device: str) -> _Made:
+    def make(name: str, pinned: dict, device: str, int8_activations: bool) -> _Made:
         tried.append((name, device))
         if name in failing:
             raise BackendError(f"{name} cannot here")
