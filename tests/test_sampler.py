@@ -158,20 +158,33 @@ def test_seeded_reproducible_across_batches():
 
 
 def _sorted_reference(x: torch.Tensor, p: SamplingParams, u: float) -> int:
-    """The filters on a full stable descending sort of the row, and the inverse-CDF draw at
-    u in that order: what the sampler's candidate search must reproduce token for token."""
+    """The filters on a full stable descending sort of the row in vLLM's order (min-p, then
+    top-k, then top-p over what those kept), and the inverse-CDF draw at u in that order:
+    what the sampler's candidate search must reproduce token for token."""
     vals, order = (x / p.temperature).sort(descending=True, stable=True)
     pos = torch.arange(len(vals))
     remove = pos >= (p.top_k or len(vals))
+    if p.min_p:
+        remove |= vals < vals[0] + math.log(p.min_p)
     probs = vals.masked_fill(remove, -math.inf).softmax(-1)
     if p.top_p < 1:
         remove |= probs.cumsum(-1) - probs >= p.top_p
-    if p.min_p:
-        remove |= vals < vals[0] + math.log(p.min_p)
     w = (vals.masked_fill(remove, -math.inf) - vals[0]).exp().double()
     cdf = w.cumsum(-1)
     at = min(u * float(cdf[-1]), math.nextafter(float(cdf[-1]), 0))
     return int(order[torch.searchsorted(cdf, torch.tensor([at], dtype=torch.float64), right=True)])
+
+
+def test_top_p_is_taken_over_what_min_p_keeps() -> None:
+    """vLLM's order: min-p 0.1 removes token 3 (0.05 < 0.1 x 0.30) and the tail, and top-p 0.9
+    over the rest (0.30, 0.25, 0.20, renormalised) keeps all three. Top-p taken first over the
+    whole row let token 3 into the nucleus and it was drawn 6% of the time."""
+    probs = torch.tensor([0.30, 0.25, 0.20, 0.05] + [0.20 / 296] * 296)
+    row = probs.log().unsqueeze(0)
+    params = SamplingParams(temperature=1.0, top_p=0.9, min_p=0.1)
+    drawn = torch.stack([_run(row, [params], generators=[_gen(s)])[0] for s in range(2000)])
+    counts = torch.bincount(drawn.flatten(), minlength=300)
+    assert counts[3:].sum() == 0 and (counts[:3] > 400).all(), counts[:5]
 
 
 @pytest.mark.parametrize(
