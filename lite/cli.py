@@ -75,6 +75,22 @@ def _disk_full(e: Exception) -> bool:
     return "No space left on device" in str(e)
 
 
+def _unwritable(e: Exception, target: Path, flag: str) -> click.ClickException | None:
+    """A full or read-only disk while writing `target`, as one line naming it, not the hidden
+    staging directory a traceback named; None for any other error."""
+    read_only = isinstance(e, OSError) and e.errno == errno.EROFS
+    if not (read_only or _disk_full(e)):
+        return None
+    why, fix = (
+        ("it is on a read-only file system", "choose another")
+        if read_only
+        else ("no space left on the device", "free some space or choose another")
+    )
+    return click.ClickException(
+        f"cannot write {target}: {why}; nothing was left half-written: {fix} {flag} and rerun"
+    )
+
+
 _SHOW_WARNING = warnings.showwarning
 PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -330,6 +346,11 @@ def convert_cmd(src: str, work_dir: Path, overwrite: bool) -> None:
         convert(source.path, work_dir, src, command, overwrite, revision=source.revision)
     except _user_errors() as e:
         _fail(e)
+    except Exception as e:
+        failure = _unwritable(e, work_dir, "--work-dir")
+        if failure is None:
+            raise
+        raise failure from e
     click.echo(f"wrote {work_dir}")
 
 
@@ -348,6 +369,11 @@ def export_cmd(artifact: Path, fmt: str, output: Path, overwrite: bool) -> None:
         export(artifact, fmt, output, overwrite)
     except _user_errors() as e:
         _fail(e)
+    except Exception as e:
+        failure = _unwritable(e, output, "--output")
+        if failure is None:
+            raise
+        raise failure from e
     click.echo(f"wrote {output} ({fmt})")
 
 

@@ -77,6 +77,7 @@ def read_manifest(path: str | Path) -> Manifest:
     _check_layout(mpath, manifest)
     _check_file_names(mpath, manifest)
     _check_layers(mpath, manifest)
+    _check_head(mpath, manifest)
     _check_shapes(mpath, manifest)
     vocab = manifest.architecture.vocab_size
     outside = [t for t in manifest.generation.stop_token_ids if t >= vocab]
@@ -144,6 +145,16 @@ def _check_stored_shape(mpath: Path, name: str, entry: TensorEntry, group_size: 
         raise ArtifactError(
             f"{mpath} is corrupted: {name} is stored as {entry.shape} where the layout makes "
             f"it {expected} (logical [N, K] {[n, k]}, quantization.group_size {group_size})"
+        )
+
+
+def _check_head(mpath: Path, manifest: Manifest) -> None:
+    """Untied embeddings need their own lm_head: without it the artifact verified and
+    exported (transformers then loaded a random head) and failed only in the engine."""
+    if not manifest.architecture.tie_word_embeddings and "lm_head.weight" not in manifest.tensors:
+        raise ArtifactError(
+            f"{mpath} is corrupted: architecture.tie_word_embeddings is false and its tensors "
+            "hold no lm_head.weight"
         )
 
 
