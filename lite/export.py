@@ -12,7 +12,6 @@ group size, odd widths) is refused with the reason before anything is written.
 from __future__ import annotations
 
 import shutil
-import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +29,7 @@ from runtime.artifact.writer import (
     EXPORT_MARKER,
     check_replaceable,
     publish,
+    staging_dir,
     write_export_marker,
     write_json_atomic,
     write_shards,
@@ -235,7 +235,7 @@ def export(artifact: Path, fmt: str, output: Path, overwrite: bool = False) -> P
         warnings.warn(BF16_SCALES, stacklevel=2)
     check_replaceable(output, overwrite, EXPORT_MARKER)
     output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.export-", dir=output.parent))
+    staging = staging_dir(output, "export")
     try:
         _write(art, fmt, staging)
         publish(staging, output, overwrite, EXPORT_MARKER)

@@ -378,6 +378,21 @@ def test_the_export_says_when_offsets_move_and_a_symmetric_one_is_exact(
         assert all(torch.equal(back.tensor(k), want.tensor(k)) for k in want.manifest.tensors)
 
 
+def test_a_killed_runs_staging_directory_is_named_on_the_next_run(
+    gs32_artifact: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SIGKILL runs no cleanup: the hidden staging directory (the output's size) stayed, and
+    each rerun said nothing of it."""
+    left = tmp_path / ".out.export-k1ll3d"
+    left.mkdir()
+    (left / "model-00001.safetensors").write_bytes(bytes(2**20))
+    export(gs32_artifact, "autoawq", tmp_path / "out")
+    assert f"{left} (1.0 MiB) is left from an interrupted export of {tmp_path / 'out'}" in (
+        caplog.text
+    )
+    assert left.is_dir()  # another export may own it: named, never deleted
+
+
 def test_a_bf16_export_warns_that_its_loaders_round_the_scales(tiny_models, tmp_path) -> None:
     """vLLM and transformers hold a bf16 model's scales in bf16: the fp16 scales round once,
     so the export is no longer the artifact's exact weights (an fp16 one is: no warning)."""

@@ -15,7 +15,6 @@ import hashlib
 import json
 import logging
 import shutil
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -51,6 +50,7 @@ from runtime.artifact.writer import (
     file_entries,
     publish,
     sha256_file,
+    staging_dir,
     tensor_entries,
     utc_now,
     write_manifest,
@@ -398,7 +398,7 @@ def convert(
     sha256) when the caller has hashed the source already: hashing 5 GB twice costs seconds."""
     check_replaceable(target, overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.convert-", dir=target.parent))
+    staging = staging_dir(target, "convert")
     try:
         write_converted(src, staging, source_id, command, files, revision)
         publish(staging, target, overwrite)

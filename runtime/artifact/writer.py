@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -289,6 +291,21 @@ def check_replaceable(target: Path, overwrite: bool, marker: str = MANIFEST_FILE
             f"{target} {why}: it is not only what this tool wrote, so --overwrite will not "
             "delete it; choose another output, or remove it yourself"
         )
+
+
+def staging_dir(target: Path, kind: str) -> Path:
+    """A unique hidden directory beside `target` to build it in (`kind`: export, convert),
+    published by one rename. A run killed by SIGKILL runs no cleanup and leaves its own (the
+    whole output's size, GBs on a large model), which nothing ever mentioned: they are named
+    here, for the user to remove (another run writing `target` right now owns one too)."""
+    for left in sorted(target.parent.glob(f".{glob.escape(target.name)}.{kind}-*")):
+        size = sum(f.stat().st_size for f in left.rglob("*") if f.is_file())
+        logging.getLogger(__name__).warning(
+            "%s (%.1f MiB) is left from an interrupted %s of %s: rm -r %s, unless another %s "
+            "of it is running now",
+            left, size / 2**20, kind, target, left, kind,
+        )  # fmt: skip
+    return Path(tempfile.mkdtemp(prefix=f".{target.name}.{kind}-", dir=target.parent))
 
 
 def _stale_partial(target: Path) -> str:
