@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -303,11 +305,45 @@ def test_killed_replica_is_replaced_and_service_keeps_answering(service) -> None
     survivors = set(engine_replicas()) - {victim}
     assert len(survivors) == 1, (victim, engine_replicas())
 
+    # streaming from the victim when it dies: the stream ends with an error event and
+    # [DONE] (it had begun, nothing can be replayed), not cut mid-stream
+    messages = [{"role": "system", "content": FAMILY["alpha"]}, {"role": "user", "content": "Go"}]
+    body = dict(
+        model=MODEL, messages=messages, max_tokens=300, n=2, stream=True, temperature=0,
+        ignore_eos=True,
+    )  # fmt: skip
+    events, cut = [], []
+    first = threading.Event()
+
+    def read() -> None:
+        try:
+            with httpx2.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+                assert r.status_code == 200, r.read()
+                assert r.headers[cluster.REPLICA_HEADER] == victim
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line.removeprefix("data: "))
+                        first.set()
+        except Exception as e:
+            cut.append(e)
+        first.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert first.wait(60) and not cut, cut
+
     actor = ray.get_actor(f"SERVE_REPLICA::{APP}#{cluster.ENGINE}#{victim}", namespace="serve")
     ray.kill(actor, no_restart=True)
     for i in range(3):  # at once: the other replica answers
         replica, _ = chat(client, "alpha", f"During {i}?")
         assert replica in survivors
+    reader.join(60)
+    assert not cut and events[-1] == "[DONE]", (cut, events[-3:])
+    last = json.loads(events[-2])
+    if "error" in last:  # the victim died mid-stream
+        assert "the replica serving this request failed" in last["error"]["message"], last
+    else:  # it finished first
+        assert last["choices"][0]["finish_reason"] == "length", last
 
     deadline = time.monotonic() + 90
     while True:

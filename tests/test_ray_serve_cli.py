@@ -1,6 +1,7 @@
 """`runtime serve --replicas` end to end, as a user runs it: the command in its own process starts
 a local Ray cluster, deploys, answers the official openai client with the engine's own greedy
-text, and on SIGTERM drains, shuts Ray down and exits 0, releasing the port.
+text, and on SIGTERM drains (streams in flight finish, or end with an error event when --grace
+runs out, never cut mid-stream), shuts Ray down and exits 0, releasing the port.
 
 In a module of its own so that it runs after test_ray_serve.py's cluster is torn down (two
 local Ray clusters at once do not fit a 2-core CI machine).
@@ -8,11 +9,13 @@ local Ray clusters at once do not fit a 2-core CI machine).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -27,9 +30,9 @@ ENGINE_FLAGS = {
     "--kv-quant": "int8",
     "--dtype": "float32",
     "--backend": "cpu",
-    "--session-len": "256",
+    "--session-len": "1024",
     "--cache-block-seq-len": "16",
-    "--num-blocks": "64",
+    "--num-blocks": "160",
 }
 
 
@@ -44,6 +47,42 @@ def _port_is_free(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
+class _Stream(threading.Thread):
+    """A streamed completion read as raw SSE in a thread: its `data:` payloads, or the error
+    that cut it."""
+
+    def __init__(self, url: str, max_tokens: int, n: int) -> None:
+        super().__init__(daemon=True)
+        self.body = dict(
+            model="tiny", prompt="Once upon", max_tokens=max_tokens, n=n, stream=True,
+            temperature=0, ignore_eos=True,
+        )  # fmt: skip
+        self.url = url
+        self.events: list[str] = []
+        self.error: Exception | None = None
+        self.first = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        try:
+            with httpx2.stream(
+                "POST", self.url + "/v1/completions", json=self.body, timeout=60
+            ) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        self.events.append(line.removeprefix("data: "))
+                        self.first.set()
+        except Exception as e:
+            self.error = e
+        self.first.set()
+
+    def finish_reasons(self) -> list[str]:
+        chunks = [json.loads(e) for e in self.events[:-1]]
+        return [
+            c["finish_reason"] for x in chunks for c in x.get("choices", []) if c["finish_reason"]
+        ]
+
+
 @pytest.mark.skipif(
     not cluster.ray_available(), reason="Ray Serve is not installed: pip install liteserve[cluster]"
 )
@@ -54,15 +93,15 @@ def test_runtime_serve_replicas_deploys_answers_and_stops(rtn_artifact: Path, tm
         kv_quant="int8",
         dtype="float32",
         backend="cpu",
-        session_len=256,
+        session_len=1024,
         cache_block_seq_len=16,
-        num_blocks=64,
+        num_blocks=160,
     )
     want = [r.text for r in pipeline(rtn_artifact, config)(prompts, gen)]
 
     port = _free_port()
     cmd = [sys.executable, "-m", "runtime", "serve", str(rtn_artifact), "--replicas", "1"]
-    cmd += ["--server-port", str(port), "--model-name", "tiny"]
+    cmd += ["--server-port", str(port), "--model-name", "tiny", "--grace", "2"]
     cmd += [x for flag in ENGINE_FLAGS.items() for x in flag]
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
@@ -89,9 +128,23 @@ def test_runtime_serve_replicas_deploys_answers_and_stops(rtn_artifact: Path, tm
                 extra_body={"ignore_eos": True},
             )
             assert r.choices[0].text == text
-        os.killpg(proc.pid, signal.SIGTERM)
+        # in flight at SIGTERM: a short stream that finishes within --grace, and a long one
+        # that may not (n=4 sequences of 900 tokens): it ends with an error event then
+        short, long_ = _Stream(url, max_tokens=16, n=1), _Stream(url, max_tokens=900, n=4)
+        assert short.first.wait(60) and long_.first.wait(60), (short.events, long_.events)
+        proc.send_signal(signal.SIGTERM)  # to the command, as `kill PID` or docker stop send it
+        for stream in (short, long_):
+            stream.join(60)
+            assert stream.error is None, f"{stream.error!r}: cut mid-stream\n{log.read_text()}"
+            assert stream.events[-1] == "[DONE]", stream.events[-3:]
+        assert short.finish_reasons() == ["length"], short.events[-3:]
+        ended = json.loads(long_.events[-2])
+        if "error" in ended:  # its sequences were still running when --grace ran out
+            assert "not finished within --grace 2 s" in ended["error"]["message"], ended
+        else:
+            assert sorted(long_.finish_reasons()) == ["length"] * 4, long_.events[-6:]
         assert proc.wait(120) == 0, log.read_text()
-        assert "stopping: the replicas drain" in log.read_text()
+        assert "stopping: requests in flight get up to --grace 2 s" in log.read_text()
         assert _port_is_free(port)
     finally:
         if proc.poll() is None:

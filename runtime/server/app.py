@@ -594,7 +594,7 @@ class _State:
         echoed: set[int] = set()
         if chat:
             for k, *_ in jobs:
-                yield _event(
+                yield sse_event(
                     p.ChatCompletionChunk(
                         id=rid,
                         created=created,
@@ -612,7 +612,7 @@ class _State:
             async for k, update in updates:
                 if update.error:
                     kind = _error_type(update)
-                    yield _event(p.error_body(update.error, kind, None, update.error_status))
+                    yield sse_event(p.error_body(update.error, kind, None, update.error_status))
                     break
                 update = _scored_only(req, update)
                 counts[k].add(update)
@@ -621,11 +621,11 @@ class _State:
                 chunk = self._chunk(
                     req, rid, created, jobs[k], update, chat, first, parsers[k], offsets[k]
                 )
-                yield _event(chunk)
+                yield sse_event(chunk)
             else:
                 if req.stream_options is not None and req.stream_options.include_usage:
                     cls = p.ChatCompletionChunk if chat else p.CompletionChunk
-                    yield _event(
+                    yield sse_event(
                         cls(
                             id=rid,
                             created=created,
@@ -923,7 +923,7 @@ class _Count:
         return self
 
 
-def _event(obj: dict | BaseModel) -> str:
+def sse_event(obj: dict | BaseModel) -> str:
     """One SSE event; a chunk model serializes itself (pydantic's JSON encoder: half the time
     of model_dump() and json.dumps, paid for every streamed chunk)."""
     body = (

@@ -62,6 +62,7 @@ APP = "liteserve"  # the Ray Serve application's default name
 REPLICA_HEADER = "x-liteserve-replica"
 INSTALL_HINT = "Ray Serve is not installed: pip install liteserve[cluster]"
 POLICIES = ("prefix", "round-robin")
+HEALTH_TIMEOUT_S = 10  # the ingress's /health answers 503 when no replica answers within it
 
 
 def ray_available() -> bool:
@@ -255,6 +256,18 @@ def registered_router(app_name: str) -> Any:
     return _ROUTERS.get((app_name, ENGINE))
 
 
+def _proxied_request(request: Any, body: bytes = b"", prefix: list | None = None) -> ProxiedRequest:
+    """The relayed copy of a request the ingress received (a Starlette Request)."""
+    return ProxiedRequest(
+        request.method,
+        request.scope["path"],
+        request.scope.get("query_string", b""),
+        list(request.scope["headers"]),
+        body,
+        prefix or [],
+    )
+
+
 def _proxied(pending: Any) -> ProxiedRequest | None:
     args = getattr(pending, "args", None)
     if args and isinstance(args[0], ProxiedRequest):
@@ -270,6 +283,7 @@ def _build_ray_classes() -> None:
     from ray.exceptions import RayActorError
     from ray.serve.request_router import RequestRouter
 
+    from runtime.server.app import sse_event
     from runtime.server.protocol import error_body
 
     class PrefixRouter(RequestRouter):
@@ -372,10 +386,21 @@ def _build_ray_classes() -> None:
 
     class _Relay(Response):
         """Send a replica's ASGI messages on as they come; cancel the replica's generator
-        if the client leaves first."""
+        if the client leaves first. A stream whose replica dies, or that is still running
+        when a stop's --grace runs out, ends with an error event and [DONE] in OpenAI's
+        shape, as the single-process server ends it, not cut mid-stream."""
 
-        def __init__(self, start: dict, stream: Any) -> None:
+        def __init__(self, start: dict, stream: Any, ingress: Any) -> None:
             self.start, self.stream, self.background = start, stream, None
+            self.ingress = ingress
+            self.ended_by: str | None = None  # why the ingress cancelled the stream
+            headers = dict(start.get("headers", []))
+            self.sse = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+
+        def end(self, message: str) -> None:
+            """End the stream now (the stop's grace ran out), with `message` as its error."""
+            self.ended_by = message
+            self.stream.cancel()
 
         async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
             finished = False
@@ -384,7 +409,21 @@ def _build_ray_classes() -> None:
                 async for message in self.stream:
                     await send(message)
                 finished = True
+            except Exception as e:  # the replica died, or end() cancelled the stream
+                if not self.sse:
+                    raise  # a body cut short: nothing in OpenAI's shape can follow it
+                reason = self.ended_by or f"the replica serving this request failed: {e}"
+                log.warning("a stream ended early: %s", reason)
+                error = error_body(reason, "service_unavailable", None, 503)
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": (sse_event(error) + "data: [DONE]\n\n").encode(),
+                        "more_body": False,
+                    }
+                )
             finally:
+                self.ingress.relays.discard(self)
                 if not finished:
                     self.stream.cancel()
 
@@ -394,9 +433,49 @@ def _build_ray_classes() -> None:
             self.engine = engine
             self.max_body_bytes = max_body_bytes
             self.app_name = serve.get_replica_context().app_name
+            self.relays: set = set()  # the responses being relayed now
+            self.pending = 0  # requests waiting for a replica's first message
+            self.draining = False
 
         def _router(self) -> Any:
             return registered_router(self.app_name)
+
+        async def drain(self, grace: float) -> int:
+            """What a stop runs before Serve shuts down: refuse new requests, give those in
+            flight `grace` seconds, then end the streams still running with an error event
+            (Serve's shutdown would cut them mid-stream). Returns how many were ended."""
+            self.draining = True
+            deadline = asyncio.get_running_loop().time() + grace
+            while (self.relays or self.pending) and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.1)
+            left = list(self.relays)
+            for relay in left:
+                relay.end(f"the server is shutting down: not finished within --grace {grace:g} s")
+            while self.relays and asyncio.get_running_loop().time() < deadline + 2:
+                await asyncio.sleep(0.05)  # the error events on their way
+            return len(left)
+
+        @relay_app.get("/health")
+        async def health(self, request: Request) -> Response:
+            """Answered here when no replica can answer: with none running, a relayed probe
+            waited in the router for as long as the prober would wait."""
+            if self.draining:
+                return _error(503, "not serving: shutting down", "service_unavailable")
+            router = self._router()
+            if router is not None and not router.curr_replicas:
+                return _error(
+                    503, "not serving: no engine replica is running", "service_unavailable"
+                )
+            try:
+                return await asyncio.wait_for(
+                    self._forward(_proxied_request(request)), HEALTH_TIMEOUT_S
+                )
+            except asyncio.TimeoutError:
+                return _error(
+                    503,
+                    f"not serving: no engine replica answered within {HEALTH_TIMEOUT_S} s",
+                    "service_unavailable",
+                )
 
         @relay_app.get("/metrics")
         async def metrics(self) -> Response:
@@ -441,30 +520,39 @@ def _build_ray_classes() -> None:
             if request.method == "POST" and body:
                 with contextlib.suppress(ValueError, UnicodeDecodeError):
                     prefix = request_hashes(request.url.path, json.loads(body))
-            req = ProxiedRequest(
-                request.method,
-                request.scope["path"],
-                request.scope.get("query_string", b""),
-                list(request.scope["headers"]),
-                body,
-                prefix,
-            )
-            for attempt in range(2):  # a replica that died before answering: once more
-                stream = self.engine.options(method_name="http", stream=True).remote(req)
-                try:
-                    start = await stream.__anext__()
+            return await self._forward(_proxied_request(request, body, prefix))
+
+        async def _forward(self, req: ProxiedRequest) -> Response:
+            if self.draining:
+                return _error(503, "the server is shutting down", "service_unavailable")
+            self.pending += 1
+            try:
+                for attempt in range(2):  # a replica that died before answering: once more
+                    stream = self.engine.options(method_name="http", stream=True).remote(req)
+                    try:
+                        start = await stream.__anext__()
+                    except asyncio.CancelledError:  # the client left, or /health's timeout
+                        stream.cancel()
+                        raise
+                    except RayActorError as e:
+                        if attempt:
+                            return _error(
+                                503,
+                                f"no replica could take the request: {e}",
+                                "service_unavailable",
+                            )
+                        log.warning("a replica died before answering; retrying once: %s", e)
+                        continue
                     router = self._router()
                     if router is not None and req.route is not None:
                         served = dict(start.get("headers", [])).get(REPLICA_HEADER.encode(), b"")
                         router.settle(req, served.decode())
-                    return _Relay(start, stream)
-                except RayActorError as e:
-                    if attempt:
-                        return _error(
-                            503, f"no replica could take the request: {e}", "service_unavailable"
-                        )
-                    log.warning("a replica died before answering; retrying once: %s", e)
-            raise AssertionError("unreachable")
+                    relay = _Relay(start, stream, self)
+                    self.relays.add(relay)  # until its __call__ ends, however it ends
+                    return relay
+                raise AssertionError("unreachable")
+            finally:
+                self.pending -= 1
 
     for cls in (PrefixRouter, LiteIngress):
         cls.__module__ = __name__
@@ -721,7 +809,16 @@ def serve_replicas(
         signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(1):
         pass
-    log.warning("stopping: the replicas drain (up to --grace seconds) and Serve shuts down")
+    grace = app_kw.get("grace", 30.0)
+    if ray_address is None and not _local_ray_alive():
+        log.warning(
+            "stopping: Ray's own processes got the signal too and are gone, so nothing can "
+            "drain (signal the command's PID alone, e.g. systemd's KillMode=mixed)"
+        )
+    else:
+        log.warning("stopping: requests in flight get up to --grace %g s to finish", grace)
+        drain(grace)
+    log.warning("stopping: Serve shuts down")
     if ray_address is None:  # the local cluster this command started
         import ray
 
@@ -729,6 +826,37 @@ def serve_replicas(
         ray.shutdown()
     else:  # a shared cluster: only this application goes; Serve and other apps stay
         serve.delete(APP)
+
+
+def _local_ray_alive() -> bool:
+    """Whether every process of the Ray cluster this command started still runs: a SIGTERM to
+    the whole process group (systemd's default) stops them with the command, and a call to
+    the ingress then waited a minute for a dead control plane before Ray aborted the process."""
+    import time
+
+    from ray._private import worker
+
+    node = worker._global_node
+    for _ in range(10):  # signalled with the command, they take a moment to exit
+        if node is not None and not node.remaining_processes_alive():
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def drain(grace: float, name: str = APP) -> None:
+    """Let the ingress finish what is in flight before Serve goes (its shutdown cut the
+    streams mid-event), saying how many it had to end."""
+    from ray import serve
+
+    try:
+        handle = serve.get_app_handle(name)
+        ended = handle.options(method_name="drain").remote(grace).result(timeout_s=grace + 30)
+    except Exception as e:  # the stop goes on: a drain that failed cuts what is left
+        log.warning("stopping: the ingress could not drain: %s", e)
+        return
+    if ended:
+        log.warning("stopping: %d requests not finished within --grace were ended", ended)
 
 
 def _replica_count(app_kw: dict) -> str:
