@@ -602,3 +602,46 @@ def test_chat_message_rejects_non_string_content():
     with pytest.raises(ValidationError) as info:
         ChatMessage.model_validate({"role": "user", "content": 3})
     assert validation_message(info.value)[1] == "content"
+
+
+def test_nullable_openai_fields_take_null_as_their_default():
+    """openai-python sends n=None, logprobs=None, ... as explicit nulls; they were 400s."""
+    c = chat(n=None, stream=None, logprobs=None)
+    assert (c.n, c.stream, c.logprobs) == (1, False, False)
+    q = completion(n=None, echo=None, stream=None)
+    assert (q.n, q.echo, q.stream) == (1, False, False)
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        (
+            {
+                "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": 1},
+            },
+            "stream_options.continuous_usage_stats",
+        ),
+        ({"messages": [{"role": "user", "content": "hi", "foo": 1}]}, "messages.0.foo"),
+        (
+            {"response_format": {"type": "json_object", "strict_mode": True}},
+            "response_format.strict_mode",
+        ),
+        ({"messages": [{"role": "assistant", "content": None, "refusal": "no"}]}, "messages.0"),
+    ],
+)
+def test_unknown_nested_fields_are_refused(extra, param):
+    """Dropped in silence, a vendor extra inside an object looked like it worked."""
+    with pytest.raises(ValidationError) as err:
+        chat(**extra)
+    assert validation_message(err.value)[1] == param
+
+
+def test_a_returned_assistant_message_can_be_sent_back():
+    """openai-python's message.model_dump() carries refusal, annotations, audio and
+    function_call as nulls: the history a client sends back is accepted."""
+    import openai.types.chat as t
+
+    returned = t.ChatCompletionMessage(role="assistant", content="Paris.").model_dump()
+    req = chat(messages=[*MSGS, returned, {"role": "user", "content": "and Spain?"}])
+    assert req.messages[1].template_dict() == {"role": "assistant", "content": "Paris."}

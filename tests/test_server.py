@@ -452,8 +452,12 @@ def test_echo_scores_the_prompt(
     assert "".join(lp.tokens[: len(ids)]) == OTHER
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
-    for value, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):
-        assert len(top) == 1 and max(top.values()) >= value - 1e-6
+    scored = zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True)
+    for token, value, top in scored:
+        # the chosen token first, then the most likely one if it is another (OpenAI: up to
+        # logprobs + 1 entries)
+        assert next(iter(top.items())) == (token, value) and len(top) in (1, 2), (token, top)
+        assert max(top.values()) >= value - 1e-6
     assert lp.text_offset[: len(ids)] == [len("".join(lp.tokens[:i])) for i in range(len(ids))]
 
     seq = Engine(artifact, engine_config()).generate(
@@ -467,6 +471,9 @@ def test_echo_scores_the_prompt(
         model=MODEL, prompt=OTHER, echo=True, logprobs=0, max_tokens=0, temperature=0
     )
     assert zero.choices[0].text == OTHER and len(zero.choices[0].logprobs.tokens) == len(ids)
+    zlp = zero.choices[0].logprobs
+    chosen = zip(zlp.tokens[1:], zlp.top_logprobs[1:], strict=True)
+    assert all(list(top) == [token] for token, top in chosen)  # logprobs 0: the chosen alone
     assert zero.usage.completion_tokens == 0
     after = metrics(srv.url)
     assert grew(after, before, GENERATED) == 0
@@ -496,7 +503,7 @@ def test_logprobs_carry_each_tokens_own_bytes(client: openai.OpenAI, http: httpx
     assert b"".join(_piece_bytes(t) for t in lp.tokens) == WIDE.encode()
     assert "\ufffd" not in "".join(lp.tokens)
     for top in lp.top_logprobs[1:]:
-        assert len(top) == 3  # partial tokens no longer collapse onto one "\ufffd" key
+        assert len(top) in (3, 4)  # partial tokens no longer collapse onto one "\ufffd" key
     decoded = [len(WIDE.encode()[:n].decode(errors="ignore")) for n in range(len(WIDE.encode()))]
     starts = [sum(len(_piece_bytes(t)) for t in lp.tokens[:i]) for i in range(len(ids))]
     assert lp.text_offset == [decoded[b] for b in starts]
@@ -860,6 +867,13 @@ BAD = [
      "invalid_request_error", "prompt", r"outside the vocabulary"),
     ("negative-token-id", "/v1/completions", _j(model=MODEL, prompt=[1, -2]), AUTH, 400,
      "invalid_request_error", "prompt", r"token ids"),
+    ("stop-token-id-out-of-vocab", "/v1/completions",
+     _j(model=MODEL, prompt="x", stop_token_ids=[10**6]), AUTH, 400,
+     "invalid_request_error", "stop_token_ids", r"outside the vocabulary"),
+    ("nested-vendor-field", "/v1/chat/completions",
+     _j(model=MODEL, messages=MESSAGES, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}), AUTH, 400,
+     "invalid_request_error", "stream_options.continuous_usage_stats", r"not permitted"),
     ("invalid-utf8", "/v1/completions", b'{"model": "tiny", "prompt": "\xff\xfe"}', AUTH, 400,
      "invalid_request_error", None, r"(?i)utf-8"),
     ("stream-options-without-stream", "/v1/completions",

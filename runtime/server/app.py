@@ -420,6 +420,7 @@ class _State:
     def params(self, req, n_index: int, prompt_len: int) -> SamplingParams:
         fields = {k: v for k, v in p.sampling_fields(req).items() if v is not None}
         self.check_ids(list(fields.get("logit_bias", {})), "logit_bias")
+        self.check_ids(list(fields.get("stop_token_ids", ())), "stop_token_ids")
         fields["json_schema"] = self.json_schema(req)
         if fields["json_schema"] is not None and fields.get("stop"):
             raise ApiError(
@@ -729,12 +730,22 @@ class _State:
         return {
             "tokens": [self.piece(t)[0] for t, _, _ in scored],
             "token_logprobs": [v for _, v, _ in scored],
-            "top_logprobs": [
-                None if top is None else {self.piece(a)[0]: v for a, v in top}
-                for _, _, top in scored
-            ],
+            "top_logprobs": [self._top_with_chosen(t, v, top) for t, v, top in scored],
             "text_offset": [offsets.next(self.piece(t)[1]) for t, _, _ in scored],
         }
+
+    def _top_with_chosen(
+        self, token_id: int, logprob: float | None, top: list[tuple[int, float]] | None
+    ) -> dict | None:
+        """The legacy API's alternatives always hold the chosen token, first (up to
+        logprobs + 1 entries, as OpenAI documents and vLLM returns; with `logprobs: 0`, the
+        chosen token alone): lm-eval and other clients look the chosen token up in them."""
+        if top is None:
+            return None
+        out = {self.piece(token_id)[0]: logprob}
+        for t, v in top:
+            out.setdefault(self.piece(t)[0], v)
+        return out
 
     def model_card(self) -> dict:
         m = self.engine.engine.artifact.manifest

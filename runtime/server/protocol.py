@@ -80,9 +80,17 @@ def _now() -> int:
 
 
 class _Request(BaseModel):
-    """Unknown fields are dropped; known ones are checked strictly."""
+    """Known fields are checked strictly, and unknown ones refused at every depth: a vendor
+    extra inside an object (vLLM's `stream_options.continuous_usage_stats`) dropped in
+    silence looked like it worked, as one at the top level would."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def _null_is(default: Any) -> BeforeValidator:
+    """For fields OpenAI declares nullable that have a default here: an explicit null (what
+    openai-python sends for n=None, logprobs=None) means the default, not a 400."""
+    return BeforeValidator(lambda v: default if v is None else v)
 
 
 def _field_error(field: str, why: str) -> PydanticCustomError:
@@ -116,6 +124,11 @@ class ToolCall(_Request):
     function: FunctionCall
 
 
+# What OpenAI's responses put in an assistant message, which clients send back as the history
+# (openai-python's message.model_dump()): accepted when empty, as they change nothing.
+ECHOED_MESSAGE_FIELDS = ("refusal", "annotations", "audio", "function_call")
+
+
 class ChatMessage(_Request):
     role: Role
     # tool_calls before content: content's check reads it (info.data holds earlier fields).
@@ -123,6 +136,16 @@ class ChatMessage(_Request):
     content: str | list[TextContentPart] | None = Field(None, validate_default=True)
     name: str | None = None
     tool_call_id: str | None = Field(None, validate_default=True)  # a tool message: its call
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_empty_echoes(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for name in ECHOED_MESSAGE_FIELDS:
+            if name in data and data[name] not in (None, [], ""):
+                raise ValueError(f"{name} is not supported in a message; leave it out")
+        return {k: v for k, v in data.items() if k not in ECHOED_MESSAGE_FIELDS}
 
     @field_validator("tool_calls")
     @classmethod
@@ -294,10 +317,10 @@ class _SamplingRequest(_Request):
     model: str
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: Annotated[int, _null_is(1)] = Field(1, ge=1, le=MAX_N)
     stop: Annotated[str | list[str] | None, BeforeValidator(_check_stop)] = None
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # what torch's generator takes
-    stream: bool = False
+    stream: Annotated[bool, _null_is(False)] = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -353,7 +376,7 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: Messages
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: Annotated[bool, _null_is(False)] = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -438,7 +461,7 @@ def _check_prompt(v: Any) -> Any:
 
 class CompletionRequest(_SamplingRequest):
     prompt: Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidator(_check_prompt)]
-    echo: bool = False  # before max_tokens: its validator reads echo
+    echo: Annotated[bool, _null_is(False)] = False  # before max_tokens: its validator reads it
     # OpenAI's default for completions; 0 only with echo, which scores a prompt (lm-eval).
     max_tokens: int | None = Field(16, ge=0)
     # OpenAI caps this at 5; we allow what the sampler supports.
