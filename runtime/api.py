@@ -101,7 +101,11 @@ class Pipeline:
             check_text(rendered, "the rendered chat", NOT_UTF8_FIX)
             # a special token typed in a message stays text (runtime/message_text.py)
             return self.message_text.encode(
-                rendered, [c if isinstance(c, str) else None for c in contents]
+                rendered,
+                [c if isinstance(c, str) else None for c in contents],
+                lambda texts: self.chat_template.render(
+                    [{**m, "content": texts[i]} if i in texts else m for i, m in enumerate(prompt)]
+                ),
             )
         if isinstance(prompt, str):
             check_text(prompt, "the prompt", NOT_UTF8_FIX)

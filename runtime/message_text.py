@@ -9,14 +9,18 @@ except where a special token's text lies inside a message's content: those spans
 as plain text (the tokenizer with ``encode_special_tokens``). A prompt without such text is
 encoded exactly as before, in one piece.
 
-Content is located by searching the rendered prompt for each message's text in order. A
-template that changes the text it renders (trims it, say) can hide it; a message that holds a
-special token and cannot be found is refused, since its token cannot be kept as text.
+Content is located by rendering the chat once more with a unique mark in place of each such
+message: the template's own text lies between the marks, so a message that repeats the
+template's text (``<|im_end|>`` right after the template's own) cannot be mistaken for it. A
+template that changes the text it renders beyond trimming whitespace hides it; a message that
+holds a special token and cannot be found is refused, since its token cannot be kept as text.
 """
 
 from __future__ import annotations
 
 import re
+import secrets
+from collections.abc import Callable
 
 from tokenizers import Tokenizer
 
@@ -32,39 +36,75 @@ class MessageText:
         longest_first = sorted(specials, key=len, reverse=True)  # an alternation takes the first
         self._pattern = re.compile("|".join(map(re.escape, longest_first))) if specials else None
 
-    def encode(self, rendered: str, contents: list[str | None]) -> list[int]:
+    def encode(
+        self,
+        rendered: str,
+        contents: list[str | None],
+        rerender: Callable[[dict[int, str]], str],
+    ) -> list[int]:
         """Token ids of `rendered`, the chat template's output for messages whose texts are
-        `contents` (in order; None for a message without text)."""
+        `contents` (in order; None for a message without text). `rerender` renders the same
+        chat with some messages' texts replaced ({index: text})."""
         ids: list[int] = []
         at = 0
-        for start, end in self._typed_specials(rendered, contents):
+        for start, end in self._typed_specials(rendered, contents, rerender):
             ids += token_ids(self.tokenizer, rendered[at:start])
             ids += token_ids(self._as_text, rendered[start:end])
             at = end
         return ids + token_ids(self.tokenizer, rendered[at:])
 
-    def _typed_specials(self, rendered: str, contents: list[str | None]) -> list[tuple[int, int]]:
-        """The spans of special tokens' text inside the messages' contents, in order."""
+    def _typed_specials(
+        self,
+        rendered: str,
+        contents: list[str | None],
+        rerender: Callable[[dict[int, str]], str],
+    ) -> list[tuple[int, int]]:
+        """The spans of special tokens' texts inside the messages' contents, in order."""
+        typed = [i for i, text in enumerate(contents) if text and self._occurrences(text)]
+        if not typed:
+            return []
+        tag = secrets.token_hex(8)
+        marks = {i: f"\ue000{tag}:{i}\ue001" for i in typed}
+        pieces = re.split(f"\ue000{tag}:\\d+\ue001", rerender(marks))
         spans: list[tuple[int, int]] = []
-        cursor = 0
-        for i, text in enumerate(contents):
-            inside = self._occurrences(text or "")
-            if not inside:
-                continue
-            found = rendered.find(text, cursor)
-            if found < 0:
-                token = text[inside[0][0] : inside[0][1]]
-                raise ValueError(
-                    f"messages[{i}].content holds {token!r}, the text of a special token, and "
-                    "the chat template changes the content it renders, so it cannot be kept as "
-                    "text: remove it from the message"
-                )
-            spans += [(found + a, found + b) for a, b in inside]
-            cursor = found + len(text)
+        at = 0
+        for k, i in enumerate(typed):
+            if len(pieces) != len(typed) + 1 or not rendered.startswith(pieces[k], at):
+                raise self._hidden(i, contents[i])
+            at += len(pieces[k])
+            after = pieces[k + 1]
+            shown = next(
+                (
+                    variant
+                    for variant in _as_rendered(contents[i])
+                    if rendered.startswith(variant, at)
+                    and rendered.startswith(after, at + len(variant))
+                ),
+                None,
+            )
+            if shown is None:
+                raise self._hidden(i, contents[i])
+            spans += [(at + a, at + b) for a, b in self._occurrences(shown)]
+            at += len(shown)
+        if rendered[at:] != pieces[-1]:
+            raise self._hidden(typed[-1], contents[typed[-1]])
         return spans
+
+    def _hidden(self, i: int, text: str) -> ValueError:
+        a, b = self._occurrences(text)[0]
+        return ValueError(
+            f"messages[{i}].content holds {text[a:b]!r}, the text of a special token, and the "
+            "chat template changes the content it renders, so it cannot be kept as text: "
+            "remove it from the message"
+        )
 
     def _occurrences(self, text: str) -> list[tuple[int, int]]:
         """Where special tokens' texts lie in `text`, leftmost first, the longest at a place."""
         if self._pattern is None:
             return []
         return [m.span() for m in self._pattern.finditer(text)]
+
+
+def _as_rendered(text: str) -> tuple[str, ...]:
+    """How a template may render a message's text: as is, or trimmed (Llama 3's `| trim`)."""
+    return tuple(dict.fromkeys((text, text.strip(), text.lstrip(), text.rstrip())))

@@ -374,6 +374,12 @@ def test_chat_template_is_used(artifacts: dict[str, Path]) -> None:
     ids = pipe.encode([{"role": "user", "content": "hi"}])
     text = pipe.engine.tokenizer.decode(ids, skip_special_tokens=False)
     assert text.startswith("<|im_start|>user\nhi<|im_end|>") and text.endswith("assistant\n")
+    # a message repeating the template's own text right after it stays text
+    (end,) = pipe.engine.tokenizer.encode("<|im_end|>", add_special_tokens=False).ids
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<|im_end|>"}]
+    ids = pipe.encode(chat)
+    first = pipe.engine.tokenizer.decode(ids[: ids.index(end)], skip_special_tokens=False)
+    assert ids.count(end) == 2 and first == "<|im_start|>user\nhi"  # the template's, per turn
 
 
 def test_the_session_stays_within_the_trained_positions(artifacts: dict[str, Path]) -> None:

@@ -356,13 +356,19 @@ class _State:
         options = _RenderOptions(
             add_generation_prompt and req.add_generation_prompt, req.chat_template_kwargs or {}
         )
-        text = _render(template, messages, options, tools)
-        _check_tools_rendered(template, messages, options, tools, text, req)
-        if req.continue_final_message:
-            text = _continued(text, messages[-1]["content"])
+
+        def render(texts: dict[int, str]) -> str:
+            """The prompt, with the messages' texts replaced as `texts` says."""
+            chat = [{**m, "content": texts[i]} if i in texts else m for i, m in enumerate(messages)]
+            text = _render(template, chat, options, tools)
+            return _continued(text, chat[-1]["content"]) if req.continue_final_message else text
+
+        full = _render(template, messages, options, tools)
+        _check_tools_rendered(template, messages, options, tools, full, req)
+        text = render({}) if req.continue_final_message else full
         _check_text(text, "messages")
         try:  # a special token typed in a message stays text (runtime/message_text.py)
-            return self.message_text.encode(text, [m["content"] for m in messages])
+            return self.message_text.encode(text, [m["content"] for m in messages], render)
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from e
 
