@@ -973,7 +973,8 @@ def refuse_stray_replica_options(ctx: click.Context, options: dict) -> None:
     ]
     if given:
         raise click.UsageError(
-            f"{', '.join(given)} only apply to replicas on Ray Serve: add --replicas N "
+            f"{', '.join(given)} {'only apply' if len(given) > 1 else 'only applies'} to "
+            "replicas on Ray Serve: add --replicas N "
             "(or --min-replicas/--max-replicas), or leave them out"
         )
 
