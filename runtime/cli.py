@@ -331,9 +331,12 @@ def chat_cmd(
     history = [{"role": "system", "content": system}] if system else []
     if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 is refused, not fatal
         sys.stdin.reconfigure(errors="surrogateescape")
+    # fed from a pipe, stdout holds the replies alone (the prompts go to stderr), one a line
+    prompts_to_stderr = not sys.stdin.isatty()
     while True:
         try:
-            line = input("you> ")
+            click.echo("you> ", nl=False, err=prompts_to_stderr)
+            line = input()
         except EOFError:
             click.echo()
             return
@@ -349,7 +352,7 @@ def chat_cmd(
         if dropped:
             click.echo(f"(the {dropped} oldest messages left the context: session_len)", err=True)
         reply = []
-        click.echo("model> ", nl=False)
+        click.echo("model> ", nl=False, err=prompts_to_stderr)
         try:
             for chunk in pipe.stream(history, gen):
                 reply.append(chunk.text)

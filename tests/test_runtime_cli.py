@@ -60,6 +60,9 @@ def test_chat_keeps_history_until_eof(art: Path) -> None:
     )
     assert r.exit_code == 0, r.output
     assert r.output.count("you> ") == 4 and r.output.count("model> ") == 2
+    # fed from a pipe, stdout holds the replies alone; the prompts go to stderr
+    assert "you> " not in r.stdout and "model> " not in r.stdout, r.stdout
+    assert r.stderr.count("you> ") == 4 and r.stderr.count("model> ") == 2
 
 
 def test_chat_drops_the_oldest_turns_when_the_session_is_full(art: Path) -> None:
