@@ -134,6 +134,7 @@ def architecture_from_config(config: PretrainedConfig, tokenizer_eos: int | None
         max_position_embeddings=config.max_position_embeddings,
         tie_word_embeddings=bool(config.tie_word_embeddings),
         attention_bias=config.model_type == "qwen2" or bool(getattr(config, "attention_bias", 0)),
+        mlp_bias=bool(getattr(config, "mlp_bias", False)),
         qk_norm=config.model_type == "qwen3",
         sliding_window=sliding_window(config),
         bos_token_id=config.bos_token_id,
@@ -161,8 +162,10 @@ def config_from_architecture(arch: Architecture) -> PretrainedConfig:
         eos_token_id=arch.eos_token_ids or None,
         pad_token_id=arch.pad_token_id,
     )
-    if arch.family == "llama":
+    if arch.family in ("llama", "qwen3"):  # Qwen2's q/k/v biases are not a config option
         kwargs["attention_bias"] = arch.attention_bias
+    if arch.family == "llama":
+        kwargs["mlp_bias"] = arch.mlp_bias
     if arch.sliding_window is not None:
         kwargs["sliding_window"] = arch.sliding_window
     config = AutoConfig.for_model(arch.family, **kwargs)

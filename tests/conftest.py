@@ -167,10 +167,11 @@ def make_tiny_model(
     head_dim: int = 16,
     kv_heads: int = 2,
     intermediate: int = 160,
+    **extra: object,
 ) -> Path:
     """hidden 96 and intermediate 160 are not multiples of 64: K padding is always exercised.
     6 query heads of head_dim over 2 KV heads (head_dim 64 is a shape the csrc decode attention
-    is built for; 16 is not)."""
+    is built for; 16 is not). `extra`: more of the family's config fields (mlp_bias=True)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
@@ -188,6 +189,7 @@ def make_tiny_model(
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
+        **extra,
     )
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(out)

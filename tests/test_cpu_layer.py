@@ -135,3 +135,27 @@ def test_fused_layer_is_not_built_where_it_cannot_run(
             engine.step()
         assert len(seq.output_ids) == 3
         engine.close()
+
+
+def test_a_layer_with_output_biases_runs_op_by_op(
+    tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cpu_layer.c adds the q/k/v biases alone: Llama's attention_bias (o_proj) and mlp_bias
+    were dropped by the fused layer, and its output was garbage (top-1 0/34 against the layer
+    op by op). Such layers run op by op, with the same tokens and logprobs."""
+    from tests.conftest import make_tiny_model
+
+    monkeypatch.delenv("LITESERVE_CPU_INT8", raising=False)
+    src = make_tiny_model(
+        "llama", tmp_path / "m", tokenizer_dir, attention_bias=True, mlp_bias=True
+    )
+    art = tmp_path / "art"
+    args = ["auto_awq", str(src), "--work-dir", str(art), "--calib-samples", "0", "--quiet"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    fused_ids, fused_lp, fused_calls = _generate(art, "int8", True, monkeypatch)
+    ids, lp, calls = _generate(art, "int8", False, monkeypatch)
+    assert not any(fused_calls) and not any(calls)
+    assert fused_ids == ids
+    for got, want in zip(fused_lp, lp, strict=True):
+        assert [x.logprob for x in got] == [x.logprob for x in want]

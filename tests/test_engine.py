@@ -562,3 +562,37 @@ def test_an_explicit_pool_must_fit_the_memory_available(
     ):
         Engine(rtn_artifact, config)
     assert Engine(rtn_artifact, replace(config, num_blocks=10)).cache.num_blocks == 10
+
+
+@pytest.mark.parametrize(
+    "family, biases",
+    [("llama", {"attention_bias": True, "mlp_bias": True}), ("qwen3", {"attention_bias": True})],
+)
+def test_output_and_mlp_biases_match_transformers(
+    family: str, biases: dict, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """Llama's attention_bias (o_proj's too) and mlp_bias, Qwen3's attention_bias: kept
+    through the manifest into the reference model (transformers built from the artifact, as
+    `lite export` builds its config.json) and added by the engine."""
+    from lite.hf import load_dequantized
+    from tests.conftest import make_tiny_model
+
+    src = make_tiny_model(family, tmp_path / "m", tokenizer_dir, **biases)
+    art = tmp_path / "art"
+    args = ["auto_awq", str(src), "--work-dir", str(art), "--calib-samples", "0", "--quiet"]
+    r = CliRunner().invoke(lite_main, args)
+    assert r.exit_code == 0, r.output
+    arch = Artifact(art).manifest.architecture
+    assert arch.attention_bias and arch.mlp_bias == biases.get("mlp_bias", False)
+    model = load_dequantized(Artifact(art))
+    assert model.model.layers[0].self_attn.o_proj.bias is not None
+    assert (model.model.layers[0].mlp.down_proj.bias is not None) == arch.mlp_bias
+    ids = _ids(40, seed=5)
+    seq = Engine(art, _config()).generate(
+        [ids], SamplingParams(temperature=0, max_new_tokens=1, prompt_logprobs=0)
+    )[0]
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([ids])).logits[0]
+    want = torch.log_softmax(ref.float(), -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    got = torch.tensor([lp.logprob for lp in seq.prompt_logprobs])
+    assert torch.allclose(got, want, atol=1e-4), float((got - want).abs().max())

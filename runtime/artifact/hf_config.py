@@ -112,6 +112,7 @@ def architecture_from_dict(config: dict, eos: int | None) -> Architecture:
         max_position_embeddings=config.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         attention_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
+        mlp_bias=bool(config.get("mlp_bias", False)),
         qk_norm=family == "qwen3",
         sliding_window=config.get("sliding_window") if use_window else None,
         bos_token_id=config.get("bos_token_id"),

@@ -68,7 +68,8 @@ class Architecture(_Strict):
     rope_scaling: dict[str, float | int | str] | None = None  # e.g. Llama-3 "llama3" scaling
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool = False  # Qwen2: q/k/v have biases
+    attention_bias: bool = False  # q/k/v have biases (Qwen2); Llama's and Qwen3's: o too
+    mlp_bias: bool = False  # Llama's mlp_bias: gate/up/down have biases
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
     sliding_window: int | None = None  # Mistral
     bos_token_id: int | None = None

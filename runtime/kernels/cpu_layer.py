@@ -66,6 +66,7 @@ def prepare_layer(parts: LayerParts, lib: ctypes.CDLL | None) -> FusedLayer | No
         lib is None
         or not enabled()
         or parts.hidden_act != "silu"
+        or parts.out_biases  # cpu_layer.c adds the q/k/v biases alone
         or dtypes != {torch.float32}
         or any(w.nibbles is None or w.scale.dtype != torch.float16 for w in weights)
         or len({w.group_size for w in weights}) != 1

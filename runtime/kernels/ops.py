@@ -72,6 +72,9 @@ class LayerParts:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     qkv_bias: torch.Tensor | None
+    # o, gate_up or down carry a bias (Llama's attention_bias and mlp_bias, Qwen3's
+    # attention_bias): a fused layer must add them or not run the layer
+    out_biases: bool
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     heads: int

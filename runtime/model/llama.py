@@ -112,6 +112,7 @@ class Layer:
             input_norm=self.input_norm,
             post_norm=self.post_norm,
             qkv_bias=self.qkv.bias,
+            out_biases=any(x.bias is not None for x in (self.o, self.gate_up, self.down)),
             q_norm=self.q_norm,
             k_norm=self.k_norm,
             heads=self.heads,
