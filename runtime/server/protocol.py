@@ -351,15 +351,16 @@ class _SamplingRequest(_Request):
         refused too, as OpenAI's own API does ("Unrecognized request argument"): a vendor
         extra dropped in silence (vLLM's min_tokens, guided_choice, ...) looks like it worked."""
         data = _refuse_unsupported(data)
-        known = cls.model_fields.keys() | REFUSED.keys()  # REFUSED's no-op values pass
-        unknown = [k for k in data if k not in known] if isinstance(data, dict) else []
+        if not isinstance(data, dict):
+            return data
+        unknown = [k for k in data if k not in cls.model_fields.keys() | REFUSED.keys()]
         if unknown:
             raise _field_error(
                 unknown[0],
                 "not a field this endpoint implements (OpenAI's fields and the extensions "
                 "listed in the server's docs, docs/server.md); remove it",
             )
-        return data
+        return {k: v for k, v in data.items() if k not in REFUSED}  # their no-op values pass
 
     @field_validator("logit_bias", mode="before")
     @classmethod
