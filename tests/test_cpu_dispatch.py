@@ -532,7 +532,7 @@ def test_vnni_builds_compile_to_their_dot_product(
     `tdpbsud` as well."""
     lib = tmp_path / "kernels.so"
     build = subprocess.run(
-        [native._compiler(), *native.FLAGS, *flags, *map(str, native.SOURCES),
+        [*native._compiler(), *native.FLAGS, *flags, *map(str, native.SOURCES),
          "-o", str(lib), "-lm"],
         capture_output=True, text=True,
     )  # fmt: skip

@@ -44,6 +44,34 @@ def test_int4_linear_matches_reference_dequantize(path, dtype, rows, ns, k, gs) 
     assert rel < (1.5e-2 if path in cpu.INT8_PATHS else bound), rel
 
 
+@pytest.mark.skipif(not native.load()[0], reason="the C kernels do not build on this machine")
+@pytest.mark.parametrize("op", ["linear", "int8-unpacked", "logits"])
+def test_int8_paths_keep_nan_and_tiny_activations(op: str) -> None:
+    """Activations quantized per group of 32 to int8: a NaN (skipped by the group's max) was
+    converted to int32, undefined in C: finite garbage of -4.9e6 in that row, different per
+    ISA, where float math gives NaN; a group whose largest value is near FLT_MIN overflowed
+    127 / amax to inf, the same garbage. Now: that row NaN, tiny groups about 0 (below 1e-30),
+    the other rows as the reference (1.5e-2 relative, the int8 path's bound)."""
+    lib = native.library()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 160, generator=g)
+    x[1, 37] = float("nan")
+    x[2] *= 1e-39  # subnormal: below FLT_MIN
+    if op == "logits":
+        weight = torch.randn(70, 160, generator=g)
+        got = cpu.logits(x, cpu.prepare_head(weight), "int8", lib=lib)
+    else:
+        parts = [_packed(70, 160, 32, seed=4)]
+        w = cpu.prepare_int4(parts, 160, 32, torch.float32, lib=lib, paths={op})
+        got = cpu.int4_linear(x, w, "int8" if op == "linear" else op, lib=lib)
+        weight = layout.dequantize(*parts[0][:2], 70, 160, 32)
+    ref = x @ weight.T
+    assert got[1].isnan().all(), got[1]
+    assert got[2].abs().max() < 1e-30, got[2]
+    for r in (0, 3):
+        assert float((got[r] - ref[r]).norm() / ref[r].norm()) < 1.5e-2
+
+
 def test_row_buckets_are_few_and_tight() -> None:
     """torch's GEMMs meet at most 4 row counts an octave (each costs it megabytes of kernels
     for good), never more than 25% padding, and every count up to 8 as it is."""

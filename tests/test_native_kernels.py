@@ -150,6 +150,20 @@ def test_missing_compiler_is_named(tmp_path, monkeypatch) -> None:
 
 
 @pytest.mark.build
+def test_cc_with_arguments_builds(tmp_path, monkeypatch) -> None:
+    """$CC is a command and its arguments, as make reads it (`ccache gcc`): the whole string
+    was looked up as one program, "not on PATH", and the kernels fell back to torch's ops."""
+    monkeypatch.setenv("LITESERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "cc -DLITESERVE_CC_ARG=1")
+    lib = ctypes.CDLL(str(native.build()))
+    assert lib.decode_attention
+    monkeypatch.setenv("CC", "false")  # a compiler that fails without a word is still named
+    silent = "(?s)false failed to build.*exit status 1, no message"
+    with pytest.raises(native.BuildUnavailable, match=silent):
+        native.build()
+
+
+@pytest.mark.build
 def test_broken_build_names_the_compiler_error(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("LITESERVE_CACHE", str(tmp_path))
     monkeypatch.setattr(native, "FLAGS", [*native.FLAGS, "-fno-such-flag"])

@@ -52,6 +52,7 @@
  * isa_path() names it for the start-up log. The portable C path is the reference for the
  * others and what runs on any other CPU.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -235,16 +236,25 @@ static inline int32_t quantize_group(const float *v, int64_t gs, float inv, int8
     return isum(total);
 }
 
+/* NaN if the group holds one (max_ps alone skips them), as the scalar loop below */
 static inline float group_amax(const float *v, int64_t gs) {
     const __m256 sign = _mm256_set1_ps(-0.f);
-    __m256 m = _mm256_setzero_ps();
-    for (int64_t i = 0; i < gs; i += 8) /* max_ps(a, m) is m where a is NaN, as the C compare */
-        m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(v + i)), m);
+    __m256 m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    for (int64_t i = 0; i < gs; i += 8) {
+        __m256 a = _mm256_loadu_ps(v + i);
+        m = _mm256_max_ps(_mm256_andnot_ps(sign, a), m);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+    }
+    if (_mm256_movemask_ps(nan)) return NAN;
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
     return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
 }
 #endif
+
+/* Groups whose largest activation is below this quantize to zero codes: 127 / amax would
+ * overflow to inf near FLT_MIN, and what they add to an output is below 1e-30 anyway. */
+#define AMAX_TINY 1e-30f
 
 /*
  * Row r of x [m, k] (row stride x_stride, x_dtype), per group g: q int8 [k], d [groups] the
@@ -263,12 +273,20 @@ static void quantize_row(const void *x, int64_t x_stride, int x_dtype, int64_t r
         float amax = group_amax(v, gs);
 #else
         float amax = 0.f;
-        for (int64_t i = 0; i < gs; i++) {
+        for (int64_t i = 0; i < gs; i++) { /* a NaN sticks: no compare with it is true */
             float a = fabsf(v[i]);
-            amax = a > amax ? a : amax;
+            amax = a > amax || a != a ? a : amax;
         }
 #endif
-        float step = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        if (!(amax <= FLT_MAX)) {
+            /* a NaN or an infinity: the group's outputs are NaN (as float math makes them
+             * NaN or +-inf), not what converting them to int32 (undefined in C, and
+             * different per ISA) made of them: finite garbage */
+            memset(q + (doubled ? 2 : 1) * g * gs, 0, (size_t)((doubled ? 2 : 1) * gs));
+            d[g] = xs[g] = NAN;
+            continue;
+        }
+        float step = amax / 127.f, inv = amax >= AMAX_TINY ? 127.f / amax : 0.f;
         int32_t total = 0;
 #if defined(__AVX2__)
         total = quantize_group(v, gs, inv, q + (doubled ? 2 : 1) * g * gs, doubled);

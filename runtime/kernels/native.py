@@ -23,6 +23,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -67,20 +68,21 @@ def _cpu_features() -> str:
     return next((line for line in text.splitlines() if line.startswith("flags")), "")
 
 
-def _compiler() -> str:
-    cc = os.environ.get("CC", "cc")
-    if shutil.which(cc) is None:
+def _compiler() -> list[str]:
+    """$CC as make reads it: a command and its arguments (`ccache gcc`, `gcc -O2`)."""
+    cc = shlex.split(os.environ.get("CC", "cc")) or ["cc"]
+    if shutil.which(cc[0]) is None:
         raise BuildUnavailable(
-            f"no C compiler ({cc!r} is not on PATH): install gcc or clang, or set CC"
+            f"no C compiler ({cc[0]!r} is not on PATH): install gcc or clang, or set CC"
         )
     return cc
 
 
 def _compile(
-    cc: str, sources: tuple[Path, ...], flags: list[str], out: str
+    cc: list[str], sources: tuple[Path, ...], flags: list[str], out: str
 ) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [cc, *flags, *map(str, sources), "-o", out, "-lm"], capture_output=True, text=True
+        [*cc, *flags, *map(str, sources), "-o", out, "-lm"], capture_output=True, text=True
     )
 
 
@@ -91,7 +93,7 @@ def build(sources: tuple[Path, ...] | Path = SOURCES) -> Path:
     cc = _compiler()
     name, target_isa = isa.selected()
     flags = [*FLAGS, *target_isa.flags]
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    version = subprocess.run([*cc, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256(b"".join(s.read_bytes() for s in sources))
     digest.update(f"{' '.join(flags)}\n{version}\n{_cpu_features()}".encode())
     tag = "" if name == "native" else f"-{name}"
@@ -105,7 +107,8 @@ def build(sources: tuple[Path, ...] | Path = SOURCES) -> Path:
             done = done if serial.returncode != 0 else serial
         if done.returncode != 0:
             names = ", ".join(s.name for s in sources)
-            raise BuildUnavailable(f"{cc} failed to build {names}:\n{done.stderr[-2000:]}")
+            why = done.stderr[-2000:] or f"exit status {done.returncode}, no message"
+            raise BuildUnavailable(f"{shlex.join(cc)} failed to build {names}:\n{why}")
 
     return cached_build(target, compile_into)
 
