@@ -9,6 +9,7 @@ local Ray clusters at once do not fit a 2-core CI machine).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -129,10 +130,17 @@ def test_runtime_serve_replicas_deploys_answers_and_stops(rtn_artifact: Path, tm
             )
             assert r.choices[0].text == text
         # in flight at SIGTERM: a short stream that finishes within --grace, and a long one
-        # that may not (n=4 sequences of 900 tokens): it ends with an error event then
-        short, long_ = _Stream(url, max_tokens=16, n=1), _Stream(url, max_tokens=900, n=4)
+        # that may not (n=8 sequences of 900 tokens, more than the pool holds): it ends with an
+        # error event then
+        short, long_ = _Stream(url, max_tokens=16, n=1), _Stream(url, max_tokens=900, n=8)
         assert short.first.wait(60) and long_.first.wait(60), (short.events, long_.events)
         proc.send_signal(signal.SIGTERM)  # to the command, as `kill PID` or docker stop send it
+        probes = []  # /health while the streams drain
+        while long_.is_alive():
+            with contextlib.suppress(httpx2.HTTPError):
+                probe = httpx2.get(url + "/health", timeout=5)
+                probes.append((probe.status_code, probe.json().get("error", {}).get("message")))
+            time.sleep(0.1)
         for stream in (short, long_):
             stream.join(60)
             assert stream.error is None, f"{stream.error!r}: cut mid-stream\n{log.read_text()}"
@@ -141,8 +149,10 @@ def test_runtime_serve_replicas_deploys_answers_and_stops(rtn_artifact: Path, tm
         ended = json.loads(long_.events[-2])
         if "error" in ended:  # its sequences were still running when --grace ran out
             assert "not finished within --grace 2 s" in ended["error"]["message"], ended
+            # the drain held for 2 s: the ingress said so to probes
+            assert (503, "not serving: shutting down") in probes, probes
         else:
-            assert sorted(long_.finish_reasons()) == ["length"] * 4, long_.events[-6:]
+            assert sorted(long_.finish_reasons()) == ["length"] * 8, long_.events[-6:]
         assert proc.wait(120) == 0, log.read_text()
         assert "stopping: requests in flight get up to --grace 2 s" in log.read_text()
         assert _port_is_free(port)
