@@ -107,6 +107,10 @@ def test_score_returns_full_distributions(artifacts: dict[str, Path]) -> None:
         assert float(err) < 1e-4, float(err)
     with pytest.raises(ValueError, match="at least 2 tokens"):
         engine.score([[5]])
+    # a prompt of the whole session scores: no token is generated after it (it was refused
+    # as one over, and lite ppl sized its engine a token larger to get round it)
+    full = Engine(artifacts["mistral"], _config(session_len=64, max_prefill_token_num=24))
+    assert full.score([_ids(64, seed=8)])[0].shape == (63, 512)
 
 
 def test_prompt_logprobs_survive_preemption(artifacts: dict[str, Path]) -> None:

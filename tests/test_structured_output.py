@@ -370,6 +370,23 @@ def test_tool_choice_must_name_a_tool(client: openai.OpenAI) -> None:
             model=MODEL, messages=ASK, tools=[WEATHER], tool_choice=choice
         )
     assert e.value.body["param"] == "tool_choice"
+    # auto without tools parsed the model's text into calls of functions nobody declared
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=ASK, tool_choice="auto")
+    assert e.value.body["param"] == "tool_choice" and "only allowed with tools" in e.value.message
+
+
+def test_a_function_without_parameters_is_called_with_none(client: openai.OpenAI) -> None:
+    """OpenAI: omitting parameters "defines a function with an empty parameter list"; the
+    grammar let the model make arguments up (`{"type": "question"}`, or no JSON at all)."""
+    now = {"type": "function", "function": {"name": "get_time"}}
+    for seed in (1, 2, 3):
+        r = client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=[now], temperature=1.0, seed=seed, max_tokens=20,
+            tool_choice={"type": "function", "function": {"name": "get_time"}},
+        )  # fmt: skip
+        (call,) = r.choices[0].message.tool_calls
+        assert json.loads(call.function.arguments) == {}, call.function.arguments
 
 
 # ---- SmolLM2 ----

@@ -26,6 +26,9 @@ TOOLS = [
 ]
 
 
+NAMES = frozenset({"get_weather", "noop", "sql"})  # what the requests declared
+
+
 def run(parser: ToolCallParser, pieces: list[str]) -> tuple[str, list[dict]]:
     """Feed the pieces, finish, and merge: (content, whole calls)."""
     content, deltas = "", []
@@ -56,7 +59,7 @@ HERMES = (
 
 @pytest.mark.parametrize("pieces", splits(HERMES))
 def test_hermes_calls_parse_however_the_text_is_split(pieces: list[str]) -> None:
-    content, calls = run(ToolCallParser("auto", "hermes"), pieces)
+    content, calls = run(ToolCallParser("auto", "hermes", tools=NAMES), pieces)
     assert content.strip() == "Let me check."
     assert calls_of(calls) == [("get_weather", {"city": "Paris"}), ("noop", {})]
     assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
@@ -64,7 +67,7 @@ def test_hermes_calls_parse_however_the_text_is_split(pieces: list[str]) -> None
 
 
 def test_hermes_streams_content_before_the_call_and_holds_a_partial_tag() -> None:
-    parser = ToolCallParser("auto", "hermes")
+    parser = ToolCallParser("auto", "hermes", tools=NAMES)
     assert parser.feed("Hello <tool").content == "Hello "  # "<tool" may open a call
     assert parser.feed("box> ok").content == "<toolbox> ok"  # it did not
 
@@ -80,12 +83,12 @@ def test_hermes_streams_content_before_the_call_and_holds_a_partial_tag() -> Non
 )
 def test_malformed_hermes_calls_stay_content(text: str) -> None:
     for pieces in splits(text):
-        assert run(ToolCallParser("auto", "hermes"), pieces) == (text, [])
+        assert run(ToolCallParser("auto", "hermes", tools=NAMES), pieces) == (text, [])
 
 
 def test_an_unclosed_but_complete_hermes_call_still_counts() -> None:
     text = '<tool_call>{"name": "noop", "arguments": {}}'
-    assert calls_of(run(ToolCallParser("auto", "hermes"), [text])[1]) == [("noop", {})]
+    assert calls_of(run(ToolCallParser("auto", "hermes", tools=NAMES), [text])[1]) == [("noop", {})]
 
 
 LLAMA = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "noop"}'
@@ -93,7 +96,7 @@ LLAMA = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; 
 
 @pytest.mark.parametrize("pieces", splits(LLAMA) + splits(LLAMA.removeprefix("<|python_tag|>")))
 def test_llama3_json_calls(pieces: list[str]) -> None:
-    content, calls = run(ToolCallParser("auto", "llama3"), pieces)
+    content, calls = run(ToolCallParser("auto", "llama3", tools=NAMES), pieces)
     assert content == ""
     assert calls_of(calls) == [("get_weather", {"city": "Oslo"}), ("noop", {})]
 
@@ -102,7 +105,7 @@ def test_llama3_arguments_may_hold_semicolons() -> None:
     """`;` separates calls only between objects: inside an argument it is the argument's."""
     text = '{"name": "sql", "parameters": {"q": "select 1; drop t"}};{"name": "noop"} ; '
     for pieces in splits(text):
-        content, calls = run(ToolCallParser("auto", "llama3"), pieces)
+        content, calls = run(ToolCallParser("auto", "llama3", tools=NAMES), pieces)
         assert content == "" and calls_of(calls) == [
             ("sql", {"q": "select 1; drop t"}),
             ("noop", {}),
@@ -121,11 +124,11 @@ def test_llama3_arguments_may_hold_semicolons() -> None:
 )
 def test_llama3_text_or_malformed_json_is_content(text: str) -> None:
     for pieces in splits(text):
-        assert run(ToolCallParser("auto", "llama3"), pieces) == (text, [])
+        assert run(ToolCallParser("auto", "llama3", tools=NAMES), pieces) == (text, [])
 
 
 def test_llama3_streams_plain_text_as_it_comes() -> None:
-    parser = ToolCallParser("auto", "llama3")
+    parser = ToolCallParser("auto", "llama3", tools=NAMES)
     assert parser.feed("  ").content == ""  # undecided
     assert parser.feed("Sure").content == "  Sure"
     assert parser.feed(" thing").content == " thing"
@@ -172,3 +175,17 @@ def test_syntax_from_template() -> None:
     assert syntax_for("{{ '<tool_call>' }}") == "hermes"
     assert syntax_for("{{ '<|python_tag|>' }} Environment: ipython") == "llama3"
     assert syntax_for(None) == "hermes"
+
+
+@pytest.mark.parametrize(
+    ("syntax", "text"),
+    [
+        ("hermes", '<tool_call>{"name": "delete_all", "arguments": {"x": 1}}</tool_call>'),
+        ("llama3", '{"name": "noop"}; {"name": "delete_all", "parameters": {}}'),
+    ],
+)
+def test_a_call_of_an_undeclared_function_stays_content(syntax: str, text: str) -> None:
+    """The model may write any name; a client was handed a call of `delete_all`, which it
+    never offered."""
+    for pieces in splits(text):
+        assert run(ToolCallParser("auto", syntax, tools=NAMES), pieces) == (text, [])

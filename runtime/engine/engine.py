@@ -604,7 +604,7 @@ class Engine:
         params = SamplingParams(temperature=0.0, max_new_tokens=1, prompt_logprobs=0)
         seqs = []
         for p in prompts:
-            seq = self.add_request(p, params)
+            seq = self.add_request(p, params, scored_only=True)  # a whole session scores
             seq.prompt_logits = []
             seqs.append(seq)
         while any(not s.finished for s in seqs):

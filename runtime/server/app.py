@@ -408,7 +408,9 @@ class _State:
         mode = req.tool_choice_mode()
         template = self.settings.chat_template
         named = req.tool_choice.function.name if mode == "named" else None
-        return ToolCallParser(mode, syntax_for(template.source if template else None), named)
+        declared = frozenset(t.function.name for t in req.tools or ())
+        syntax = syntax_for(template.source if template else None)
+        return ToolCallParser(mode, syntax, named, declared)
 
     def check_length(self, req, prompt_len: int, new: int) -> None:
         """Against the max_model_len /v1/models advertises, named as such: the engine's own

@@ -265,7 +265,10 @@ class ResponseFormat(_Request):
 class FunctionSpec(_Request):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
-    parameters: Schema = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    # omitted: "a function with an empty parameter list" (OpenAI), so no argument at all
+    parameters: Schema = Field(
+        default_factory=lambda: {"type": "object", "properties": {}, "additionalProperties": False}
+    )
     strict: bool | None = None
 
 
@@ -408,11 +411,9 @@ class ChatCompletionRequest(_SamplingRequest):
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
         choice, names = self.tool_choice, [t.function.name for t in self.tools or []]
-        if (
-            choice == "required"
-            and not names
-            or (isinstance(choice, NamedToolChoice) and choice.function.name not in names)
-        ):
+        if choice in ("auto", "required") and not names:  # OpenAI refuses it, as vLLM does
+            raise _field_error("tool_choice", f"{choice!r} is only allowed with tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise _field_error("tool_choice", "names no tool in tools")
         if self.response_format is not None and self.tool_choice_mode() in ("required", "named"):
             raise _field_error("response_format", "cannot be combined with a forced tool call")

@@ -96,11 +96,19 @@ class ToolCallParser:
 
     mode: "none" (all content), "auto" (parse the model's syntax), "named" (the text is the
     named function's arguments, streamed as they come), "required" (the text is a JSON list of
-    {name, arguments}, turned into calls when it is complete).
+    {name, arguments}, turned into calls when it is complete). `tools`: the names the request
+    declared; in "auto" a call naming another stays content (a client must never be handed a
+    call of a function it did not offer).
     """
 
-    def __init__(self, mode: str, syntax: str = "hermes", name: str | None = None) -> None:
-        self.mode, self.syntax, self.name = mode, syntax, name
+    def __init__(
+        self,
+        mode: str,
+        syntax: str = "hermes",
+        name: str | None = None,
+        tools: frozenset[str] = frozenset(),
+    ) -> None:
+        self.mode, self.syntax, self.name, self.tools = mode, syntax, name, tools
         self._buffer = ""  # text not yet handed out
         self._in_call = False  # auto/hermes: inside a <tool_call> block
         self._calls = 0
@@ -181,7 +189,7 @@ class ToolCallParser:
             call = _as_call(json.loads(block), "arguments")
         except json.JSONDecodeError:
             call = None
-        if call is None:  # malformed: keep it as the text it was
+        if call is None or call[0] not in self.tools:  # malformed or undeclared: as it was
             return Delta(content=HERMES_OPEN + block + HERMES_CLOSE)
         return Delta(tool_calls=[self._next_call(*call)])
 
@@ -202,8 +210,8 @@ class ToolCallParser:
 
     def _llama3(self, text: str) -> Delta:
         calls = _llama3_calls(text.strip().removeprefix(PYTHON_TAG).strip())
-        if not calls:
-            return Delta(content=text)  # not (all) calls: the text as it was
+        if not calls or any(name not in self.tools for name, _ in calls):
+            return Delta(content=text)  # not (all) calls of declared tools: the text as it was
         return Delta(tool_calls=[self._next_call(n, a) for n, a in calls])
 
 
