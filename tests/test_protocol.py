@@ -73,7 +73,7 @@ def completion(**kw) -> CompletionRequest:
 # --- valid requests ---------------------------------------------------------------------------
 
 
-def test_chat_request_parses_and_ignores_unknown_fields():
+def test_chat_request_parses_every_kind_of_field():
     req = ChatCompletionRequest.model_validate(
         {
             "model": "m",
