@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -317,3 +318,33 @@ def make_llama3_rope_model(tokenizer_dir: Path, out: Path) -> Path:
     AutoModelForCausalLM.from_config(config).save_pretrained(out)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
     return out
+
+
+class SseStream(threading.Thread):
+    """A streamed request (POST `path` with `body`) read as raw SSE in a thread, started at
+    once: the response's status and headers, its `data:` payloads, or the error that cut it.
+    `first` is set at the first payload, or when the stream ends without one."""
+
+    def __init__(self, url: str, path: str, body: dict) -> None:
+        super().__init__(daemon=True)
+        self.url, self.path, self.body = url, path, body
+        self.status: int | None = None
+        self.headers: dict[str, str] = {}
+        self.events: list[str] = []
+        self.error: Exception | None = None
+        self.first = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        import httpx2
+
+        try:
+            with httpx2.stream("POST", self.url + self.path, json=self.body, timeout=60) as r:
+                self.status, self.headers = r.status_code, dict(r.headers)
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        self.events.append(line.removeprefix("data: "))
+                        self.first.set()
+        except Exception as e:
+            self.error = e
+        self.first.set()

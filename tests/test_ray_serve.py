@@ -19,7 +19,6 @@ import contextlib
 import json
 import re
 import socket
-import threading
 import time
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from fastapi.responses import StreamingResponse
 
 from runtime.cli import main as runtime_main
 from runtime.server import cluster
+from tests.conftest import SseStream
 
 needs_ray = pytest.mark.skipif(
     not cluster.ray_available(), reason="Ray Serve is not installed: pip install liteserve[cluster]"
@@ -312,33 +312,18 @@ def test_killed_replica_is_replaced_and_service_keeps_answering(service) -> None
         model=MODEL, messages=messages, max_tokens=300, n=2, stream=True, temperature=0,
         ignore_eos=True,
     )  # fmt: skip
-    events, cut = [], []
-    first = threading.Event()
-
-    def read() -> None:
-        try:
-            with httpx2.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
-                assert r.status_code == 200, r.read()
-                assert r.headers[cluster.REPLICA_HEADER] == victim
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        events.append(line.removeprefix("data: "))
-                        first.set()
-        except Exception as e:
-            cut.append(e)
-        first.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    assert first.wait(60) and not cut, cut
+    stream = SseStream(url, "/v1/chat/completions", body)
+    assert stream.first.wait(60) and stream.error is None, stream.error
+    assert stream.status == 200 and stream.headers[cluster.REPLICA_HEADER] == victim
 
     actor = ray.get_actor(f"SERVE_REPLICA::{APP}#{cluster.ENGINE}#{victim}", namespace="serve")
     ray.kill(actor, no_restart=True)
     for i in range(3):  # at once: the other replica answers
         replica, _ = chat(client, "alpha", f"During {i}?")
         assert replica in survivors
-    reader.join(60)
-    assert not cut and events[-1] == "[DONE]", (cut, events[-3:])
+    stream.join(60)
+    events = stream.events
+    assert stream.error is None and events[-1] == "[DONE]", (stream.error, events[-3:])
     last = json.loads(events[-2])
     if "error" in last:  # the victim died mid-stream
         assert "the replica serving this request failed" in last["error"]["message"], last

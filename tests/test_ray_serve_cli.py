@@ -16,7 +16,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import pytest
 
 from runtime import EngineConfig, GenerationConfig, pipeline
 from runtime.server import cluster
+from tests.conftest import SseStream
 
 ENGINE_FLAGS = {
     "--kv-quant": "int8",
@@ -48,40 +48,17 @@ def _port_is_free(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
-class _Stream(threading.Thread):
-    """A streamed completion read as raw SSE in a thread: its `data:` payloads, or the error
-    that cut it."""
+def _completion(url: str, max_tokens: int, n: int) -> SseStream:
+    body = dict(
+        model="tiny", prompt="Once upon", max_tokens=max_tokens, n=n, stream=True,
+        temperature=0, ignore_eos=True,
+    )  # fmt: skip
+    return SseStream(url, "/v1/completions", body)
 
-    def __init__(self, url: str, max_tokens: int, n: int) -> None:
-        super().__init__(daemon=True)
-        self.body = dict(
-            model="tiny", prompt="Once upon", max_tokens=max_tokens, n=n, stream=True,
-            temperature=0, ignore_eos=True,
-        )  # fmt: skip
-        self.url = url
-        self.events: list[str] = []
-        self.error: Exception | None = None
-        self.first = threading.Event()
-        self.start()
 
-    def run(self) -> None:
-        try:
-            with httpx2.stream(
-                "POST", self.url + "/v1/completions", json=self.body, timeout=60
-            ) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        self.events.append(line.removeprefix("data: "))
-                        self.first.set()
-        except Exception as e:
-            self.error = e
-        self.first.set()
-
-    def finish_reasons(self) -> list[str]:
-        chunks = [json.loads(e) for e in self.events[:-1]]
-        return [
-            c["finish_reason"] for x in chunks for c in x.get("choices", []) if c["finish_reason"]
-        ]
+def _finish_reasons(stream: SseStream) -> list[str]:
+    chunks = [json.loads(e) for e in stream.events[:-1]]
+    return [c["finish_reason"] for x in chunks for c in x.get("choices", []) if c["finish_reason"]]
 
 
 @pytest.mark.skipif(
@@ -132,7 +109,7 @@ def test_runtime_serve_replicas_deploys_answers_and_stops(rtn_artifact: Path, tm
         # in flight at SIGTERM: a short stream that finishes within --grace, and a long one
         # that may not (n=8 sequences of 900 tokens, more than the pool holds): it ends with an
         # error event then
-        short, long_ = _Stream(url, max_tokens=16, n=1), _Stream(url, max_tokens=900, n=8)
+        short, long_ = _completion(url, max_tokens=16, n=1), _completion(url, max_tokens=900, n=8)
         assert short.first.wait(60) and long_.first.wait(60), (short.events, long_.events)
         proc.send_signal(signal.SIGTERM)  # to the command, as `kill PID` or docker stop send it
         probes = []  # /health while the streams drain
@@ -145,14 +122,14 @@ def test_runtime_serve_replicas_deploys_answers_and_stops(rtn_artifact: Path, tm
             stream.join(60)
             assert stream.error is None, f"{stream.error!r}: cut mid-stream\n{log.read_text()}"
             assert stream.events[-1] == "[DONE]", stream.events[-3:]
-        assert short.finish_reasons() == ["length"], short.events[-3:]
+        assert _finish_reasons(short) == ["length"], short.events[-3:]
         ended = json.loads(long_.events[-2])
         if "error" in ended:  # its sequences were still running when --grace ran out
             assert "not finished within --grace 2 s" in ended["error"]["message"], ended
             # the drain held for 2 s: the ingress said so to probes
             assert (503, "not serving: shutting down") in probes, probes
         else:
-            assert sorted(long_.finish_reasons()) == ["length"] * 8, long_.events[-6:]
+            assert sorted(_finish_reasons(long_)) == ["length"] * 8, long_.events[-6:]
         assert proc.wait(120) == 0, log.read_text()
         assert "stopping: requests in flight get up to --grace 2 s" in log.read_text()
         assert _port_is_free(port)
