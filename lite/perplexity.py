@@ -203,8 +203,8 @@ def run_ppl(
         scorers.append(hf_logits(load_source_model(source.path).to(torch_dtype)))
     block = 64
     config = EngineConfig(
-        session_len=seqlen + 1,
-        num_blocks=batch_size * -(-(seqlen + 1) // block),
+        session_len=seqlen,  # score() runs no token after a window
+        num_blocks=batch_size * -(-seqlen // block),
         cache_block_seq_len=block,
         max_batch_size=batch_size,
         max_prefill_token_num=max(2048, seqlen),
