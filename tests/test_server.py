@@ -617,8 +617,10 @@ def test_every_response_is_counted_and_logged_under_a_request_id(
         unknown = httpx2.post(srv.url + "/v1/completions", json={})  # no key
         lost = http.get("/no/such/page")
         odd = http.get("/health", headers={"X-Request-Id": "has space"})
+        found, missing = http.get(f"/v1/models/{MODEL}"), http.get("/v1/models/no-such-model")
     assert ok.status_code == 200 and ok.headers["x-request-id"] == "client-7f3a"
     assert bad.status_code == 400 and unknown.status_code == 401 and lost.status_code == 404
+    assert (found.status_code, missing.status_code) == (200, 404)
     rid = bad.headers["x-request-id"]
     assert len(rid) == 24 and rid != unknown.headers["x-request-id"]
     assert odd.headers["x-request-id"] != "has space"  # not a usable id: a new one
@@ -629,6 +631,8 @@ def test_every_response_is_counted_and_logged_under_a_request_id(
         ("/v1/completions", 401),
         ("other", 404),
         ("/health", 200),
+        ("/v1/models/{model:path}", 200),  # a model's lookup by its template, not "other"
+        ("/v1/models/{model:path}", 404),
     ):
         assert grew(m, before, _responses(route, status)) == 1, (route, status)
     lines = [r.getMessage() for r in caplog.records if r.name == "liteserve"]
@@ -1103,6 +1107,8 @@ def test_non_streaming_client_that_times_out_is_aborted(srv: Served) -> None:
     wait_idle(srv, timeout=10)
     m = metrics(srv.url)
     assert grew(m, before, ABORTS) == 1 and grew(m, before, GENERATED) < 1000
+    # an aborted sequence ended: counted in the latency histogram as in the finish reasons
+    assert grew(m, before, "liteserve:e2e_request_latency_seconds_count") == 1
 
 
 def test_streaming_client_gone_before_the_first_byte(srv: Served) -> None:

@@ -3,8 +3,9 @@
 The engine's metrics see only the requests it admitted: a 400, 401, 404, 413 or 429 changed no
 metric, and nothing was logged per request, so neither a dashboard nor a log showed clients
 being refused. Each response now counts in ``liteserve:http_responses_total{route,status}``
-(routes outside the API's own count as "other", so a scan of random paths cannot grow the
-series without bound), and one log line at INFO (`runtime -v serve`) gives its id, method,
+(labelled with the route's template, `/v1/models/{model:path}` for a model's lookup; paths
+outside the API's own count as "other", so a scan of random paths cannot grow the series
+without bound), and one log line at INFO (`runtime -v serve`) gives its id, method,
 path, status and time; never a prompt or a key.
 
 The id is the client's ``X-Request-Id`` when it sends a usable one (as vLLM and most proxies
@@ -20,6 +21,7 @@ import secrets
 import time
 
 from prometheus_client import Counter
+from starlette.routing import BaseRoute, Match
 
 log = logging.getLogger("liteserve")
 
@@ -30,8 +32,20 @@ _USABLE = re.compile(rb"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces: safe
 class AccessLog:
     """ASGI middleware, the outermost: it must see the refusals of the ones inside it."""
 
-    def __init__(self, app, responses: Counter, routes: frozenset[str]) -> None:
-        self.app, self.responses, self.routes = app, responses, routes
+    def __init__(self, app, responses: Counter, routes: list[BaseRoute]) -> None:
+        self.app, self.responses = app, responses
+        self.paths = frozenset(r.path for r in routes if "{" not in r.path)
+        self.templated = [r for r in routes if "{" in r.path]
+
+    def route(self, scope: dict) -> str:
+        """The label: the path itself, or the template it matched (found by path alone, as a
+        refusal before routing, such as a 401, never reaches the router), or "other"."""
+        if scope["path"] in self.paths:
+            return scope["path"]
+        for r in self.templated:  # PARTIAL: the path matched, the method did not (a 405)
+            if r.matches(scope)[0] != Match.NONE:
+                return r.path
+        return "other"
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -54,8 +68,7 @@ class AccessLog:
             await self.app(scope, receive, send_with_id)
         finally:
             path = scope["path"]
-            route = path if path in self.routes else "other"
-            self.responses.labels(route, str(status)).inc()
+            self.responses.labels(self.route(scope), str(status)).inc()
             log.info(
                 "request %s: %s %r %d, %.3f s",  # %r: a path's %0A is no new log line
                 rid,

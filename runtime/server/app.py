@@ -253,8 +253,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, message_text: Mess
 
     app.state.liteserve = state
     # outermost, added last: it counts and logs the refusals of the middleware inside it too
-    routes = frozenset(r.path for r in app.routes if "{" not in r.path)
-    app.add_middleware(AccessLog, responses=engine.metrics.responses, routes=routes)
+    app.add_middleware(AccessLog, responses=engine.metrics.responses, routes=list(app.routes))
     return app
 
 

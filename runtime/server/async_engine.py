@@ -290,9 +290,11 @@ class AsyncEngine:
             self._fail_all(cmd[1])
         elif cmd[0] == "probe":
             self._add_probe()
-        elif cmd[0] == "abort" and self._streams.pop(cmd[1], None) is not None:
+        elif cmd[0] == "abort" and (st := self._streams.pop(cmd[1], None)) is not None:
             self.engine.abort(cmd[1])
+            # ended, as a finished one is: both series count it (the docs' "per sequence")
             self.metrics.requests.labels("abort").inc()
+            self.metrics.e2e.observe(time.perf_counter() - st.arrival)
             self.metrics.sync_engine(self.engine)
 
     def _add(
