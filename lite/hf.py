@@ -14,10 +14,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from runtime.artifact.hf_config import ROPE_KEYS
 from runtime.artifact.hf_config import as_list as _as_list
+from runtime.artifact.hf_config import sliding_window as window_from_dict
 from runtime.artifact.layout import dequantize
 from runtime.artifact.manifest import Architecture, Manifest
 from runtime.artifact.reader import Artifact
-from runtime.model.rotary import SUPPORTED_SCALING
+from runtime.model.llama import check_supported
 
 # a config without one of these gets transformers' defaults (a 7B shape for llama): a plan or a
 # run of a model nobody asked for
@@ -59,27 +60,16 @@ def _check_runnable(path: Path, config: PretrainedConfig) -> None:
     """What the runtime cannot run, refused before hours of calibration rather than when the
     artifact is served (or, for a window on some layers only, never: it ran as another
     model)."""
-    kind = (_rope(config)[1] or {}).get("rope_type", "default")
-    if kind not in SUPPORTED_SCALING:
-        raise ValueError(
-            f"{path}/config.json: rope scaling {kind!r} is not supported by the runtime "
-            f"(supported: {', '.join(SUPPORTED_SCALING)}); quantize the model without it"
-        )
-    types = set(getattr(config, "layer_types", None) or ())
-    if len(types) > 1:
-        raise ValueError(
-            f"{path}/config.json: layers of different attention types ({', '.join(sorted(types))}"
-            ", e.g. a sliding window below max_window_layers only) are not supported: the "
-            "runtime gives every layer the same attention"
-        )
+    try:
+        check_supported(architecture_from_config(config, None))
+    except ValueError as e:
+        raise ValueError(f"{path}/config.json: {e}; quantize another model") from e
 
 
 def sliding_window(config: PretrainedConfig) -> int | None:
-    """The window every layer attends within (load_config refused models that mix them)."""
-    window = getattr(config, "sliding_window", None)
-    if getattr(config, "layer_types", None):
-        return window if config.layer_types[0] == "sliding_attention" else None
-    return window if getattr(config, "use_sliding_window", True) else None
+    """The window every layer attends within, derived as the runtime derives it from a
+    config.json (one reading for calibration, conversion and serving)."""
+    return window_from_dict(config.to_dict())
 
 
 def _check_heads(path: Path, raw: dict) -> None:
@@ -166,8 +156,12 @@ def config_from_architecture(arch: Architecture) -> PretrainedConfig:
         kwargs["attention_bias"] = arch.attention_bias
     if arch.family == "llama":
         kwargs["mlp_bias"] = arch.mlp_bias
-    if arch.sliding_window is not None:
+    if arch.family == "mistral":  # a window on every layer; None said, not 4096 by default
         kwargs["sliding_window"] = arch.sliding_window
+    elif arch.family in ("qwen2", "qwen3"):  # Qwen's window needs its flag, on every layer
+        window = arch.sliding_window
+        kwargs.update(use_sliding_window=window is not None, sliding_window=window)
+        kwargs["max_window_layers"] = 0
     config = AutoConfig.for_model(arch.family, **kwargs)
     config._attn_implementation = "sdpa"
     return config

@@ -871,3 +871,76 @@ def test_runtime_serve_src_answers_over_http(tiny_models, tmp_path: Path) -> Non
             proc.wait()
     log = proc.stdout.read().decode()
     assert "converting" in log and str(tmp_path / "cache" / "converted") in log, log
+
+
+WINDOW_CONFIGS = [  # family, config.json keys: how transformers reads a window, every case
+    ("qwen2", {}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8}),  # max_window_layers 28: none
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}),
+    ("qwen3", {"sliding_window": 8, "max_window_layers": 0}),  # no use_sliding_window: none
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}),
+    ("mistral", {}),  # 4096, transformers' default
+    ("mistral", {"sliding_window": None}),  # Mistral-7B v0.2/v0.3
+    ("mistral", {"sliding_window": 8}),
+    ("llama", {"sliding_window": 8}),  # Llama's attention has no window
+]
+
+
+@pytest.mark.parametrize(("family", "keys"), WINDOW_CONFIGS)
+def test_the_sliding_window_is_read_as_transformers_reads_it(family: str, keys: dict) -> None:
+    """A converted Qwen2 got a window on every layer when max_window_layers put it on some
+    (logprobs 0.59 off) or when use_sliding_window was left out (transformers: False); the
+    export wrote Mistral's null window as 4096 and dropped Qwen's."""
+    from transformers import AutoConfig
+
+    from lite.hf import architecture_from_config, config_from_architecture
+    from runtime.artifact.hf_config import sliding_window
+
+    config = AutoConfig.for_model(family, num_hidden_layers=2, **keys)
+    types = set(getattr(config, "layer_types", None) or ())
+    if len(types) > 1:
+        for raw in ({"model_type": family, "num_hidden_layers": 2, **keys}, config.to_dict()):
+            with pytest.raises(ValueError, match="layers of different attention types"):
+                sliding_window(raw)
+        return
+    slides = family == "mistral" or types == {"sliding_attention"}
+    want = config.sliding_window if slides else None
+    assert sliding_window({"model_type": family, "num_hidden_layers": 2, **keys}) == want
+    arch = architecture_from_config(config, None)
+    assert arch.sliding_window == want
+    exported = config_from_architecture(arch)  # what lite export writes and lite eval loads
+    assert architecture_from_config(exported, None).sliding_window == want
+    assert sliding_window(exported.to_dict()) == want
+
+
+@pytest.mark.parametrize(
+    ("family", "change", "message"),
+    [
+        (
+            "qwen2",
+            {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1,
+             "layer_types": None},
+            "layers of different attention types (full_attention, sliding_attention",
+        ),
+        (
+            "llama",
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                 "original_max_position_embeddings": 512}},
+            "rope scaling 'yarn' is not supported by the runtime",
+        ),
+        ("llama", {"hidden_act": "relu"}, "hidden_act 'relu' is not supported by the runtime"),
+    ],
+    ids=["window-on-some-layers", "yarn", "relu"],
+)  # fmt: skip
+def test_what_the_runtime_cannot_run_is_refused_before_converting(
+    family: str, change: dict, message: str, tiny_models, tmp_path: Path
+) -> None:
+    """Converted, verified and written to the cache, then refused when loaded (YaRN), or run
+    as another model (a window on some layers only)."""
+    src = tmp_path / "src"
+    make_checkpoint(tiny_models[family], src, "gptq", 32, True)
+    config = json.loads((src / "config.json").read_text())
+    config.update(change)
+    (src / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    _fail(src, tmp_path, message)

@@ -60,7 +60,7 @@ from runtime.artifact.writer import (
 from runtime.cache import cache_root, cached_entry, entry_key, matches_record
 from runtime.kernels import repack
 from runtime.kernels.repack import repack_codes
-from runtime.model.llama import FUSED_LINEARS
+from runtime.model.llama import FUSED_LINEARS, check_supported
 
 log = logging.getLogger("liteserve")
 
@@ -302,8 +302,11 @@ def write_converted(
         raise ConvertError(str(e)) from e
     try:
         arch = architecture_from_dict(config, tokenizer_eos(src))
+        check_supported(arch)
     except KeyError as e:
         raise ConvertError(f"{src / 'config.json'} has no {e.args[0]}: it is incomplete") from e
+    except ValueError as e:  # refused before anything is written, not when it is served
+        raise ConvertError(f"{src / 'config.json'}: {e}") from e
     shards = Shards(src)
     _plan(shards, fmt, arch)
     gs = fmt.artifact_group_size()

@@ -87,6 +87,37 @@ def inline_chat_template(config: dict, path: Path) -> str | None:
     )
 
 
+# transformers' defaults for a key config.json leaves out: Mistral's window, and the layer from
+# which Qwen's windowed layers start
+MISTRAL_WINDOW, QWEN_MAX_WINDOW_LAYERS = 4096, 28
+
+
+def sliding_window(config: dict) -> int | None:
+    """The window every layer attends within, read as transformers reads config.json: Mistral's
+    on every layer (4096 when the key is missing), Qwen's only with `use_sliding_window` and
+    from layer `max_window_layers` on (or as `layer_types` says), none for Llama. Layers of two
+    kinds are refused: the runtime gives every layer the same attention, so it would run
+    another model."""
+    family = config["model_type"]
+    if family == "mistral":
+        return config.get("sliding_window", MISTRAL_WINDOW)
+    if family not in ("qwen2", "qwen3"):
+        return None  # Llama's attention has no window, whatever a sliding_window key says
+    window = config.get("sliding_window") if config.get("use_sliding_window", False) else None
+    first = config.get("max_window_layers", QWEN_MAX_WINDOW_LAYERS)
+    types = config.get("layer_types") or [
+        "sliding_attention" if window is not None and i >= first else "full_attention"
+        for i in range(config["num_hidden_layers"])
+    ]
+    if len(set(types)) > 1:
+        raise ValueError(
+            f"layers of different attention types ({', '.join(sorted(set(types)))}, e.g. a "
+            "sliding window from max_window_layers on) are not supported: the runtime gives "
+            "every layer the same attention"
+        )
+    return window if types[0] == "sliding_attention" else None
+
+
 def architecture_from_dict(config: dict, eos: int | None) -> Architecture:
     """The manifest's architecture from config.json, with transformers' defaults."""
     family = config["model_type"]
@@ -95,7 +126,6 @@ def architecture_from_dict(config: dict, eos: int | None) -> Architecture:
     eos_ids = as_list(config.get("eos_token_id"))
     if eos is not None and eos not in eos_ids:
         eos_ids.append(eos)
-    use_window = config.get("use_sliding_window", True)
     return Architecture(
         family=family,
         vocab_size=config["vocab_size"],
@@ -114,7 +144,7 @@ def architecture_from_dict(config: dict, eos: int | None) -> Architecture:
         attention_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
         mlp_bias=bool(config.get("mlp_bias", False)),
         qk_norm=family == "qwen3",
-        sliding_window=config.get("sliding_window") if use_window else None,
+        sliding_window=sliding_window(config),
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=eos_ids,
         pad_token_id=config.get("pad_token_id"),

@@ -23,7 +23,7 @@ from runtime.distributed.shard import Shard
 from runtime.kernels.ops import Backend, LayerParts
 from runtime.kernels.reference import ACTIVATIONS
 from runtime.model.context import get_context
-from runtime.model.rotary import Rotary
+from runtime.model.rotary import SUPPORTED_SCALING, Rotary
 
 # The runtime's linears per decoder layer: artifact linears sharing an input run as one GEMM.
 FUSED_LINEARS = {
@@ -32,6 +32,22 @@ FUSED_LINEARS = {
     "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
     "down": ("mlp.down_proj",),
 }
+
+
+def check_supported(arch: Architecture) -> None:
+    """What this model cannot run, refused by name. Conversion and calibration call it before
+    they write anything: an artifact that fails only when served cost their whole run."""
+    kind = (arch.rope_scaling or {}).get("rope_type", "default")
+    if kind not in SUPPORTED_SCALING:
+        raise ValueError(
+            f"rope scaling {kind!r} is not supported by the runtime "
+            f"(supported: {', '.join(SUPPORTED_SCALING)})"
+        )
+    if arch.hidden_act not in ACTIVATIONS:
+        raise ValueError(
+            f"hidden_act {arch.hidden_act!r} is not supported by the runtime "
+            f"(supported: {', '.join(ACTIVATIONS)})"
+        )
 
 
 class Linear:
@@ -95,11 +111,6 @@ class Layer:
         if arch.qk_norm:
             self.q_norm = art.tensor(p + "self_attn.q_norm.weight").to(ops.device, dtype)
             self.k_norm = art.tensor(p + "self_attn.k_norm.weight").to(ops.device, dtype)
-        if arch.hidden_act not in ACTIVATIONS:
-            raise ValueError(
-                f"hidden_act {arch.hidden_act!r} is not supported (supported: "
-                f"{', '.join(ACTIVATIONS)})"
-            )
         self.hidden_act = arch.hidden_act
         self.scale = self.head_dim**-0.5
         self.sliding_window = arch.sliding_window
@@ -176,6 +187,7 @@ class LlamaModel:
         group: TPGroup | None = None,
     ) -> None:
         arch = artifact.manifest.architecture
+        check_supported(arch)
         self.arch, self.dtype, self.ops = arch, dtype, ops
         self.shard, self.group = shard, group
         vocab = None if shard is None else shard.vocab
