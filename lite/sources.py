@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -224,9 +225,37 @@ def _gguf_key(digest: str) -> str:
     ident = {
         "gguf": digest,
         "transformers": transformers.__version__,
+        "gguf-reader": importlib.metadata.version("gguf"),
         "converter": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
     }
     return entry_key(ident)
+
+
+def gguf_rope_scaling(gguf: Path) -> dict | None:
+    """The GGUF's RoPE scaling, which transformers' GGUF reader drops for these families: a
+    Llama with linear scaling became one with none, in silence. llama.cpp stores Llama 3.1's
+    scaling as per-frequency factors (a `rope_freqs` tensor) that do not give back the
+    parameters the runtime takes: such a file is refused, not run as another model."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf)
+    fields = {name: field.contents() for name, field in reader.fields.items()}
+    arch = fields.get("general.architecture", "")
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise SourceError(
+            f"{gguf} scales RoPE per frequency (a rope_freqs tensor, as llama.cpp writes Llama "
+            "3.1's scaling), which the conversion cannot carry over; quantize the model's "
+            "Hugging Face checkpoint instead"
+        )
+    kind = fields.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind != "linear":
+        raise SourceError(
+            f"{gguf}: rope scaling {kind!r} is not supported by the runtime (supported: "
+            "linear); quantize another model"
+        )
+    return {"rope_type": "linear", "factor": float(fields[f"{arch}.rope.scaling.factor"])}
 
 
 def convert_gguf(gguf: Path, out: Path) -> None:
@@ -234,12 +263,16 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     (transformers refuses save_pretrained here). The caller makes it visible atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    scaling = gguf_rope_scaling(gguf)
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     check_family(config, str(gguf))
+    if scaling is not None:
+        theta = (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        config["rope_parameters"] = {**scaling, "rope_theta": theta}
     state = model.state_dict()
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)

@@ -944,3 +944,83 @@ def test_what_the_runtime_cannot_run_is_refused_before_converting(
     config.update(change)
     (src / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
     _fail(src, tmp_path, message)
+
+
+def _tiny_gguf(out: Path, rope: str) -> Path:
+    """A 2-layer random Llama GGUF with SmolLM2's tokenizer, its RoPE scaled as llama.cpp
+    writes it: `linear` in the metadata, or `freqs` as a rope_freqs tensor (Llama 3.1's)."""
+    import gguf
+    import numpy as np
+
+    from lite.sources import ALIASES, _alias_file
+
+    reader = gguf.GGUFReader(_alias_file(next(iter(ALIASES))))
+    writer = gguf.GGUFWriter(str(out), "llama")
+    hidden, inter, layers, heads, kv_heads, head_dim = 64, 128, 2, 4, 2, 16
+    shape = {
+        "llama.block_count": layers,
+        "llama.embedding_length": hidden,
+        "llama.feed_forward_length": inter,
+        "llama.attention.head_count": heads,
+        "llama.attention.head_count_kv": kv_heads,
+        "llama.rope.dimension_count": head_dim,
+    }
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        if key in shape:
+            writer.add_uint32(key, shape[key])
+        elif field.types[0] == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1])
+        else:
+            writer.add_key_value(key, field.contents(), field.types[0])
+    if rope == "linear":
+        writer.add_string("llama.rope.scaling.type", "linear")
+        writer.add_float32("llama.rope.scaling.factor", 4.0)
+    rng = np.random.default_rng(0)
+    vocab = reader.fields["tokenizer.ggml.tokens"].data.__len__()
+
+    def rand(*s: int) -> np.ndarray:
+        return (rng.standard_normal(s) * 0.05).astype(np.float32)
+
+    writer.add_tensor("token_embd.weight", rand(vocab, hidden))
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    if rope == "freqs":
+        writer.add_tensor("rope_freqs.weight", np.linspace(1, 8, head_dim // 2, dtype=np.float32))
+    for i in range(layers):
+        b = f"blk.{i}."
+        for name, size in (("attn_norm", hidden), ("ffn_norm", hidden)):
+            writer.add_tensor(b + name + ".weight", np.ones(size, np.float32))
+        for name, rows, cols in (
+            ("attn_q", heads * head_dim, hidden),
+            ("attn_k", kv_heads * head_dim, hidden),
+            ("attn_v", kv_heads * head_dim, hidden),
+            ("attn_output", hidden, heads * head_dim),
+            ("ffn_gate", inter, hidden),
+            ("ffn_up", inter, hidden),
+            ("ffn_down", hidden, inter),
+        ):
+            writer.add_tensor(b + name + ".weight", rand(rows, cols))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def test_a_gguf_keeps_its_rope_scaling_or_is_refused(tmp_path: Path, monkeypatch) -> None:
+    """transformers' GGUF reader drops RoPE scaling for Llama: a linear-scaled GGUF became a
+    model with plain RoPE, and every Llama 3.1/3.2 GGUF (per-frequency factors) one without
+    its llama3 scaling, in silence."""
+    from lite.hf import architecture_from_config, load_config
+    from lite.sources import SourceError, resolve
+
+    monkeypatch.setenv("LITESERVE_CACHE", str(tmp_path / "cache"))
+    linear = resolve(str(_tiny_gguf(tmp_path / "linear.gguf", "linear")))
+    arch = architecture_from_config(load_config(linear.path), None)
+    assert arch.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    assert arch.rope_theta == 100000.0  # SmolLM2's, kept beside the scaling
+    with pytest.raises(SourceError, match="scales RoPE per frequency .* Hugging Face checkpoint"):
+        resolve(str(_tiny_gguf(tmp_path / "freqs.gguf", "freqs")))
+    entries = [p for p in (tmp_path / "cache" / "gguf").iterdir() if not p.name.startswith(".")]
+    assert len(entries) == 1  # the linear one only: nothing converted for the refused one
