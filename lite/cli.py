@@ -46,6 +46,16 @@ def _fail(e: Exception) -> None:
     raise click.ClickException(str(e)) from e
 
 
+def _writable_dir(path: Path, option: str) -> None:
+    """Created if missing, and writable: an option's directory checked before hours of work."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise click.BadParameter(f"{path}: {e.strerror or e}", param_hint=option) from e
+    if not os.access(path, os.W_OK):
+        raise click.BadParameter(f"{path}: not writable", param_hint=option)
+
+
 def _interrupted(work_dir: Path, sig: int | None) -> None:
     """Ctrl-C or SIGTERM during a run: say what is kept, and exit as the signal does (130,
     143), so scripts tell it from an error (it ended with status 1; SIGTERM said nothing)."""
@@ -590,6 +600,8 @@ def _run_eval(
     if ppl and (tasks or num_fewshot is not None):
         raise click.UsageError("--ppl scores a text, not tasks: drop --tasks and --num-fewshot")
     command = shlex.join(["lite", *sys.argv[1:]])
+    if output is not None:  # found now, not after the whole evaluation
+        _writable_dir(output, "--output")
     try:
         plan = EvalPlan(
             model=model,
@@ -613,8 +625,11 @@ def _run_eval(
     except _user_errors() as e:
         _fail(e)
     out = output or Path("reports") / report["created"].replace(":", "")
-    files = write_report(report, out)
-    Console().print(render_terminal(report))
+    Console().print(render_terminal(report))  # first: a failed write loses no result
+    try:
+        files = write_report(report, out)
+    except OSError as e:
+        _fail(OSError(f"writing the report to {out}: {e}; the results are above"))
     click.echo(f"wrote {', '.join(str(p) for p in files.values())}")
     if update_card:
         for art in artifacts:

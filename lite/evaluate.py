@@ -16,7 +16,13 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from lite.perplexity import PerplexityResult, eval_dtype, run_ppl, variant_name
+from lite.perplexity import (
+    PerplexityResult,
+    artifact_label,
+    eval_dtype,
+    run_ppl,
+    variant_name,
+)
 from lite.report import SCHEMA_VERSION
 from runtime.artifact.reader import Artifact, read_manifest
 
@@ -48,9 +54,9 @@ class EvalPlan:
         and then refused when the report is written, after the whole run."""
         _refuse_repeats("--kv-quant lists", self.kv_quants)
         _refuse_repeats("--artifact gives", [str(Path(a).resolve()) for a in self.artifacts])
-        names = [Path(a).name for a in self.artifacts]
+        names = [artifact_label(a) for a in self.artifacts]
         for name in {n for n in names if names.count(n) > 1}:
-            paths = ", ".join(str(a) for a in self.artifacts if Path(a).name == name)
+            paths = ", ".join(str(a) for a in self.artifacts if artifact_label(a) == name)
             raise EvalError(
                 f"two artifacts are named {name!r} ({paths}); the report names each variant by "
                 "its directory: give one another name (a symbolic link will do)"
@@ -112,7 +118,7 @@ def _report(plan: EvalPlan, mode: str, command: str, settings: dict, rows: list)
 
 def check_artifacts(plan: EvalPlan) -> None:
     """Every artifact verified (checksums included) before hours of evaluation start."""
-    if len({Path(a).name for a in plan.artifacts}) != len(plan.artifacts):
+    if len({artifact_label(a) for a in plan.artifacts}) != len(plan.artifacts):
         raise EvalError("two --artifact directories share a name; rename one of them")
     for art in plan.artifacts:
         Artifact(art)
@@ -239,7 +245,7 @@ def task_report(plan: EvalPlan, command: str, progress: bool = True) -> dict:
     manager = task_manager(plan)
     outputs = {}
     for variant in plan.variants:
-        lm = _load(variant, plan)
+        lm = _load(variant, plan, progress)
         outputs[variant["name"]] = _evaluate(lm, plan, manager, progress)
         del lm
         gc.collect()
@@ -257,7 +263,7 @@ def task_report(plan: EvalPlan, command: str, progress: bool = True) -> dict:
     return _report(plan, "tasks", command, settings, task_rows(outputs, next(iter(outputs))))
 
 
-def _load(variant: dict, plan: EvalPlan):
+def _load(variant: dict, plan: EvalPlan, progress: bool):
     dtype = str(eval_dtype(plan.dtype)).removeprefix("torch.")
     if variant["kind"] == "source":
         from lm_eval.models.huggingface import HFLM
@@ -279,6 +285,7 @@ def _load(variant: dict, plan: EvalPlan):
         max_length=plan.max_length,
         dtype=dtype,
         batch_size=plan.batch_size,
+        progress=progress,
     )
 
 

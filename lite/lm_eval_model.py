@@ -3,9 +3,10 @@
 Every request goes through the engine's scheduler (continuous batching, paged and optionally
 quantized KV), so a score measures the artifact as ``runtime serve`` would run it, KV policy
 included, with float activations on a CPU (LiteserveLM's docstring says why). Loglikelihoods
-come from the engine's prompt logprobs; the tokenization (no special tokens, BOS as the prefix
-of an empty context) matches lm-eval's ``hf`` model, so the source model scored by ``hf`` and
-its artifacts scored here see identical token streams.
+come from the engine's prompt logprobs; the tokenization (the tokenizer's own special tokens,
+such as a Llama's BOS; BOS as the prefix of an empty context) and the reading of gen_kwargs
+match lm-eval's ``hf`` model, so the source model scored by ``hf`` and its artifacts scored here
+see identical token streams.
 
 lm-eval 0.4 finds models only through its own registry, and its ``lm_eval`` command imports
 nothing from outside: importing this module registers ``liteserve``, which ``lite eval`` and
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
+from lm_eval.models.utils import has_bos_prefix, normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
@@ -73,6 +75,7 @@ class LiteserveLM(TemplateLM):
         max_gen_toks: int = 256,
         num_blocks: int | None = None,
         int8_activations: bool = False,
+        progress: bool = True,  # lite eval --quiet: lm-eval passes no disable_tqdm to requests
         **_ignored: object,  # lm-eval passes device/max_batch_size to every model
     ) -> None:
         super().__init__()
@@ -81,6 +84,7 @@ class LiteserveLM(TemplateLM):
         self._max_length = default_max_length(positions) if max_length is None else int(max_length)
         session = session_len(self._max_length, positions)
         self._max_gen_toks = int(max_gen_toks)  # the default of a task that sets none
+        self._progress = progress
         self._batch_size = 32 if str(batch_size).startswith("auto") else int(batch_size)
         block = 64
         per_session = -(-session // block)
@@ -131,7 +135,13 @@ class LiteserveLM(TemplateLM):
         return str(self.artifact.resolve())
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **_: object):
-        return self.engine.tokenizer.encode(string, add_special_tokens=bool(add_special_tokens)).ids
+        """As lm-eval's `hf` model encodes, so that the source model it scores and the artifacts
+        scored here see the same ids: the tokenizer's own special tokens (a Llama's BOS) unless
+        told otherwise, none when the text starts with the BOS text already."""
+        if add_special_tokens is None:
+            bos = self.engine.tokenizer.decode([self._prefix], skip_special_tokens=False)
+            add_special_tokens = not has_bos_prefix(string, bos)
+        return self.engine.tokenizer.encode(string, add_special_tokens=add_special_tokens).ids
 
     def tok_decode(self, tokens: Seq[int]) -> str:
         return self.engine.tokenizer.decode(list(tokens))
@@ -153,7 +163,7 @@ class LiteserveLM(TemplateLM):
         done: list[Sequence | None] = [None] * len(prompts)
         waiting = list(range(len(prompts)))[::-1]
         flight: dict[int, Sequence] = {}
-        with tqdm(total=len(prompts), desc=desc, disable=quiet) as bar:
+        with tqdm(total=len(prompts), desc=desc, disable=quiet or not self._progress) as bar:
             try:
                 while waiting or flight:
                     while waiting and len(flight) < self._batch_size:
@@ -234,19 +244,21 @@ class LiteserveLM(TemplateLM):
         return out
 
     def _sampling(self, kwargs: dict) -> SamplingParams:
-        """lm-eval's gen_kwargs: greedy unless do_sample; `until` strings stop generation."""
-        until = kwargs.pop("until", None) or []
-        until = [until] if isinstance(until, str) else list(until)
+        """lm-eval's gen_kwargs, read as its backends read them (normalize_gen_kwargs): greedy
+        unless do_sample, whatever the temperature; max_gen_toks or any of its aliases
+        (max_new_tokens, max_tokens, max_completion_tokens); `until` strings stop generation."""
+        kwargs = dict(normalize_gen_kwargs(kwargs, self._max_gen_toks))
+        until = kwargs.pop("until")
         eot = self.tok_decode([self._eot])
         if eot not in until:
             until.append(eot)
-        max_new = int(kwargs.pop("max_gen_toks", self._max_gen_toks))
+        max_new = kwargs.pop("max_gen_toks")
         if not 0 < max_new < self._max_length:  # its context is the rest of max_length
             raise ValueError(
                 f"max_gen_toks {max_new} leaves no context within max_length "
                 f"{self._max_length}; raise max_length (--model_args) above it"
             )
-        sample = bool(kwargs.pop("do_sample", False))
+        sample = kwargs.pop("do_sample")
         temperature = float(kwargs.pop("temperature", 0.0))
         return SamplingParams(
             temperature=temperature or (1.0 if sample else 0.0),

@@ -21,6 +21,7 @@ the baseline's full distributions never need storing.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -218,5 +219,11 @@ def run_ppl(
     return compare(names, scorers, batches, batch_size, progress)
 
 
+def artifact_label(artifact: Path) -> str:
+    """An artifact's name in a report: its directory's as given (a symbolic link's own name),
+    for `.` too (whose Path.name is empty)."""
+    return Path(os.path.abspath(artifact)).name
+
+
 def variant_name(artifact: Path, kv_quant: str) -> str:
-    return f"{Path(artifact).name} kv={kv_quant}"
+    return f"{artifact_label(artifact)} kv={kv_quant}"

@@ -65,6 +65,7 @@ def test_reported_accuracy_equals_direct_computation(
     args += ["--output", str(out), "--quiet", "--batch-size", "4"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
+    assert "liteserve loglikelihood" not in result.output  # --quiet: no bar of ours
 
     model = AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(tiny_models["llama"])
@@ -166,3 +167,12 @@ def test_a_text_file_that_is_not_utf8_is_named(
     result = CliRunner().invoke(main, args)
     assert result.exit_code != 0
     assert f"--text-file {text} is not valid UTF-8 (byte 3" in result.output, result.output
+
+
+def test_an_unusable_output_is_refused_before_evaluating(rtn_artifact: Path, tmp_path) -> None:
+    """It was found after the whole evaluation, as a traceback, and the results were lost."""
+    (tmp_path / "afile").write_text("")
+    args = ["ppl", "--artifact", str(rtn_artifact), "--output", str(tmp_path / "afile" / "sub")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and "--output" in result.output, result.output
+    assert "Not a directory" in result.output and "Traceback" not in result.output

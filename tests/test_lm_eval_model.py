@@ -230,3 +230,47 @@ def test_scores_are_float_math_whatever_the_host_measured(
     default = run_ppl(None, (rtn_artifact,), text, seqlen=32, limit=2)[0].ppl
     monkeypatch.setenv("LITESERVE_CPU_INT8", "0")
     assert default == pytest.approx(run_ppl(None, (rtn_artifact,), text, seqlen=32, limit=2)[0].ppl)
+
+
+def test_tokens_are_hfs_for_a_tokenizer_that_adds_bos(
+    lm: LiteserveLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Llama's or Mistral's tokenizer adds BOS: lm-eval's hf model (the source's baseline)
+    kept it and this model dropped every special token, so the two sides of a comparison
+    scored different token streams."""
+    from lm_eval.models.huggingface import HFLM
+    from tokenizers import Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer.from_str(lm.engine.tokenizer.to_str())
+    bos = tok.id_to_token(lm.prefix_token_id)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, lm.prefix_token_id)]
+    )
+    monkeypatch.setattr(lm.engine, "tokenizer", tok)
+    hf = HFLM.__new__(HFLM)  # only its tokenization: no model loaded
+    hf.tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos)
+    hf.add_bos_token, hf.custom_prefix_token_id = None, None
+    assert hf.prefix_token_id == lm.prefix_token_id
+    for text in ("Question: what is 2+2?\nAnswer:", bos + "Already has it", " 4"):
+        for special in (None, False, True):
+            want = HFLM.tok_encode(hf, text, add_special_tokens=special)
+            assert lm.tok_encode(text, add_special_tokens=special) == want, (text, special)
+    assert lm.tok_encode("x")[0] == lm.prefix_token_id  # the case that differed
+
+
+def test_gen_kwargs_are_read_as_lm_evals_backends_read_them(lm: LiteserveLM) -> None:
+    """max_new_tokens (three bundled tasks' alias) was dropped for the default 256, and
+    do_sample false with a temperature sampled: hf decodes greedily."""
+    prompt = "def open(file, mode"
+    greedy = lm.generate_until([_req("generate_until", prompt, {"max_gen_toks": 6})], True)[0]
+    aliases = [
+        {"max_new_tokens": 6},
+        {"max_tokens": 6},
+        {"max_gen_toks": 6, "do_sample": False, "temperature": 0.9},
+        {"max_new_tokens": 6, "do_sample": False, "temperature": 1.5, "seed": 3},
+    ]
+    reqs = [_req("generate_until", prompt, {"until": ["\x00never"], **kw}) for kw in aliases]
+    assert lm.generate_until(reqs, True) == [greedy] * len(aliases)
+    short = lm.generate_until([_req("generate_until", prompt, {"max_new_tokens": 2})], True)[0]
+    assert greedy.startswith(short) and len(short) < len(greedy)
