@@ -338,8 +338,12 @@ def convert_cmd(src: str, work_dir: Path, overwrite: bool) -> None:
     from lite.sources import ALIASES, resolve
     from runtime.artifact.convert import convert
 
-    if src.lower() in ALIASES or src.lower().endswith(".gguf"):  # dequantized first, then
-        # refused as a dense checkpoint named by its cache path
+    folder = Path(src)  # a directory whose one model is a GGUF resolves as that GGUF
+    lone_gguf = folder.is_dir() and not (folder / "config.json").exists() and any(
+        folder.glob("*.gguf")
+    )
+    if src.lower() in ALIASES or src.lower().endswith(".gguf") or lone_gguf:  # dequantized
+        # first, then refused as a dense checkpoint named by its cache path
         raise click.ClickException(
             f"{src} is a GGUF model, not one of the int4 checkpoints lite convert reads "
             f"(AutoAWQ GEMM, GPTQ, compressed-tensors): quantize it with lite auto_awq {src} "

@@ -191,6 +191,11 @@ def _hf_config(m: Manifest, fmt: str) -> dict:
     family = m.architecture.family
     config["architectures"] = [f"{family[0].upper()}{family[1:]}ForCausalLM"]
     config["dtype"] = m.dtype
+    # and the keys transformers 4 reads (what many vLLM builds pin): it ignores rope_parameters
+    # and would serve plain RoPE at theta 10000; transformers 5 takes either
+    config["torch_dtype"] = m.dtype
+    config["rope_theta"] = m.architecture.rope_theta
+    config["rope_scaling"] = m.architecture.rope_scaling
     config["quantization_config"] = quantization_config(m, fmt)
     config.pop("_attn_implementation_autoset", None)
     return config

@@ -1024,3 +1024,67 @@ def test_a_gguf_keeps_its_rope_scaling_or_is_refused(tmp_path: Path, monkeypatch
         resolve(str(_tiny_gguf(tmp_path / "freqs.gguf", "freqs")))
     entries = [p for p in (tmp_path / "cache" / "gguf").iterdir() if not p.name.startswith(".")]
     assert len(entries) == 1  # the linear one only: nothing converted for the refused one
+
+
+def test_the_export_carries_rope_for_transformers_4_too(tiny_models, tmp_path: Path) -> None:
+    """Only transformers 5's rope_parameters were written: transformers 4 (pinned by many vLLM
+    builds) read a Llama 3 export as plain RoPE at theta 10000 (checked with 4.57.1)."""
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 256}  # fmt: skip
+    src = tmp_path / "src"
+    make_checkpoint(tiny_models["llama"], src, "gptq", 32, True)
+    config = json.loads((src / "config.json").read_text())
+    config["rope_parameters"] = {**rope, "rope_theta": 500000.0}
+    (src / "config.json").write_text(json.dumps(config))
+    convert(src, tmp_path / "art")
+    out = tmp_path / "ct"
+    args = ["export", str(tmp_path / "art"), "--format", "compressed-tensors", "--output", str(out)]
+    result = CliRunner().invoke(lite_main, args)
+    assert result.exit_code == 0, result.output
+    exported = json.loads((out / "config.json").read_text())
+    assert (exported["rope_theta"], exported["rope_scaling"]) == (500000.0, rope)
+    assert exported["torch_dtype"] == exported["dtype"] == "float16"
+    assert exported["rope_parameters"] == {**rope, "rope_theta": 500000.0}  # transformers 5's
+
+
+def test_a_folder_holding_a_gguf_is_refused_at_once(tmp_path: Path) -> None:
+    """It resolved as its GGUF: the whole model was dequantized, then refused as a dense
+    checkpoint named by its cache path."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "model.gguf").write_bytes(b"GGUF")  # never read
+    result = CliRunner().invoke(lite_main, ["convert", str(tmp_path / "m"), "--work-dir", "a"])
+    assert result.exit_code == 1, result.output
+    assert "is a GGUF model, not one of the int4 checkpoints" in result.output
+
+
+@pytest.mark.parametrize(
+    ("index", "message"),
+    [
+        ('{"weight_map": ', "model.safetensors.index.json is not valid JSON"),
+        ('{"metadata": {}}', "model.safetensors.index.json is not a safetensors index"),
+    ],
+)
+def test_a_damaged_index_is_named(index: str, message: str, tiny_models, tmp_path) -> None:
+    """`runtime serve SRC` converts without lite's reader: a KeyError traceback, or a JSON
+    error that named no file."""
+    from runtime.artifact.convert import ConvertError, Shards
+
+    src = tmp_path / "src"
+    make_checkpoint(tiny_models["llama"], src, "gptq", 32, True)
+    (src / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(ConvertError, match=message):
+        Shards(src)
+
+
+def test_a_compressed_tensors_group_without_its_own_format_takes_the_top_level_one(
+    tiny_models, tmp_path: Path
+) -> None:
+    """compressed-tensors reads a group's null format as the config's: it was refused."""
+    src = tmp_path / "src"
+    want = make_checkpoint(tiny_models["llama"], src, "ct", 32, True)
+    config = json.loads((src / "config.json").read_text())
+    assert config["quantization_config"]["format"] == "pack-quantized"
+    config["quantization_config"]["config_groups"]["group_0"]["format"] = None
+    (src / "config.json").write_text(json.dumps(config))
+    convert(src, tmp_path / "art")
+    assert_same_weights(artifact_weights(tmp_path / "art"), want, exact=True)

@@ -97,7 +97,14 @@ class Shards:
     def _files(self) -> list[Path]:
         index = self.src / INDEX_FILE
         if index.is_file():
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            try:
+                names = sorted(set(read_json(index)["weight_map"].values()))
+            except (KeyError, AttributeError) as e:
+                raise ConvertError(
+                    f"{index} is not a safetensors index (no weight_map); download it again"
+                ) from e
+            except ValueError as e:  # not JSON: read_json names the file
+                raise ConvertError(str(e)) from e
             missing = [n for n in names if not (self.src / n).is_file()]
             if missing:
                 raise ConvertError(

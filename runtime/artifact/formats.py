@@ -276,9 +276,10 @@ def _ct_weights(qc: dict, where: str) -> dict:
         raise FormatError(f"{where}: compressed-tensors config has no config_groups")
     schemes = []
     for name, group in groups.items():
-        if group.get("format", fmt) != "pack-quantized":
+        group_fmt = group.get("format") or fmt  # null: the top-level format, as compressed-
+        if group_fmt != "pack-quantized":  # tensors itself reads it
             raise FormatError(
-                f"{where}: compressed-tensors format {group.get('format', fmt)!r} in {name}; "
+                f"{where}: compressed-tensors format {group_fmt!r} in {name}; "
                 f"only pack-quantized int4 converts"
             )
         if group.get("input_activations"):
