@@ -88,6 +88,7 @@ from runtime.artifact.manifest import (
     Quantization,
     SourceModel,
 )
+from runtime.artifact.reader import read_manifest
 from runtime.artifact.writer import (
     check_replaceable,
     file_entries,
@@ -791,6 +792,7 @@ def auto_awq(
         )
         staging = state.dir / "artifact"
         _assemble(staging, state, source, ckpt, config, tokenizer, cfg, calib, command)
+        write_model_card(staging, read_manifest(staging), work_dir.name)  # as it is served
         publish(staging, work_dir, overwrite)
         shutil.rmtree(state.dir)
     line = _summary(work_dir, time.perf_counter() - started, device)
@@ -1165,4 +1167,3 @@ def _assemble(
         generation=generation_defaults(source.path, arch),
     )
     write_manifest(staging, manifest)
-    write_model_card(staging, manifest)

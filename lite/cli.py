@@ -339,8 +339,8 @@ def convert_cmd(src: str, work_dir: Path, overwrite: bool) -> None:
     from runtime.artifact.convert import convert
 
     folder = Path(src)  # a directory whose one model is a GGUF resolves as that GGUF
-    lone_gguf = folder.is_dir() and not (folder / "config.json").exists() and any(
-        folder.glob("*.gguf")
+    lone_gguf = (
+        folder.is_dir() and not (folder / "config.json").exists() and any(folder.glob("*.gguf"))
     )
     if src.lower() in ALIASES or src.lower().endswith(".gguf") or lone_gguf:  # dequantized
         # first, then refused as a dense checkpoint named by its cache path

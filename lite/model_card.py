@@ -20,7 +20,8 @@ def made_by(p: Producer) -> str:
     return text
 
 
-def write_model_card(root: Path, m: Manifest) -> None:
+def write_model_card(root: Path, m: Manifest, name: str) -> None:
+    """README.md in `root`, the staged artifact, which is served as `name`."""
     q, a, launch = m.quantization, m.architecture, m.launch
     calib = (
         f"{q.calib_samples} x {q.calib_seqlen} tokens of `{q.calib_dataset}` "
@@ -28,11 +29,18 @@ def write_model_card(root: Path, m: Manifest) -> None:
         if q.method == "awq"
         else "none (round-to-nearest baseline)"
     )
+    search = (
+        f"{q.search} objective, {q.n_grid}-point scale grid"
+        f"{' with duo scaling' if q.duo_scaling else ''}, clip shrink up to {q.clip_max_shrink}, "
+        f"{q.rounding} rounding"
+        if q.method == "awq"
+        else "none (round-to-nearest)"
+    )
     fallbacks = "\n".join(f"- {f}" for f in q.fallbacks) or "none"
     text = f"""# {Path(m.source.id).name} ({q.method.upper()} int{q.bits}, group {q.group_size})
 
 A liteserve artifact: packed 4-bit weights in the `{m.layout.name}` layout, group scales,
-tokenizer and chat template. Serve it with `runtime serve {root.name}`.
+tokenizer and chat template. Serve it with `runtime serve {name}`.
 
 | | |
 |---|---|
@@ -42,9 +50,7 @@ tokenizer and chat template. Serve it with `runtime serve {root.name}`.
 | quantization | {q.method}, int{q.bits}, group size {q.group_size}, \
 {"symmetric" if q.symmetric else "asymmetric with zero points"} |
 | calibration | {calib} |
-| search | {q.search} objective, {q.n_grid}-point scale grid\
-{" with duo scaling" if q.duo_scaling else ""}, clip shrink up to {q.clip_max_shrink}, \
-{q.rounding} rounding |
+| search | {search} |
 | search fallbacks | {fallbacks} |
 | launch config | session {launch.session_len}, kv {launch.kv_quant}, \
 block {launch.cache_block_seq_len}, batch {launch.max_batch_size} |

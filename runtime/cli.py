@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from runtime.artifact.manifest import BACKENDS, DEFAULT_BLOCK_SEQ_LEN
+from runtime.artifact.manifest import BACKENDS
 from runtime.cache import CacheUnwritable
 from runtime.server.cluster import replica_options, served_name
 from runtime.server.listen import listen_socket
@@ -214,14 +214,15 @@ def cache_list_cmd() -> None:
     default="30d",
     show_default=True,
     help="Remove the entries not used for this long (30d, 12h, 0 = all).",
+    callback=lambda _ctx, _param, value: parse_age(value),  # an error names the option
 )
 @click.option("--dry-run", is_flag=True, help="Say what would go, remove nothing.")
-def cache_prune_cmd(unused_for: str, dry_run: bool) -> None:
+def cache_prune_cmd(unused_for: float, dry_run: bool) -> None:
     """Remove entries not used lately (a new liteserve or torch leaves the old ones unused);
     whatever needs one again rebuilds it. An entry being written stays."""
     from runtime.cache import list_entries, prune, unused
 
-    age = parse_age(unused_for)
+    age = unused_for
     entries = list_entries()
     gone, busy = (unused(entries, age), []) if dry_run else prune(entries, age)
     verb = "would remove" if dry_run else "removed"
@@ -387,14 +388,23 @@ def _fit_history(pipe, history: list[dict], max_new_tokens: int) -> int:
 
 @main.command("plan")
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--memory", required=True, help="Memory for the server, e.g. 24GiB.")
+@click.option(
+    "--memory",
+    required=True,
+    help="Memory for the server, e.g. 24GiB.",
+    callback=lambda _ctx, _param, value: parse_bytes(value),  # an error names the option
+)
 @click.option(
     "--avg-len",
     type=int,
     help="Average tokens per sequence (default: 4000, or the model's max_position_embeddings "
     "if fewer).",
 )
-@click.option("--cache-block-seq-len", default=DEFAULT_BLOCK_SEQ_LEN, show_default=True)
+@click.option(
+    "--cache-block-seq-len",
+    type=int,
+    help="Tokens per KV block (default: the artifact's launch config, as the engine's).",
+)
 @click.option(
     "--tp",
     type=click.IntRange(min=1),
@@ -403,20 +413,20 @@ def _fit_history(pipe, history: list[dict], max_new_tokens: int) -> int:
     help="Tensor-parallel ranks: --memory is then each rank's (each GPU's).",
 )
 def plan_cmd(
-    artifact: Path, memory: str, avg_len: int | None, cache_block_seq_len: int, tp: int
+    artifact: Path, memory: int, avg_len: int | None, cache_block_seq_len: int | None, tp: int
 ) -> None:
     """How many tokens and sequences fit, for each KV policy, side by side."""
     from runtime.artifact.reader import Artifact, ArtifactError
     from runtime.plan import default_avg_len, plan, render
 
-    size = parse_bytes(memory)
-    try:
-        art = Artifact(artifact, checksums=False)
+    try:  # whatever serve takes: a quantized checkpoint is planned as its conversion
+        art = Artifact(_served(artifact), checksums=False)
         avg_len = default_avg_len(art) if avg_len is None else avg_len
-        rows = plan(art, size, avg_len, cache_block_seq_len, tp)
+        block = cache_block_seq_len or art.manifest.launch.cache_block_seq_len
+        rows = plan(art, memory, avg_len, block, tp)
     except (ArtifactError, ValueError) as e:
         raise click.ClickException(str(e)) from e
-    click.echo(render(rows, art, size, avg_len, tp))
+    click.echo(render(rows, art, memory, avg_len, tp))
 
 
 @main.command("serve")

@@ -97,6 +97,12 @@ def plan(art: Artifact, memory: int, avg_len: int, block_size: int, tp: int = 1)
                 blocks // per_seq,
             )
         )
+    if not any(r.blocks for r in rows):  # a table of zeros, exit 0: read as a plan that fits
+        smallest = min(r.bytes_per_block for r in rows)
+        raise ValueError(
+            f"--memory {memory:,} bytes holds the weights ({weights:,} bytes) but not one KV "
+            f"block of any policy (the smallest takes {smallest:,} bytes): give more"
+        )
     return rows
 
 

@@ -168,7 +168,10 @@ def test_rounding_choice_changes_the_codes_and_says_so(
         )
         assert code == 0, out
         assert Artifact(art).manifest.quantization.rounding == rounding
-        assert f"{rounding} rounding" in (art / "README.md").read_text()
+        card = (art / "README.md").read_text()
+        assert f"{rounding} rounding" in card
+        # the staging directory's name ("artifact") was the command the card gave
+        assert f"Serve it with `runtime serve {rounding}`." in card
     code, out = lite("inspect", str(arts["nearest"]), "--verify", "--json")
     assert code == 0, out
     shas = {r: _saved_sha256(a / "model-00001.safetensors", tmp_path) for r, a in arts.items()}
@@ -1175,3 +1178,10 @@ def test_the_packages_warnings_are_one_line(tiny_models: dict[str, Path]) -> Non
     # the plan counts the blocks the text gives (it said 5000 x 512, and their memory)
     blocks = lines[0].split("has only ")[1].split()[0]
     assert f"; {blocks} x 512 calibration tokens" in done.stdout + done.stderr
+
+
+def test_the_card_of_a_round_to_nearest_artifact_claims_no_search(rtn_artifact: Path) -> None:
+    """It described AWQ's scale grid and clip search, which never ran."""
+    card = (rtn_artifact / "README.md").read_text()
+    assert "| search | none (round-to-nearest) |" in card and "scale grid" not in card
+    assert f"Serve it with `runtime serve {rtn_artifact.name}`." in card

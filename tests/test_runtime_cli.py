@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import click
@@ -222,6 +224,45 @@ def test_plan_refuses_what_it_cannot_plan(art: Path, args: list[str], message: s
     r = CliRunner().invoke(main, ["plan", str(art), *args])
     assert r.exit_code == 1 and message in r.output and "Traceback" not in r.output, r.output
     assert "give a unit" not in r.output  # said so to --memory 100KiB too
+
+
+def test_plan_refuses_memory_that_holds_no_block_and_names_bad_options(art: Path) -> None:
+    """Memory a byte over the weights gave a table of zeros and exit 0; an unparsable size
+    or age named no option."""
+    from runtime.artifact.reader import Artifact
+    from runtime.plan import weight_bytes
+
+    over = str(weight_bytes(Artifact(art, checksums=False)) + 1)
+    r = CliRunner().invoke(main, ["plan", str(art), "--memory", over])
+    assert r.exit_code == 1 and "but not one KV block of any policy" in r.output, r.output
+    r = CliRunner().invoke(main, ["plan", str(art), "--memory", "-1GiB"])
+    assert r.exit_code == 2 and "Invalid value for '--memory'" in r.output, r.output
+    r = CliRunner().invoke(main, ["cache", "prune", "--unused-for", "1w", "--dry-run"])
+    assert r.exit_code == 2 and "Invalid value for '--unused-for'" in r.output, r.output
+
+
+def test_plan_takes_what_serve_takes_with_the_engines_block(
+    art: Path, tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It planned 64-token blocks for an artifact whose engine uses its launch config's, and
+    refused a quantized checkpoint that serve converts, advising to quantize it."""
+    from tests.test_interop import make_checkpoint
+
+    launched = tmp_path / "art128"
+    shutil.copytree(art, launched)
+    manifest = json.loads((launched / "manifest.json").read_text())
+    manifest["launch"]["cache_block_seq_len"] = 128
+    (launched / "manifest.json").write_text(json.dumps(manifest))
+    r = CliRunner().invoke(main, ["plan", str(launched), "--memory", "1GiB", "--avg-len", "100"])
+    assert r.exit_code == 0, r.output
+    none = next(line.split() for line in r.output.splitlines() if line.startswith("none"))
+    assert none[1:3] == ["256", f"{256 * 128:,}"], none  # bytes per token, per block
+
+    monkeypatch.setenv("LITESERVE_CACHE", str(tmp_path / "cache"))  # plan converts it there
+    src = tmp_path / "gptq"
+    make_checkpoint(tiny_models["llama"], src, "gptq", 32, True)
+    r = CliRunner().invoke(main, ["plan", str(src), "--memory", "1GiB", "--avg-len", "100"])
+    assert r.exit_code == 0 and "quantize it first" not in r.output, r.output
 
 
 def test_plan_defaults_avg_len_to_the_models_positions(art: Path) -> None:
