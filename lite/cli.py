@@ -569,6 +569,31 @@ def ppl_cmd(**kw) -> None:
     _run_eval(ppl=True, **kw)
 
 
+# what each mode reads: an option of the other mode would be ignored in silence
+TASK_OPTIONS = ("tasks", "include_path", "data_dir", "num_fewshot", "max_length", "seed")
+PPL_OPTIONS = ("text_file", "seqlen")
+ARTIFACT_OPTIONS = ("kv_quant", "update_card")
+
+
+def _refuse_inapplicable(ppl: bool, artifacts: bool) -> None:
+    """Options given that this run would not read: refused, never dropped."""
+    ctx = click.get_current_context()
+    given = {
+        name
+        for name in ctx.params
+        if ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT
+    }
+    unread = {
+        "--ppl scores a text, not tasks": TASK_OPTIONS if ppl else (),
+        "tasks do not read the --ppl text options": () if ppl else PPL_OPTIONS,
+        "no --artifact is given": () if artifacts else ARTIFACT_OPTIONS,
+    }
+    for why, names in unread.items():
+        dropped = [f"--{n.replace('_', '-')}" for n in names if n in given]
+        if dropped:
+            raise click.UsageError(f"{why}: drop {', '.join(dropped)}")
+
+
 def _run_eval(
     model: str | None,
     artifacts: tuple[Path, ...],
@@ -601,8 +626,7 @@ def _run_eval(
     bad = [k for k in kvs if k not in ("none", "int8", "int4")]
     if bad or not kvs:
         raise click.BadParameter(f"{kv_quant!r}: use none, int8, int4", param_hint="--kv-quant")
-    if ppl and (tasks or num_fewshot is not None):
-        raise click.UsageError("--ppl scores a text, not tasks: drop --tasks and --num-fewshot")
+    _refuse_inapplicable(ppl, bool(artifacts))
     command = shlex.join(["lite", *sys.argv[1:]])
     if output is not None:  # found now, not after the whole evaluation
         _writable_dir(output, "--output")

@@ -132,7 +132,11 @@ def test_ppl_mode_writes_report_and_updates_card(
         (["--tasks", "piqa_local", "--limit", "inf"], "'inf': give a number of documents"),
         (["--tasks", "piqa_local", "--limit", "nan"], "--limit"),
         (["--tasks", "piqa_local", "--limit", "0"], "--limit"),
-        (["--ppl", "--tasks", "piqa_local"], "--ppl scores a text, not tasks"),
+        (["--ppl", "--tasks", "piqa_local"], "--ppl scores a text, not tasks: drop --tasks"),
+        # read by one mode only: ignored in silence by the other
+        (["--ppl", "--seed", "7", "--max-length", "64"], "drop --max-length, --seed"),
+        (["--ppl", "--data-dir", "{tasks}"], "--ppl scores a text, not tasks: drop --data-dir"),
+        (["--tasks", "piqa_local", "--seqlen", "64"], "the --ppl text options: drop --seqlen"),
         (["--ppl", "--limit", "0.5"], "'0.5': give a whole number of windows"),
     ],
 )
@@ -176,3 +180,12 @@ def test_an_unusable_output_is_refused_before_evaluating(rtn_artifact: Path, tmp
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2 and "--output" in result.output, result.output
     assert "Not a directory" in result.output and "Traceback" not in result.output
+
+
+def test_artifact_options_without_an_artifact_are_refused(tiny_models: dict[str, Path]) -> None:
+    """--kv-quant and --update-card did nothing without an --artifact, and said nothing."""
+    for extra in (["--kv-quant", "int8"], ["--update-card"]):
+        args = ["ppl", "--model", str(tiny_models["llama"]), *extra]
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 2, result.output
+        assert f"no --artifact is given: drop {extra[0]}" in result.output
