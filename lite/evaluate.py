@@ -208,6 +208,15 @@ def task_manager(plan: EvalPlan):
     return manager
 
 
+def read_documents(plan: EvalPlan, manager) -> None:
+    """Every task's documents read once before any model loads: a missing data folder or a
+    damaged file was found after the first model had loaded (minutes, for a large one). The
+    tasks are built again for each model, as lm-eval builds them; local files read fast."""
+    from lm_eval.tasks import get_task_dict
+
+    get_task_dict(list(plan.tasks), manager)
+
+
 def _require_hub(tasks: tuple[str, ...]) -> None:
     from lite.sources import hub_unreachable
 
@@ -243,6 +252,7 @@ def task_report(plan: EvalPlan, command: str, progress: bool = True) -> dict:
     check_artifacts(plan)
     plan = replace(plan, max_length=_max_length(plan))
     manager = task_manager(plan)
+    read_documents(plan, manager)
     outputs = {}
     for variant in plan.variants:
         lm = _load(variant, plan, progress)

@@ -189,3 +189,21 @@ def test_artifact_options_without_an_artifact_are_refused(tiny_models: dict[str,
         result = CliRunner().invoke(main, args)
         assert result.exit_code == 2, result.output
         assert f"no --artifact is given: drop {extra[0]}" in result.output
+
+
+def test_missing_task_data_is_found_before_any_model_loads(
+    rtn_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It was found when lm-eval built the tasks, after the first model had loaded."""
+    import lite.evaluate
+
+    def loaded(*_: object) -> None:
+        raise AssertionError("a model loaded before the task data was read")
+
+    monkeypatch.setattr(lite.evaluate, "_load", loaded)
+    monkeypatch.delenv("LITESERVE_EVAL_DATA", raising=False)
+    tasks = Path(__file__).parents[1] / "evals" / "tasks"
+    args = ["eval", "--artifact", str(rtn_artifact), "--tasks", "piqa_local"]
+    result = CliRunner().invoke(main, [*args, "--include-path", str(tasks)])
+    assert result.exit_code == 1, result.output
+    assert "piqa_local reads piqa_valid.jsonl but no data folder is given" in result.output
