@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from lite.families import LAYER_GROUPS
+from lite.quantizer import SUPPORTED_GROUP_SIZES, num_groups
 from runtime.artifact import layout
 
 CHUNK_TOKENS = 4096  # tokens per forward chunk by default: large matmuls, bounded memory
@@ -77,8 +78,22 @@ def search_bytes(layer: torch.nn.Module, family: str) -> int:
 
 
 def rtn_bytes(layer: torch.nn.Module) -> int:
-    """Round-to-nearest of the largest linear: its codes and expanded parameters in fp32."""
-    return max(lin.weight.numel() for lin in _linears(layer).values()) * 4 * FP32
+    """Round-to-nearest of the largest linear, plus the codes of every linear, held until the
+    layer is packed (CODE_BYTES a weight). Rounding holds the scale and zero expanded to every
+    column and two temporaries of its chain, all padded to whole groups (counted at the group
+    size that pads most: a bound for any), and two fp32 copies of the unpadded weights; the
+    padded group range comes before them. Measured: 20-21 bytes a weight at K = 576 (SmolLM2,
+    padded to 640 at g128) for g32/64/128, against 25.8 counted."""
+    linears = _linears(layer).values()
+    widest = max(
+        lin.out_features * (_padded(lin.in_features) * 4 + lin.in_features * 2) * FP32
+        for lin in linears
+    )
+    return int(widest + sum(lin.weight.numel() for lin in linears) * CODE_BYTES)
+
+
+def _padded(k: int) -> int:
+    return max(num_groups(k, g) * g for g in SUPPORTED_GROUP_SIZES)
 
 
 def token_bytes(layer: torch.nn.Module, hidden: int, num_heads: int, seqlen: int) -> int:

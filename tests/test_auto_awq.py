@@ -1185,3 +1185,40 @@ def test_the_card_of_a_round_to_nearest_artifact_claims_no_search(rtn_artifact: 
     card = (rtn_artifact / "README.md").read_text()
     assert "| search | none (round-to-nearest) |" in card and "scale grid" not in card
     assert f"Serve it with `runtime serve {rtn_artifact.name}`." in card
+
+
+@pytest.mark.parametrize(
+    ("hidden", "intermediate", "heads", "kv_heads"),
+    [(96, 160, 6, 2), (576, 1536, 9, 3)],  # the tiny models' (K padded by a third), SmolLM2's
+    ids=["tiny", "smollm2"],
+)
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_round_to_nearest_holds_no_more_than_planned(
+    hidden: int, intermediate: int, heads: int, kv_heads: int, group_size: int
+) -> None:
+    """The dry run's plan, called an upper bound, counted 16 bytes a weight for rounding a
+    linear: packing SmolLM2's layer 0 held 33.1 MiB against 27.0 planned."""
+    import dataclasses
+
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from lite.auto_awq import AwqConfig, pack_layer
+    from lite.compute import tensor_peak
+    from lite.plan import rtn_bytes
+    from lite.quantizer import QuantSpec
+
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        num_hidden_layers=1,
+    )
+    torch.manual_seed(0)
+    layer = LlamaDecoderLayer(config, 0).float()
+    spec = QuantSpec(bits=4, group_size=group_size, symmetric=False)
+    cfg = dataclasses.replace(AwqConfig(), spec=spec, dtype="float16")
+    with tensor_peak(torch.device("cpu")) as held:
+        packed = pack_layer(layer, cfg, "model.layers.0.", {})
+    assert packed and held.bytes <= rtn_bytes(layer), (held.bytes, rtn_bytes(layer))
