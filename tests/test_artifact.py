@@ -321,3 +321,15 @@ def test_size_on_disk_is_the_artifacts_own_files(copy: Path) -> None:
     assert Artifact(copy).size_on_disk() == size
     listed = sum((copy / n).stat().st_size for n in _manifest(copy)["files"])
     assert size == listed + sum((copy / n).stat().st_size for n in ("manifest.json", "README.md"))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("eos_token_ids", [2, 99999]), ("bos_token_id", 99999)]
+)
+def test_manifest_with_token_ids_outside_the_vocabulary(copy: Path, field: str, value) -> None:
+    """`runtime verify` said ok; the engine then failed on its first step."""
+    m = _manifest(copy)
+    m["architecture"][field] = value
+    (copy / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ArtifactError, match=rf"architecture.{field} \[99999\] are outside the"):
+        Artifact(copy)

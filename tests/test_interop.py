@@ -1088,3 +1088,14 @@ def test_a_compressed_tensors_group_without_its_own_format_takes_the_top_level_o
     (src / "config.json").write_text(json.dumps(config))
     convert(src, tmp_path / "art")
     assert_same_weights(artifact_weights(tmp_path / "art"), want, exact=True)
+
+
+def test_a_quantized_checkpoint_read_as_an_artifact_is_named_as_one(tiny_models, tmp_path) -> None:
+    """`lite inspect` on an AutoAWQ export advised quantizing it with lite auto_awq."""
+    src = tmp_path / "src"
+    make_checkpoint(tiny_models["llama"], src, "awq", 32, False)
+    with pytest.raises(ArtifactError, match="it is a quantized Hugging Face checkpoint") as e:
+        Artifact(src)
+    assert "lite auto_awq" not in str(e.value)
+    with pytest.raises(ArtifactError, match="quantize it first with `lite auto_awq`"):
+        Artifact(tiny_models["llama"])

@@ -45,12 +45,19 @@ def read_manifest(path: str | Path) -> Manifest:
         raise ArtifactError(f"{root}: no such artifact directory")
     mpath = root / MANIFEST_FILE
     if not mpath.is_file():
-        hint = (
-            " (it looks like a Hugging Face model directory: quantize it first with "
-            "`lite auto_awq`)"
-            if (root / "config.json").is_file()
-            else ""
-        )
+        from runtime.artifact.convert import is_quantized_checkpoint  # only on this error
+
+        hint = ""
+        if is_quantized_checkpoint(root):
+            hint = (
+                " (it is a quantized Hugging Face checkpoint: `runtime serve`, `check` and "
+                "`plan` take it as it is; `lite convert` makes it an artifact)"
+            )
+        elif (root / "config.json").is_file():
+            hint = (
+                " (it looks like a Hugging Face model directory: quantize it first with "
+                "`lite auto_awq`)"
+            )
         raise ArtifactError(f"{root} is not a liteserve artifact: no {MANIFEST_FILE}{hint}")
     try:
         raw = json.loads(mpath.read_text())
@@ -79,14 +86,26 @@ def read_manifest(path: str | Path) -> Manifest:
     _check_layers(mpath, manifest)
     _check_head(mpath, manifest)
     _check_shapes(mpath, manifest)
-    vocab = manifest.architecture.vocab_size
-    outside = [t for t in manifest.generation.stop_token_ids if t >= vocab]
-    if outside:  # every request would be refused for a stop id it never sent
-        raise ArtifactError(
-            f"{mpath} is corrupted: generation.stop_token_ids {outside[:5]} are outside the "
-            f"vocabulary (0..{vocab - 1})"
-        )
+    _check_token_ids(mpath, manifest)
     return manifest
+
+
+def _check_token_ids(mpath: Path, manifest: Manifest) -> None:
+    """Ids the engine stops on or starts with: one outside the vocabulary refused every
+    request for a stop id it never sent (or, `runtime check` found, failed the first step)."""
+    a, vocab = manifest.architecture, manifest.architecture.vocab_size
+    fields = {
+        "generation.stop_token_ids": manifest.generation.stop_token_ids,
+        "architecture.eos_token_ids": a.eos_token_ids,
+        "architecture.bos_token_id": [] if a.bos_token_id is None else [a.bos_token_id],
+    }
+    for name, ids in fields.items():
+        outside = [t for t in ids if not 0 <= t < vocab]
+        if outside:
+            raise ArtifactError(
+                f"{mpath} is corrupted: {name} {outside[:5]} are outside the vocabulary "
+                f"(0..{vocab - 1})"
+            )
 
 
 def _check_layout(mpath: Path, manifest: Manifest) -> None:
