@@ -53,6 +53,28 @@ class MessageText:
             at = end
         return ids + token_ids(self.tokenizer, rendered[at:])
 
+    def check_plain(self, value: object, where: str) -> None:
+        """A client's string the template renders outside a message's content (a message's
+        name, tool calls' arguments, tools' descriptions and schemas, template kwargs) holds
+        no special token's text: only content is located and kept as text, so such a token
+        would become the control token. Refused, naming the field."""
+        if isinstance(value, str):
+            found = self._occurrences(value)
+            if found:
+                a, b = found[0]
+                raise ValueError(
+                    f"{where} holds {value[a:b]!r}, the text of a special token, which the chat "
+                    "template would render as that token; only a message's content may hold "
+                    "it (kept as text): remove it"
+                )
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                self.check_plain(key, f"{where}.{key}")
+                self.check_plain(item, f"{where}.{key}")
+        elif isinstance(value, list | tuple):
+            for i, item in enumerate(value):
+                self.check_plain(item, f"{where}.{i}")
+
     def _typed_specials(
         self,
         rendered: str,

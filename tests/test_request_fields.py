@@ -156,7 +156,7 @@ def test_top_k_unset_keeps_the_artifact_default(served, monkeypatch) -> None:
 
     def top_k(**kw: object) -> int:
         req = ChatCompletionRequest.model_validate({**BASE[ChatCompletionRequest], **kw})
-        return state.params(req, 0, 4).top_k
+        return state.params(req, state.sampling_fields(req), 0, 4).top_k
 
     assert top_k() == 17
     assert top_k(top_k=-1) == 0 and top_k(top_k=0) == 0 and top_k(top_k=3) == 3

@@ -233,7 +233,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, message_text: Mess
         if req.model is not None:
             state.check_model(req.model)
         state.check_ids(req.tokens, "tokens")
-        return {"prompt": state.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+        # off the event loop: a 4 MB body of ids takes a second to decode
+        text = await run_in_threadpool(state.tokenizer.decode, req.tokens, False)
+        return {"prompt": text}
 
     @app.post("/v1/chat/completions")
     async def chat(req: p.ChatCompletionRequest, request: Request) -> Response:
@@ -355,6 +357,17 @@ class _State:
         options = _RenderOptions(
             add_generation_prompt and req.add_generation_prompt, req.chat_template_kwargs or {}
         )
+        outside = {  # what the template renders beside the contents, all the client's
+            **{f"messages.{i}": {k: v for k, v in m.items() if k != "content"}
+               for i, m in enumerate(messages)},
+            "tools": tools,
+            "chat_template_kwargs": options.kwargs,
+        }  # fmt: skip
+        for where, value in outside.items():
+            try:
+                self.message_text.check_plain(value, where)
+            except ValueError as e:
+                raise ApiError(400, str(e), param=where.split(".")[0]) from e
 
         def render(texts: dict[int, str]) -> str:
             """The prompt, with the messages' texts replaced as `texts` says."""
@@ -424,7 +437,10 @@ class _State:
                 code="context_length_exceeded",
             )
 
-    def params(self, req, n_index: int, prompt_len: int) -> SamplingParams:
+    def sampling_fields(self, req) -> dict:
+        """The request's sampling settings, checked once for all its prompts and choices: a
+        request of 1024 prompts with a large logit_bias or schema checked them 1024 times.
+        Run off the event loop (a schema compiles here)."""
         fields = {k: v for k, v in p.sampling_fields(req).items() if v is not None}
         self.check_ids(list(fields.get("logit_bias", {})), "logit_bias")
         self.check_ids(list(fields.get("stop_token_ids", ())), "stop_token_ids")
@@ -437,6 +453,11 @@ class _State:
                 "before it is complete, and the output already ends where the JSON does",
                 param="stop",
             )
+        return fields
+
+    def params(self, req, checked: dict, n_index: int, prompt_len: int) -> SamplingParams:
+        """One choice's settings: `checked` (sampling_fields) with its seed and length."""
+        fields = dict(checked)
         engine = self.engine.engine
         if "max_new_tokens" not in fields:  # OpenAI's default: what the session has left
             room = min(self.session_len, self.capacity_tokens)
@@ -461,6 +482,8 @@ class _State:
     async def respond(
         self, request: Request, req, prompts: list[list[int]], chat: bool
     ) -> Response:
+        checked = await run_in_threadpool(self.sampling_fields, req)
+        # no await from here to the slot taken: requests in between cannot pass the limit
         if self.in_flight >= self.settings.max_concurrent_requests:
             raise ApiError(
                 429,
@@ -476,7 +499,7 @@ class _State:
                 param="prompt",
             )
         jobs = [
-            (i, pi, ids, self.params(req, i, len(ids)))
+            (i, pi, ids, self.params(req, checked, i, len(ids)))
             for pi, ids in enumerate(prompts)
             for i in range(req.n)
         ]

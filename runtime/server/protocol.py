@@ -36,6 +36,7 @@ MAX_N = 8  # choices per request: each one is a full sequence in the batch
 MAX_STOP = 4  # OpenAI's limit on stop strings
 MAX_STOP_IDS = 64  # stop_token_ids (vLLM's extension): checked against every sampled token
 MAX_LOGPROBS = 20  # top alternatives per token; the engine's sampler has the same cap
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; a masked token's logprob is sent as this instead
 
 Role = Literal["system", "user", "assistant", "developer", "tool"]
@@ -370,9 +371,11 @@ class _SamplingRequest(_Request):
     def _bias_keys_are_ids(cls, v: Any) -> Any:
         if not isinstance(v, dict):
             return v
-        # "²" is a digit to str.isdigit, not to int()
-        if not all(isinstance(k, str) and k.isascii() and k.isdigit() for k in v):
-            raise ValueError("logit_bias keys must be token ids (strings of digits)")
+        if len(v) > MAX_LOGIT_BIAS:  # each entry costs work per request and per step
+            raise ValueError(f"logit_bias has {len(v)} entries; at most {MAX_LOGIT_BIAS}")
+        # "²" is a digit to str.isdigit, not to int(); a 5000-digit key is past int()'s limit
+        if not all(isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 10 for k in v):
+            raise ValueError("logit_bias keys must be token ids (strings of up to 10 digits)")
         return {k: float(b) if type(b) is int else b for k, b in v.items()}  # JSON: 1 is 1.0
 
 
