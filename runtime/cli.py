@@ -440,7 +440,9 @@ def plan_cmd(
 @click.option("--server-port", default=23333, show_default=True)
 @click.option(
     "--api-keys",
-    help="Comma-separated keys; clients send 'Authorization: Bearer KEY'. Default: no auth.",
+    envvar="LITESERVE_API_KEYS",  # a command line is readable by every local user (ps)
+    help="Comma-separated keys; clients send 'Authorization: Bearer KEY'. Default: no auth. "
+    "Also from $LITESERVE_API_KEYS, which other local users cannot read in `ps`.",
 )
 @click.option(
     "--model-name", help="The id clients pass as `model` (default: the artifact's directory name)."

@@ -336,3 +336,13 @@ def test_the_start_up_log_gives_the_weights_in_memory_and_stored(
     stored = weight_bytes(engine.artifact) / 2**30
     held = engine.model.weight_bytes() / 2**30
     assert f"weights {held:.2f} GiB in memory ({stored:.2f} GiB stored)" in caplog.text
+
+
+def test_api_keys_can_come_from_the_environment(art: Path, monkeypatch) -> None:
+    """Only --api-keys took them, which every local user reads in `ps`."""
+    monkeypatch.setenv("LITESERVE_API_KEYS", "k1,k2")
+    serve = main.commands["serve"]
+    with serve.make_context("serve", [str(art)]) as ctx:
+        assert ctx.params["api_keys"] == "k1,k2"
+    with serve.make_context("serve", [str(art), "--api-keys", "k3"]) as ctx:
+        assert ctx.params["api_keys"] == "k3"  # the flag wins, as click's envvar does
