@@ -117,7 +117,11 @@ class Pipeline:
                 "a prompt is text, a list of token ids (int) or a list of chat messages (dict), "
                 f"not {type(prompt).__name__}"
                 + (f" of {type(prompt[0]).__name__}" if isinstance(prompt, list) else "")
-                + ("; stream() takes one prompt" if isinstance(prompt, list) else "")
+                + (
+                    "; a batch is a list of prompts, stream() takes one"
+                    if isinstance(prompt, list)
+                    else ""
+                )
             )
         return list(prompt)
 
@@ -167,11 +171,21 @@ class Pipeline:
         """Stop the tensor-parallel ranks (EngineConfig(tp=N)); nothing to do with one."""
         self.engine.close()
 
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
 
 def pipeline(
-    artifact: str | Path, config: EngineConfig | None = None, chat_template: Path | None = None
+    artifact: str | Path,
+    config: EngineConfig | None = None,
+    chat_template: str | Path | None = None,
 ) -> Pipeline:
     if config is not None and not isinstance(config, EngineConfig):
         raise TypeError(f"config must be an EngineConfig, not {type(config).__name__}")
-    engine = Engine(artifact, config)
-    return Pipeline(engine, ChatTemplate.from_artifact(engine.artifact.path, chat_template))
+    # before the engine: a template that fails is found before minutes of loading, and
+    # leaves no tensor-parallel rank running
+    template = ChatTemplate.from_artifact(Path(artifact), chat_template)
+    return Pipeline(Engine(artifact, config), template)

@@ -71,9 +71,13 @@ class ChatTemplate:
         self.special_tokens = special_tokens
 
     @classmethod
-    def from_artifact(cls, root: Path, override: Path | None = None) -> ChatTemplate | None:
-        path = override or root / "chat_template.jinja"
+    def from_artifact(cls, root: Path, override: str | Path | None = None) -> ChatTemplate | None:
+        """The artifact's template, or `override`'s; None when the artifact has none. A
+        missing override is an error: it read as "no template" and chats failed later."""
+        path = Path(override) if override is not None else root / "chat_template.jinja"
         if not path.is_file():
+            if override is not None:
+                raise ChatTemplateError(f"{path}: no such chat template file")
             return None
         config_path = root / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}

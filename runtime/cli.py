@@ -339,7 +339,7 @@ def chat_cmd(
             click.echo("you> ", nl=False, err=prompts_to_stderr)
             line = input()
         except EOFError:
-            click.echo()
+            click.echo(err=prompts_to_stderr)  # ends the prompt's line, where the prompt went
             return
         if not line.strip():
             continue

@@ -65,6 +65,7 @@ def test_chat_keeps_history_until_eof(art: Path) -> None:
     # fed from a pipe, stdout holds the replies alone; the prompts go to stderr
     assert "you> " not in r.stdout and "model> " not in r.stdout, r.stdout
     assert r.stderr.count("you> ") == 4 and r.stderr.count("model> ") == 2
+    assert r.stderr.endswith("you> \n")  # the newline ending the last prompt, not in stdout
 
 
 def test_chat_drops_the_oldest_turns_when_the_session_is_full(art: Path) -> None:
@@ -346,3 +347,22 @@ def test_api_keys_can_come_from_the_environment(art: Path, monkeypatch) -> None:
         assert ctx.params["api_keys"] == "k1,k2"
     with serve.make_context("serve", [str(art), "--api-keys", "k3"]) as ctx:
         assert ctx.params["api_keys"] == "k3"  # the flag wins, as click's envvar does
+
+
+def test_a_pipelines_chat_template_file_is_checked_before_loading(
+    art: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A missing file read as "no template" (chats failed later, blaming the artifact); a
+    str path was an AttributeError after the engine had loaded."""
+    import runtime.api
+    from runtime.chat_template import ChatTemplateError
+
+    missing = pytest.raises(ChatTemplateError, match="nope.jinja: no such chat template file")
+    with missing, monkeypatch.context() as patch:
+        patch.setattr(runtime.api, "Engine", None)  # nothing may load before the refusal
+        runtime.pipeline(art, chat_template=tmp_path / "nope.jinja")
+    mine = tmp_path / "mine.jinja"
+    mine.write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    config = EngineConfig(num_blocks=16, kv_quant="none")
+    with runtime.pipeline(str(art), config, chat_template=str(mine)) as pipe:
+        assert pipe.chat_template.render([{"role": "user", "content": "hi"}]) == "[hi]"
