@@ -16,15 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+# run as a script, this folder is first on sys.path
+from quantize import run_child
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models
 
@@ -131,15 +132,17 @@ def copy_once(src: Path, dst: Path) -> float:
     return seconds
 
 
-def convert_once(src: Path, art: Path) -> float:
+def convert_once(src: Path, art: Path) -> tuple[float, float]:
     """Seconds of `lite convert` as a user runs it (a new process, imports included), then
-    fsync of what it wrote."""
+    fsync of what it wrote; and its peak RSS in GiB."""
     shutil.rmtree(art, ignore_errors=True)
     lite = Path(sys.executable).with_name("lite")
     started = time.perf_counter()
-    subprocess.run([str(lite), "convert", str(src), "--work-dir", str(art)], check=True)
+    # its own peak (VmHWM): RUSAGE_CHILDREN's counts the parent's memory at the fork, ~3 GiB
+    # here after building the checkpoint (3.28 GiB reported where the child held 0.40)
+    _, peak = run_child([str(lite), "convert", str(src), "--work-dir", str(art)])
     os.sync()
-    return time.perf_counter() - started
+    return time.perf_counter() - started, peak
 
 
 def main() -> None:
@@ -151,17 +154,25 @@ def main() -> None:
     src, art = args.root / "awq-src", args.root / "art"
     if not src.exists():
         make_checkpoint(src, args.layers)
+    layers = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    if layers != args.layers:  # a source from another run: its figures would be another's
+        raise SystemExit(
+            f"{src} holds a {layers}-layer checkpoint, not --layers {args.layers}: delete it "
+            f"(rm -r {src}) or give another --root"
+        )
     size = sum(f.stat().st_size for f in src.iterdir())
-    copies, converts = [], []
+    copies, converts, peaks = [], [], []
     for _ in range(args.repeat):
         copies.append(copy_once(src, args.root / "copy"))
-        converts.append(convert_once(src, art))
+        seconds, peak = convert_once(src, art)
+        converts.append(seconds)
+        peaks.append(peak)
     copy_s, convert_s = statistics.median(copies), statistics.median(converts)
-    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024**2
+    rss = max(peaks)
     print(
         json.dumps(
             {
-                "layers": args.layers,
+                "layers": layers,
                 "source_gib": round(size / 1024**3, 2),
                 "read_write_once_s": [round(s, 1) for s in copies],
                 "convert_s": [round(s, 1) for s in converts],

@@ -40,7 +40,7 @@ ROW = re.compile(r"^\| (\d+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \| [^|]+ \| ([\d.]
 
 HEADER = (
     "| path | C kernels | batch-1 decode tok/s | largest batch decode tok/s "
-    "| batch-1 prefill tok/s | hf fp32 batch-1 tok/s | batch 1 / hf fp32 |\n"
+    "| batch-1 prefill tok/s | hf fp32 batch-1 decode tok/s | batch 1 / hf fp32 |\n"
     "|---|---|---:|---:|---:|---:|---:|"
 )
 

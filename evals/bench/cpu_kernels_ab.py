@@ -68,7 +68,11 @@ def load(directory: Path):
 
 
 def alternate(calls: dict[str, Callable[[], object]], rounds: int, reps: int) -> dict[str, float]:
-    """Minimum seconds per call of each, the candidates taking turns every round."""
+    """Minimum seconds per call of each, the candidates taking turns every round, after an
+    untimed round (the first call of the first candidate paid for both's warm-up: 136x
+    between identical kernels at --rounds 1)."""
+    for call in calls.values():
+        call()
     best = dict.fromkeys(calls, float("inf"))
     for _ in range(rounds):
         for name, call in calls.items():
@@ -158,6 +162,8 @@ def bench_attention(libs: dict, ctx: int, rounds: int) -> None:
     }
     diff = (outs["baseline"] - outs["checkout"]).abs().max().item()
     for cold in (True, False):
+        for lib in libs.values():  # untimed, as alternate()'s first round
+            run(lib, cold)
         best = dict.fromkeys(libs, float("inf"))
         for _ in range(rounds):
             for name, lib in libs.items():

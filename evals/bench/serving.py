@@ -289,6 +289,22 @@ def measure(server: Server, a: argparse.Namespace) -> dict:
             "knee": knee(levels)}  # fmt: skip
 
 
+def print_ratios(servers: dict, baseline: str) -> None:
+    """liteserve over the baseline at each level, measured in this run, with what each made
+    of the tokens asked for: a server that stops at its end token early (llama.cpp) makes
+    fewer, and its rate is then for less work."""
+    print(f"| concurrent | liteserve / {baseline} output tok/s | output tokens made / asked |")
+    print("|---|---|---|")
+    pairs = zip(servers["liteserve"]["levels"], servers[baseline]["levels"], strict=True)
+    for ours, theirs in pairs:
+        ratio = ours["output_tok_per_s"] / max(theirs["output_tok_per_s"], 1e-9)
+        made = " / ".join(
+            f"{lv['output_tokens']}/{lv['requested_tokens']} ({lv['failed']} failed)"
+            for lv in (ours, theirs)
+        )
+        print(f"| {ours['concurrency']} | {ratio:.2f}x | {made} |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--artifact", type=Path, help="start `runtime serve ARTIFACT` to measure")
@@ -333,6 +349,8 @@ def main() -> None:
             server.stop()
     (a.out / "serving.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     plot(report, a.out / "serving.png")
+    if len(report["servers"]) == 2:
+        print_ratios(report["servers"], a.baseline_name)
     print(json.dumps({n: s["knee"] for n, s in report["servers"].items()}), flush=True)
     print(f"wrote {a.out / 'serving.json'} and {a.out / 'serving.png'}", file=sys.stderr)
 
