@@ -360,7 +360,9 @@ def test_the_python_api_names_a_wrong_type(artifacts: dict[str, Path]) -> None:
     ):
         with pytest.raises(TypeError, match=message):
             pipe(bad, gen)
-    with pytest.raises(TypeError, match="not list of str; stream.. takes one prompt"):
+    with pytest.raises(
+        TypeError, match="not list of str; a batch is a list of prompts, stream.. takes"
+    ):
         next(pipe.stream(["Hi"], gen))
     with pytest.raises(TypeError, match="config must be an EngineConfig, not dict"):
         pipeline(artifacts["llama"], {"kv_quant": "int8"})
