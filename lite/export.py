@@ -19,9 +19,8 @@ from pathlib import Path
 import torch
 
 from lite.hf import config_from_architecture
-from runtime.artifact.convert import INDEX_FILE
 from runtime.artifact.formats import SYMMETRIC_ZERO, awq_pack, ct_pack_rows
-from runtime.artifact.hf_config import TOKENIZER_FILES
+from runtime.artifact.hf_config import INDEX_FILE, TOKENIZER_FILES
 from runtime.artifact.layout import unpack_qparams, unpack_qweight
 from runtime.artifact.manifest import CHAT_TEMPLATE_FILE, Manifest
 from runtime.artifact.reader import Artifact

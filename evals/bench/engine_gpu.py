@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
 
-import engine as bench  # this folder's engine.py: prompts(), weight_bytes(), copy_bandwidth()
+import engine as bench  # this folder's engine.py: prompts(), hf_generate(), weight_bytes(), ...
 import torch
 
 from runtime.config import EngineConfig
@@ -543,9 +543,9 @@ def hf_baseline(
     rates = {}
     for b in batches:
         ids = torch.tensor(prompts(b, vocab, prompt_len), device=device)
-        hf_generate(model, ids[:, :16], 2)  # warm-up
-        t1 = min(hf_generate(model, ids, 1) for _ in range(2))
-        tn = hf_generate(model, ids, new)
+        bench.hf_generate(model, ids[:, :16], 2)  # warm-up
+        t1 = min(bench.hf_generate(model, ids, 1) for _ in range(2))
+        tn = bench.hf_generate(model, ids, new)
         e2e = b * new / tn
         decode = b * (new - 1) / (tn - t1) if tn - t1 > 0.1 * tn else None
         rates[b] = rate = decode or e2e
@@ -555,22 +555,6 @@ def hf_baseline(
     del model
     free(device)
     return rates
-
-
-def hf_generate(model, ids: torch.Tensor, n: int) -> float:
-    """Seconds for greedy `generate` of exactly n new tokens."""
-    sync(ids.device)
-    t = time.perf_counter()
-    with torch.inference_mode():
-        model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-        )
-    sync(ids.device)
-    return time.perf_counter() - t
 
 
 # --- agree -----------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from runtime.artifact.hf_config import (
     architecture_from_dict,
     copy_tokenizer,
     generation_defaults,
+    indexed_shards,
     read_json,
     tokenizer_eos,
 )
@@ -65,7 +66,6 @@ from runtime.model.llama import FUSED_LINEARS, check_supported
 log = logging.getLogger("liteserve")
 
 LINEARS = tuple(n for names in FUSED_LINEARS.values() for n in names)
-INDEX_FILE = "model.safetensors.index.json"
 # Smaller than the writer's 2 GiB default: a shard is buffered whole before it is written.
 CONVERT_SHARD_BYTES = 512 * 1024**2
 STORED_16BIT = {"F16": "float16", "BF16": "bfloat16"}  # safetensors' names -> manifest dtype
@@ -95,22 +95,12 @@ class Shards:
                 ) from e
 
     def _files(self) -> list[Path]:
-        index = self.src / INDEX_FILE
-        if index.is_file():
-            try:
-                names = sorted(set(read_json(index)["weight_map"].values()))
-            except (KeyError, AttributeError) as e:
-                raise ConvertError(
-                    f"{index} is not a safetensors index (no weight_map); download it again"
-                ) from e
-            except ValueError as e:  # not JSON: read_json names the file
-                raise ConvertError(str(e)) from e
-            missing = [n for n in names if not (self.src / n).is_file()]
-            if missing:
-                raise ConvertError(
-                    f"{self.src}: shards {missing[:3]} named by {INDEX_FILE} missing"
-                )
-            return [self.src / n for n in names]
+        try:
+            indexed = indexed_shards(self.src)
+        except ValueError as e:
+            raise ConvertError(str(e)) from e
+        if indexed is not None:
+            return indexed
         files = sorted(self.src.glob("*.safetensors"))
         if not files:
             raise ConvertError(f"{self.src} has no *.safetensors weights")

@@ -17,6 +17,7 @@ from tokenizers import Tokenizer
 from runtime.artifact.manifest import CHAT_TEMPLATE_FILE, Architecture, GenerationDefaults
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+INDEX_FILE = "model.safetensors.index.json"
 ROPE_KEYS = (
     "rope_type",
     "factor",
@@ -53,6 +54,28 @@ def read_json(path: Path) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{path} holds {type(data).__name__}, not a JSON object")
     return data
+
+
+def indexed_shards(path: Path) -> list[Path] | None:
+    """The shards the checkpoint's index names (a directory may hold other safetensors files
+    too, such as Mistral's consolidated one); None without an index. A damaged index or a
+    missing shard is a ValueError naming it."""
+    index = path / INDEX_FILE
+    if not index.is_file():
+        return None
+    try:
+        names = sorted(set(read_json(index)["weight_map"].values()))
+    except (KeyError, AttributeError) as e:
+        raise ValueError(
+            f"{index} is not a safetensors index (no weight_map); download it again"
+        ) from e
+    missing = [n for n in names if not (path / n).is_file()]
+    if missing:
+        raise ValueError(
+            f"{path}: shards {', '.join(missing[:3])} named by {INDEX_FILE} are missing; "
+            "download the model again"
+        )
+    return [path / n for n in names]
 
 
 def tokenizer_eos(src: Path) -> int | None:
