@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from lite.families import LAYER_GROUPS
-from lite.quantizer import SUPPORTED_GROUP_SIZES, num_groups
+from lite.quantizer import num_groups
 from runtime.artifact import layout
 
 CHUNK_TOKENS = 4096  # tokens per forward chunk by default: large matmuls, bounded memory
@@ -93,7 +93,7 @@ def rtn_bytes(layer: torch.nn.Module) -> int:
 
 
 def _padded(k: int) -> int:
-    return max(num_groups(k, g) * g for g in SUPPORTED_GROUP_SIZES)
+    return max(num_groups(k, g) * g for g in layout.GROUP_SIZES)
 
 
 def token_bytes(layer: torch.nn.Module, hidden: int, num_heads: int, seqlen: int) -> int:

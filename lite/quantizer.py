@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.artifact.layout import GROUP_SIZES
+
 SUPPORTED_BITS = (4,)
-SUPPORTED_GROUP_SIZES = (32, 64, 128)
 
 
 @dataclass(frozen=True)
@@ -28,10 +29,10 @@ class QuantSpec:
                 f"--w-bits {self.bits} is not supported: the artifact layout and kernels are "
                 f"int4; use --w-bits 4"
             )
-        if self.group_size not in SUPPORTED_GROUP_SIZES:
+        if self.group_size not in GROUP_SIZES:
             raise ValueError(
                 f"--w-group-size {self.group_size} is not supported: choose one of "
-                f"{', '.join(map(str, SUPPORTED_GROUP_SIZES))}"
+                f"{', '.join(map(str, GROUP_SIZES))}"
             )
 
     @property

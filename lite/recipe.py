@@ -11,7 +11,8 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from lite.quantizer import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
+from lite.quantizer import SUPPORTED_BITS
+from runtime.artifact.layout import GROUP_SIZES
 from runtime.artifact.manifest import LaunchConfig
 from runtime.validation import validation_message
 
@@ -34,7 +35,7 @@ class Recipe(BaseModel):
     def _supported(cls, v: int | None, info: ValidationInfo) -> int | None:
         """Named as the recipe's key: the flag's message (--w-group-size 100 is not supported)
         blamed a flag the user never passed."""
-        allowed = SUPPORTED_BITS if info.field_name == "w_bits" else SUPPORTED_GROUP_SIZES
+        allowed = SUPPORTED_BITS if info.field_name == "w_bits" else GROUP_SIZES
         if v is not None and v not in allowed:
             raise ValueError(f"must be one of {', '.join(map(str, allowed))}")
         return v

@@ -139,7 +139,7 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
-ABORTS = 'liteserve:request_success_total{finish_reason="abort"}'
+ABORTS = 'liteserve:request_success_total{finished_reason="abort"}'
 GENERATED = "liteserve:generation_tokens_total"
 
 

@@ -47,7 +47,7 @@ class Metrics:
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens admitted", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
         self.requests = Counter(
-            p + "request_success", "Finished requests", ["finish_reason"], registry=r
+            p + "request_success", "Finished requests", ["finished_reason"], registry=r
         )
         self.responses = Counter(
             p + "http_responses",

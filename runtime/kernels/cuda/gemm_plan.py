@@ -53,10 +53,9 @@ import ctypes
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from runtime.artifact.layout import GROUP_SIZES, N_ALIGN
 from runtime.kernels.counters import COUNTERS
 
-N_ALIGN = 64  # the layout's N padding
-GROUP_SIZES = (32, 64, 128)
 # Row buckets and pinned-config keys, the same as the Triton backend's (runtime.kernels.triton).
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # 512 means 512+
 DECODE_ROWS = 16  # m up to this runs the 16-row (decode) configs
