@@ -245,19 +245,41 @@ def _ago(when: float) -> str:
     return f"{s:.0f}s ago"
 
 
+def _archs(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, ...]:
+    from runtime.kernels.cuda import library
+
+    if value is None:
+        return library.ARCHS
+    archs = tuple(dict.fromkeys(a.strip().removeprefix("sm_") for a in value.split(",")))
+    if not archs or not set(archs) <= set(library.ARCHS):
+        raise click.BadParameter(
+            f"{value!r}: choose from {','.join(library.ARCHS)} (comma-separated)", ctx, param
+        )
+    return tuple(a for a in library.ARCHS if a in archs)
+
+
 @main.command("build-kernels")
-def build_kernels_cmd() -> None:
+@click.option(
+    "--arch",
+    "archs",
+    callback=_archs,
+    help="Only these GPU architectures, e.g. 90 (default: all). A machine uses the library "
+    "built for all of them or for exactly its GPUs' ones; one architecture's is a fraction of "
+    "the size, to copy to a GPU machine without nvcc.",
+)
+def build_kernels_cmd(archs: tuple[str, ...]) -> None:
     """Build the csrc CUDA library now (otherwise the cuda backend builds it on first use)."""
     from runtime.kernels.build_cache import BuildUnavailable
     from runtime.kernels.cuda import library
 
     start = time.perf_counter()
     try:
-        path = library.build()
+        path = library.build(archs)
     except BuildUnavailable as e:
         raise click.ClickException(str(e)) from e
-    archs = ", ".join(f"sm_{a}" for a in library.ARCHS)
-    click.echo(f"{path} ({archs}; {time.perf_counter() - start:.1f} s)")
+    size = path.stat().st_size / 2**20
+    names = ", ".join(f"sm_{a}" for a in archs)
+    click.echo(f"{path} ({names}; {size:.1f} MiB; {time.perf_counter() - start:.1f} s)")
 
 
 @main.command("generate")

@@ -169,6 +169,30 @@ def test_first_use_builds_for_this_machines_gpus_unless_every_architecture_is_th
     assert library.first_use(("86",)) == library.target_path()
 
 
+def test_build_kernels_for_one_architecture_is_the_one_that_machine_uses(
+    monkeypatch, tmp_path
+) -> None:
+    """`runtime build-kernels --arch 90`: the library an H100/H200 without nvcc finds, a
+    fraction of the every-architecture one's size (57 MiB there, over what a device call
+    carries)."""
+    monkeypatch.setenv("LITESERVE_CACHE", str(tmp_path / "cache"))
+    fake = tmp_path / "nvcc"
+    fake.write_text(
+        '#!/bin/sh\nargs="$*"\nwhile [ "$1" != "-o" ]; do shift; done\n'
+        + FAKE_ELF
+        + 'printf "%s" "$args" >> "$2"\n'
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("NVCC", str(fake))
+    result = CliRunner().invoke(main, ["build-kernels", "--arch", "sm_90"])
+    assert result.exit_code == 0, result.output
+    assert str(library.target_path(("90",))) in result.output and "(sm_90;" in result.output
+    fake.unlink()  # found without a compiler by a machine of that architecture only
+    assert library.first_use(("90",)) == library.target_path(("90",))
+    bad = CliRunner().invoke(main, ["build-kernels", "--arch", "75"])
+    assert bad.exit_code == 2 and "choose from 80,86,89,90" in bad.output
+
+
 def test_a_gpu_without_pinned_configs_is_told_how_to_pin_them(caplog) -> None:
     from runtime.kernels.gpu import log_pinned
 
