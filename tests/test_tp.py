@@ -260,6 +260,36 @@ def test_serve_stops_when_a_rank_dies(artifacts: dict[str, Path]) -> None:
         proc.kill()
 
 
+def test_a_dead_rank_fails_health_before_any_request(artifacts: dict[str, Path]) -> None:
+    """A rank killed while the server is idle: `/health` is 503 naming it at once, and a Ray
+    Serve replica's health check raises, so Ray replaces it. Before, both said ok until a
+    request's step found the rank gone, and Ray kept the replica, every request a 500."""
+    import httpx2
+
+    from runtime.server.cluster import EngineReplica
+    from tests.test_server import serve
+
+    served = serve(artifacts["llama"], config=_config(2))
+    try:
+        assert httpx2.get(served.url + "/health").status_code == 200
+        replica = object.__new__(EngineReplica)  # its Ray-free part: the check on its engine
+        replica.state, replica.replica = served.state, "r1"
+        replica.check_health()
+        os.kill(_worker_pid(os.getpid()), signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while served.engine.workers.failure is None:  # the monitor sees the process end
+            assert time.monotonic() < deadline, "the dead rank was not noticed"
+            time.sleep(0.05)
+        r = httpx2.get(served.url + "/health")
+        assert r.status_code == 503, r.text
+        assert "rank 1" in r.json()["error"]["message"] and "SIGKILL" in r.text
+        with pytest.raises(RuntimeError, match="replica r1: tensor-parallel rank 1 .*SIGKILL"):
+            replica.check_health()
+    finally:
+        served.stop()
+        served.engine.close()  # the CLI's part after the server: the ranks and their group
+
+
 def test_cli_generate_tp2_matches_tp1(artifacts: dict[str, Path]) -> None:
     args = ["generate", str(artifacts["mistral"]), "--prompt", "import os", "--raw"]
     args += ["--max-new-tokens", "8", "--temperature", "0", "--dtype", "float32"]

@@ -191,6 +191,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, message_text: Mess
     async def health() -> Response:
         if not engine.alive or state.draining:
             return _error(503, "not serving", "service_unavailable")
+        if (why := engine.down()) is not None:
+            return _error(503, f"not serving: {why}", "service_unavailable")
         failure = engine.failure
         if failure is not None:
             engine.probe()

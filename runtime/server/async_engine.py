@@ -154,6 +154,15 @@ class AsyncEngine:
         self.alive = True
         self._thread.start()
 
+    def down(self) -> str | None:
+        """Why this engine can never serve again, or None: its thread ended, or a
+        tensor-parallel rank died (until a request's step found it, /health said ok and Ray
+        Serve kept the replica, every request a 500)."""
+        if not self.alive or not self._thread.is_alive():
+            return "the engine thread is not running"
+        workers = self.engine.workers
+        return None if workers is None else workers.failure
+
     def stop(self) -> None:
         self._stopping.set()
         self._inbox.put(("wake",))

@@ -211,10 +211,8 @@ class EngineReplica:
 
     def check_health(self) -> None:
         """Ray Serve calls this periodically; raising makes it replace the replica."""
-        engine = self.state.engine
-        thread = getattr(engine, "_thread", None)
-        if not engine.alive or (thread is not None and not thread.is_alive()):
-            raise RuntimeError(f"replica {self.replica}: the engine thread is not running")
+        if (why := self.state.engine.down()) is not None:
+            raise RuntimeError(f"replica {self.replica}: {why}")
 
     def __del__(self) -> None:  # Ray Serve calls it when it stops the replica gracefully
         state = getattr(self, "state", None)
