@@ -6,11 +6,17 @@ strftime_now, tojson, and the tokenizer's special tokens)."""
 
 from __future__ import annotations
 
+import functools
 import json
+import sys
+from collections.abc import Callable, Iterable
 from datetime import datetime
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 from jinja2 import TemplateError, nodes
+from jinja2.compiler import CodeGenerator, Frame
 from jinja2.ext import Extension
 from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -49,13 +55,118 @@ class ChatTemplateError(ValueError):
     """The template is broken, or it refused the conversation."""
 
 
+# A render's bounds. Jinja's sandbox keeps a template from Python's internals but not from
+# work: nested loops ran for most of an hour, and `'x' * 10**8` or a string doubled with `~`
+# took gigabytes, tying up the server's threads (transformers and vLLM render unbounded too).
+# Real templates stay far below: SmolLM2's runs 5 template lines per message, and a render of
+# 200 messages takes 5 ms bounded against 1.2 ms unbounded (the line count's cost).
+MAX_TEMPLATE_LINES = 2_000_000  # 0.2 s of an empty nested loop on a Zen 4 core
+MAX_TEMPLATE_CHARS = 1 << 24  # the longest string or list a render builds, its output included
+
+
+def _too_large(size: int) -> None:
+    if size > MAX_TEMPLATE_CHARS:
+        raise ChatTemplateError(
+            f"the chat template built a value of length {size:,}, over the {MAX_TEMPLATE_CHARS:,} "
+            "a render may: shorten the conversation, or fix the template"
+        )
+
+
+def _sized(value: object) -> int:
+    return len(value) if isinstance(value, str | bytes | list | tuple) else 0
+
+
+# Filters whose int argument is a width they pad to: a huge one is refused before it
+# allocates. Other filters' and calls' results are checked after (a number to format is
+# not a size).
+_WIDTH_FILTERS = frozenset({"center", "indent"})
+
+
+class _Compiler(CodeGenerator):
+    """Compiles `a ~ b` to a call the environment checks: Jinja compiles it to a join that no
+    sandbox hook sees."""
+
+    def visit_Concat(self, node: nodes.Concat, frame: Frame) -> None:
+        self.write("environment.concat_checked((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+
+class _BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox, with the sizes that operators, filters and calls make bounded."""
+
+    code_generator_class = _Compiler
+    intercepted_binops = frozenset({"*", "+", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*" and isinstance(left, int | float) and isinstance(right, int | float):
+            pass
+        elif operator == "*":
+            _too_large(max(_sized(left), _sized(right)) * max(_int(left), _int(right), 1))
+        elif operator == "+":
+            _too_large(_sized(left) + _sized(right))
+        elif isinstance(left, int) and isinstance(right, int) and right > 0:  # **
+            _too_large(left.bit_length() * right // 8)
+        return super().call_binop(context, operator, left, right)
+
+    def concat_checked(self, values: Iterable[object]) -> str:
+        parts = [str(v) for v in values]
+        _too_large(sum(map(len, parts)))
+        return "".join(parts)
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        result = super().call(__context, __obj, *args, **kwargs)
+        _too_large(_sized(result))
+        return result
+
+
+def _int(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _bounded_filter(name: str, f: Callable) -> Callable:
+    @functools.wraps(f)  # keeps Jinja's pass_context/pass_environment marks
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        if name in _WIDTH_FILTERS:
+            _too_large(max(map(_int, [*args, *kwargs.values()]), default=0))
+        result = f(*args, **kwargs)
+        _too_large(_sized(result))
+        return result
+
+    return bounded
+
+
+def _line_budget(limit: int) -> Callable:
+    """A trace function for sys.settrace that counts the template's own lines (not Jinja's
+    or Python's) and stops the render past `limit`: a loop's every turn runs some."""
+    count = 0
+
+    def line(frame: FrameType, event: str, arg: object) -> Callable | None:
+        nonlocal count
+        if event == "line":
+            count += 1
+            if count > limit:
+                raise ChatTemplateError(
+                    f"the chat template ran over {limit:,} template lines for one render (a "
+                    "runaway loop): shorten the conversation, or fix the template"
+                )
+        return line
+
+    def call(frame: FrameType, event: str, arg: object) -> Callable | None:
+        return line if frame.f_code.co_filename == "<template>" else None
+
+    return call
+
+
 def _raise(message: str) -> None:
     raise ChatTemplateError(message)
 
 
 class ChatTemplate:
     def __init__(self, source: str, special_tokens: dict[str, str | None]) -> None:
-        env = ImmutableSandboxedEnvironment(
+        env = _BoundedEnvironment(
             trim_blocks=True,
             lstrip_blocks=True,
             extensions=["jinja2.ext.loopcontrols", _Generation],
@@ -63,6 +174,7 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         env.filters["tojson"] = _tojson
+        env.filters = {name: _bounded_filter(name, f) for name, f in env.filters.items()}
         try:
             self.template = env.from_string(source)
         except TemplateError as e:
@@ -110,8 +222,10 @@ class ChatTemplate:
         for m in messages:
             if not isinstance(m, dict) or "role" not in m:
                 raise ChatTemplateError("every message needs a 'role' and a 'content'")
+        outer = sys.gettrace()  # a debugger's or coverage's, given back after
+        sys.settrace(_line_budget(MAX_TEMPLATE_LINES))
         try:
-            return self.template.render(
+            text = self.template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 **self.special_tokens,
@@ -121,6 +235,10 @@ class ChatTemplate:
             raise
         except Exception as e:  # a template's own bug, surfaced with its message
             raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from e
+        finally:
+            sys.settrace(outer)
+        _too_large(len(text))
+        return text
 
 
 def _token_text(value: str | dict | None) -> str | None:

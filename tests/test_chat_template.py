@@ -45,3 +45,41 @@ def test_the_sandbox_still_holds(expression: str) -> None:
     template = ChatTemplate("{{ " + expression + " }}", {})
     with pytest.raises(ChatTemplateError, match="the chat template failed"):
         template.render(CHAT)
+
+
+# A template shipped with a model ran for most of an hour (nested loops) or built gigabytes
+# (a repeat, a string doubled with `~` or `+`, a padded filter), tying up the server's
+# threads; only when a conversation had two messages, so the load check passed.
+TWO = "{% if messages | length > 1 %}BODY{% endif %}{{ messages[0].content }}"
+RUNAWAY = {
+    "nested loops": "{% for i in range(100000) %}{% for j in range(100000) %}"
+    "{% endfor %}{% endfor %}",
+    "repeat": "{{ 'x' * 10 ** 8 }}",
+    "repeat a list": "{{ ([1] * 10 ** 8) | length }}",
+    "doubled with ~": "{% set ns = namespace(s='x' * 16) %}{% for i in range(40) %}"
+    "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s | length }}",
+    "doubled with +": "{% set ns = namespace(s='x' * 16) %}{% for i in range(40) %}"
+    "{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s | length }}",
+    "padded": "{{ 'a' | center(10 ** 10) }}",
+    "indented": "{{ 'a\nb' | indent(10 ** 10) }}",
+    "formatted": "{{ '{:>99999999}'.format('a') }}",
+}
+
+
+@pytest.mark.parametrize("name", RUNAWAY)
+def test_a_runaway_template_fails_its_render_not_the_server(name: str) -> None:
+    template = ChatTemplate(TWO.replace("BODY", RUNAWAY[name]), {})
+    assert template.render(CHAT) == "héllo"  # what the load check renders
+    with pytest.raises(ChatTemplateError, match="shorten the conversation, or fix the template"):
+        template.render([*CHAT, {"role": "assistant", "content": "hi"}])
+
+
+def test_bounds_leave_real_templates_alone() -> None:
+    """Numbers to format are not sizes; repeats, joins and loops within the bounds run."""
+    source = (
+        "{% for m in messages %}{{ '%d' | format(1700000000123) }} {{ '-' * 3 }}"
+        "{{ m.role ~ ':' ~ m.content }}{{ ([m.content] * 2) | join('|') }}"
+        "{% for i in range(1000) %}{% endfor %}{{ 2 ** 70 }}{% endfor %}"
+    )
+    out = ChatTemplate(source, {}).render(CHAT * 50, add_generation_prompt=False)
+    assert out == "1700000000123 ---user:héllohéllo|héllo1180591620717411303424" * 50
