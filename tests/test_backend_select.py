@@ -4,6 +4,7 @@ passed over (logs, /health and `runtime check` show the backend's detail line)."
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,13 +138,9 @@ def test_first_build_of_the_cuda_library_says_so(monkeypatch, tmp_path, caplog) 
         assert library.build() == path and caplog.text == ""
 
 
-def test_first_use_builds_for_this_machines_gpus_unless_every_architecture_is_there(
-    monkeypatch, tmp_path
-) -> None:
-    """A first start-up waits for nvcc: for the GPU kinds present only (less than half the
-    time for one), unless the library for every architecture is cached (`runtime
-    build-kernels`, or carried to a machine without nvcc). The compiler is simulated by one
-    that writes its arguments as the library."""
+@pytest.fixture
+def fake_nvcc(monkeypatch, tmp_path) -> Path:
+    """An empty cache and a compiler that writes its arguments as the library."""
     monkeypatch.setenv("LITESERVE_CACHE", str(tmp_path / "cache"))
     fake = tmp_path / "nvcc"
     fake.write_text(
@@ -153,6 +150,15 @@ def test_first_use_builds_for_this_machines_gpus_unless_every_architecture_is_th
     )
     fake.chmod(0o755)
     monkeypatch.setenv("NVCC", str(fake))
+    return fake
+
+
+def test_first_use_builds_for_this_machines_gpus_unless_every_architecture_is_there(
+    fake_nvcc: Path,
+) -> None:
+    """A first start-up waits for nvcc: for the GPU kinds present only (less than half the
+    time for one), unless the library for every architecture is cached (`runtime
+    build-kernels`, or carried to a machine without nvcc)."""
 
     def built_for(path) -> list[str]:
         return re.findall(r"code=sm_(\d+)", path.read_text())
@@ -165,29 +171,20 @@ def test_first_use_builds_for_this_machines_gpus_unless_every_architecture_is_th
     assert built_for(library.first_use(())) == list(library.ARCHS)  # no GPU: every one
     newer = library.first_use(("120",))  # none of ARCHS exactly: its driver compiles the PTX
     assert newer == library.target_path() and built_for(newer) == list(library.ARCHS)
-    fake.unlink()  # with every architecture cached, no compiler is needed
+    fake_nvcc.unlink()  # with every architecture cached, no compiler is needed
     assert library.first_use(("86",)) == library.target_path()
 
 
 def test_build_kernels_for_one_architecture_is_the_one_that_machine_uses(
-    monkeypatch, tmp_path
+    fake_nvcc: Path,
 ) -> None:
     """`runtime build-kernels --arch 90`: the library an H100/H200 without nvcc finds, a
     fraction of the every-architecture one's size (57 MiB there, over what a device call
     carries)."""
-    monkeypatch.setenv("LITESERVE_CACHE", str(tmp_path / "cache"))
-    fake = tmp_path / "nvcc"
-    fake.write_text(
-        '#!/bin/sh\nargs="$*"\nwhile [ "$1" != "-o" ]; do shift; done\n'
-        + FAKE_ELF
-        + 'printf "%s" "$args" >> "$2"\n'
-    )
-    fake.chmod(0o755)
-    monkeypatch.setenv("NVCC", str(fake))
     result = CliRunner().invoke(main, ["build-kernels", "--arch", "sm_90"])
     assert result.exit_code == 0, result.output
     assert str(library.target_path(("90",))) in result.output and "(sm_90;" in result.output
-    fake.unlink()  # found without a compiler by a machine of that architecture only
+    fake_nvcc.unlink()  # found without a compiler by a machine of that architecture only
     assert library.first_use(("90",)) == library.target_path(("90",))
     bad = CliRunner().invoke(main, ["build-kernels", "--arch", "75"])
     assert bad.exit_code == 2 and "choose from 80,86,89,90" in bad.output
