@@ -154,7 +154,7 @@ def fake_nvcc(monkeypatch, tmp_path) -> Path:
 
 
 def test_first_use_builds_for_this_machines_gpus_unless_every_architecture_is_there(
-    fake_nvcc: Path,
+    fake_nvcc: Path, monkeypatch, tmp_path
 ) -> None:
     """A first start-up waits for nvcc: for the GPU kinds present only (less than half the
     time for one), unless the library for every architecture is cached (`runtime
@@ -168,11 +168,14 @@ def test_first_use_builds_for_this_machines_gpus_unless_every_architecture_is_th
     assert "arch=compute_90,code=compute_90" in h100.read_text()  # PTX for newer GPUs
     mixed = library.first_use(("90", "80"))
     assert built_for(mixed) == ["80", "90"]
-    assert built_for(library.first_use(())) == list(library.ARCHS)  # no GPU: every one
+    assert library.first_use(()) == h100  # no GPU: host code only, which any build has
     newer = library.first_use(("120",))  # none of ARCHS exactly: its driver compiles the PTX
     assert newer == library.target_path() and built_for(newer) == list(library.ARCHS)
     fake_nvcc.unlink()  # with every architecture cached, no compiler is needed
     assert library.first_use(("86",)) == library.target_path()
+    monkeypatch.setenv("LITESERVE_CACHE", str(tmp_path / "empty"))
+    with pytest.raises(library.BuildUnavailable):  # no GPU, nothing cached: every one, built
+        library.first_use(())
 
 
 def test_build_kernels_for_one_architecture_is_the_one_that_machine_uses(
@@ -186,6 +189,10 @@ def test_build_kernels_for_one_architecture_is_the_one_that_machine_uses(
     assert str(library.target_path(("90",))) in result.output and "(sm_90;" in result.output
     fake_nvcc.unlink()  # found without a compiler by a machine of that architecture only
     assert library.first_use(("90",)) == library.target_path(("90",))
+    # and by one without a GPU, which runs only its host code (the kernels' CPU twins)
+    assert library.first_use(()) == library.target_path(("90",))
+    with pytest.raises(library.BuildUnavailable):  # not by another GPU's
+        library.first_use(("80",))
     bad = CliRunner().invoke(main, ["build-kernels", "--arch", "75"])
     assert bad.exit_code == 2 and "choose from 80,86,89,90" in bad.output
 

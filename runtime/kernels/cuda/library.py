@@ -207,8 +207,15 @@ def first_use(gpu_archs: tuple[str, ...]) -> Path:
     (``gpu_archs``, e.g. ("90",)), built now, which a first start-up waits for: less than half
     the nvcc time for one GPU kind (sm_90: 79 s against 178 s for all four, on 2 cores); else
     (no GPU, or one that none of ARCHS serves exactly, whose driver compiles the PTX) every
-    one."""
-    if target_path().exists() or not gpu_archs or not set(gpu_archs) <= set(ARCHS):
+    one. Without a GPU only the library's host code runs (the kernels' CPU twins), which
+    every build has: one cached for a single architecture serves (the GPU check's smoke run
+    rebuilt all four, minutes, beside the sm_90 one carried for the GPU)."""
+    if target_path().exists():
+        return build()
+    if not gpu_archs:
+        cached = [p for p in (target_path((a,)) for a in ARCHS) if p.exists()]
+        return cached[0] if cached else build()
+    if not set(gpu_archs) <= set(ARCHS):
         return build()
     return build(tuple(a for a in ARCHS if a in gpu_archs))
 
