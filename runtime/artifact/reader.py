@@ -41,6 +41,12 @@ class ArtifactError(Exception):
 
 def read_manifest(path: str | Path) -> Manifest:
     root = Path(path)
+    if root.is_file():
+        hint = "a GGUF file: quantize it first with `lite auto_awq FILE --work-dir DIR`"
+        raise ArtifactError(
+            f"{root} is a file, not an artifact directory"
+            + (f" ({hint})" if root.suffix.lower() == ".gguf" else "")
+        )
     if not root.is_dir():
         raise ArtifactError(f"{root}: no such artifact directory")
     mpath = root / MANIFEST_FILE
@@ -57,6 +63,11 @@ def read_manifest(path: str | Path) -> Manifest:
             hint = (
                 " (it looks like a Hugging Face model directory: quantize it first with "
                 "`lite auto_awq`)"
+            )
+        elif (root / "state.json").is_file():  # lite auto_awq's WORK_DIR.partial/
+            hint = (
+                " (it is an unfinished `lite auto_awq` run: rerun the same command to finish "
+                "it, then give its --work-dir)"
             )
         raise ArtifactError(f"{root} is not a liteserve artifact: no {MANIFEST_FILE}{hint}")
     try:
