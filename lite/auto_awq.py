@@ -781,6 +781,9 @@ def auto_awq(
     tokenizer = load_tokenizer(source.path)
     calib = _calibration(cfg, tokenizer)
     with _only_run_on(work_dir):
+        # again under the lock: a run that held it may have published since the check above,
+        # and this one would calibrate everything to be refused at the end
+        check_replaceable(work_dir, overwrite)
         state = RunState.open(
             work_dir.with_name(work_dir.name + ".partial"), identity(source, cfg, calib), command
         )

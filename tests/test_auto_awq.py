@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from filelock import FileLock
 from safetensors.torch import load_file, save_file
 
-from lite import compute
+from lite import auto_awq, compute
 from lite.cli import main
 from lite.compute import PeakBytes
 from runtime.artifact.reader import Artifact
@@ -424,6 +424,28 @@ def test_existing_work_dir_needs_overwrite(tiny_models: dict[str, Path], tmp_pat
     assert not (tmp_path / "busy").exists() and not (tmp_path / "busy.partial").exists()
     (tmp_path / "empty").mkdir()
     assert lite(*args[:3], str(tmp_path / "empty"), *args[4:], "--overwrite")[0] == 0
+
+
+def test_a_run_that_published_while_this_one_waited_is_not_redone(
+    tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first run publishes WORK_DIR and lets go of its lock between this run's check and
+    its taking the lock: this run calibrated every layer again, then was refused at the end
+    and left its whole WORK_DIR.partial, blamed on "an earlier run"."""
+    first = tmp_path / "first"
+    args = ["auto_awq", str(tiny_models["llama"]), "--calib-samples", "0", "--quiet"]
+    assert lite(*args, "--work-dir", str(first))[0] == 0
+    late = tmp_path / "late"
+    calibration = auto_awq._calibration
+
+    def published_meanwhile(*a, **kw):  # the window: after the check, before the lock
+        shutil.copytree(first, late)
+        return calibration(*a, **kw)
+
+    monkeypatch.setattr(auto_awq, "_calibration", published_meanwhile)
+    code, out = lite(*args, "--work-dir", str(late))
+    assert code != 0 and f"{late} already exists; pass --overwrite" in out, out
+    assert "left from an earlier run" not in out and not (tmp_path / "late.partial").exists()
 
 
 def _cli(*args: str) -> list[str]:
