@@ -4,7 +4,6 @@ working."""
 
 from __future__ import annotations
 
-import errno
 import importlib.metadata
 import json
 import math
@@ -20,7 +19,7 @@ import click
 from click.core import ParameterSource
 
 from runtime.artifact.manifest import TUNED_BACKENDS
-from runtime.cache import CacheUnwritable
+from runtime.cache import DISK_ERRORS, CacheUnwritable, disk_error, disk_fix
 from runtime.termination import Group, terminated, unwind_on_sigterm
 
 
@@ -77,27 +76,14 @@ TIMING = (
 )
 
 
-def _disk_full(e: Exception) -> bool:
-    """ENOSPC from Python's writes, or safetensors' own error (its Rust writer reports the OS
-    error in its message only)."""
-    if isinstance(e, OSError):
-        return e.errno == errno.ENOSPC
-    return "No space left on device" in str(e)
-
-
 def _unwritable(e: Exception, target: Path, flag: str) -> click.ClickException | None:
-    """A full or read-only disk while writing `target`, as one line naming it, not the hidden
-    staging directory a traceback named; None for any other error."""
-    read_only = isinstance(e, OSError) and e.errno == errno.EROFS
-    if not (read_only or _disk_full(e)):
+    """A full, read-only or failing disk while writing `target`, as one line naming it, not
+    the hidden staging directory a traceback named; None for any other error."""
+    if (code := disk_error(e)) is None:
         return None
-    why, fix = (
-        ("it is on a read-only file system", "choose another")
-        if read_only
-        else ("no space left on the device", "free some space or choose another")
-    )
+    why, fix = DISK_ERRORS[code], disk_fix(code, flag)
     return click.ClickException(
-        f"cannot write {target}: {why}; nothing was left half-written: {fix} {flag} and rerun"
+        f"cannot write {target}: {why}; nothing was left half-written: {fix} and rerun"
     )
 
 
@@ -314,12 +300,12 @@ def auto_awq_cmd(
     except _user_errors() as e:
         _fail(e)
     except Exception as e:
-        if not _disk_full(e):
+        if (code := disk_error(e)) is None:
             raise
         raise click.ClickException(
-            f"no space left on the device while writing {work_dir} ({e}); the previous "
-            "artifact, if any, is unchanged and finished layers are kept in the .partial "
-            "directory: free some space (or choose another --work-dir) and rerun"
+            f"{DISK_ERRORS[code]} while writing {work_dir} ({e}); the previous artifact, if "
+            "any, is unchanged and finished layers are kept in the .partial directory: "
+            f"{disk_fix(code, '--work-dir')} and rerun"
         ) from e
 
 

@@ -28,10 +28,12 @@ the project.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -49,6 +51,37 @@ ENTRY_RECORD = ".liteserve-entry.json"
 
 class CacheUnwritable(RuntimeError):
     """The cache directory cannot be written; the message names it and the way out."""
+
+
+# Write errors that are the disk's, not the program's, in words: full, over a quota or the
+# process's file-size limit, read-only, failing.
+DISK_ERRORS = {
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EFBIG: "a file would pass the file-size limit (ulimit -f)",
+    errno.EROFS: "it is on a read-only file system",
+    errno.EIO: "an I/O error (a failing disk?)",
+}
+
+
+def disk_error(e: BaseException) -> int | None:
+    """The errno of a write that failed for the disk, or None: from Python's OSError, or from
+    safetensors' own error, whose Rust writer gives the OS error in its message only."""
+    if isinstance(e, OSError):
+        code = e.errno
+    else:
+        found = re.search(r"\(os error (\d+)\)", str(e))
+        code = int(found.group(1)) if found else None
+    return code if code in DISK_ERRORS else None
+
+
+def disk_fix(code: int, where: str) -> str:
+    """What to do about a disk error: another place when the disk is read-only."""
+    return (
+        f"choose another {where}"
+        if code == errno.EROFS
+        else f"free some space or choose another {where}"
+    )
 
 
 def cache_root() -> Path:
@@ -103,6 +136,13 @@ def cached_entry(
                 _write_record(tmp)
             give_umask_modes(tmp)
             os.replace(tmp, target)  # atomic: a reader sees the whole entry or none
+        except Exception as e:
+            if (code := disk_error(e)) is None:
+                raise
+            raise CacheUnwritable(  # not the --work-dir's disk, as the caller's error said
+                f"cannot write the cache {target.parent}: {DISK_ERRORS[code]}; nothing was "
+                f"left half-written: {disk_fix(code, 'directory for LITESERVE_CACHE')} and rerun"
+            ) from e
         finally:
             _remove(tmp)
         return target

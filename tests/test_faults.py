@@ -138,3 +138,48 @@ def test_a_full_disk_while_replacing_a_report_leaves_the_old_one(small_disk: Pat
     assert failed.value.errno == errno.ENOSPC
     assert snapshot(out) == before  # results.json, report.md and the chart as they were
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")], "a temporary was left"
+
+
+def test_a_full_disk_under_the_cache_names_the_cache_not_the_work_dir(small_disk: Path) -> None:
+    """A GGUF converted into a cache on a full disk was reported as the --work-dir's disk being
+    full, naming a .partial that did not exist. safetensors' own writer fails here, as in the
+    conversion: its error names the OS error only in its message."""
+    import torch
+    from safetensors.torch import save_file
+
+    from runtime.cache import CacheUnwritable, cached_entry
+
+    fill(small_disk, leave=64 * 1024)
+    target = small_disk / "cache" / "gguf" / "entry"
+
+    def convert(tmp: Path) -> None:
+        save_file({"w": torch.randn(512, 1024)}, str(tmp / "model.safetensors"))  # 2 MiB
+
+    with pytest.raises(CacheUnwritable) as failed:
+        cached_entry(target, convert, directory=True)
+    message = str(failed.value)
+    assert f"cannot write the cache {target.parent}: no space left on the device" in message
+    assert "free some space or choose another directory for LITESERVE_CACHE and rerun" in message
+    assert not target.exists() and [p.name for p in target.parent.iterdir()] == [".entry.lock"], (
+        "a temporary was left"
+    )
+
+
+def test_a_file_size_limit_is_one_line_not_a_traceback(tiny_model: Path, tmp_path: Path) -> None:
+    """`ulimit -f` (EFBIG), like a full disk or a quota, ended lite auto_awq in a traceback."""
+    limit = 64 * 1024  # bytes: less than the tiny model's weights, more than anything else
+    code = (
+        "import resource, sys; from lite.cli import main; "
+        f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, resource.RLIM_INFINITY)); "
+        "sys.argv[0] = 'lite'; main()"
+    )
+    out = tmp_path / "art"
+    args = ["auto_awq", str(tiny_model), "--work-dir", str(out), "--calib-samples", "0", "--quiet"]
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "a file would pass the file-size limit (ulimit -f) while writing" in done.stderr
+    assert "free some space or choose another --work-dir and rerun" in done.stderr
+    assert not out.exists()
