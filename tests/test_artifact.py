@@ -290,12 +290,28 @@ def test_manifest_naming_files_outside_the_artifact(
 
 
 def test_tensor_in_a_file_that_is_not_safetensors(copy: Path) -> None:
-    """A tensor pointed at another listed file raised safetensors' own error, a traceback."""
+    """A tensor pointed at another listed file raised safetensors' own error, a traceback;
+    now the artifact is refused when opened, as `runtime verify` does."""
     name = "model.layers.0.self_attn.q_proj.qweight"
     _edit(copy, lambda m: m["tensors"][name].update(file="tokenizer.json"))
-    art = Artifact(copy)
-    with pytest.raises(ArtifactError, match=f"tokenizer.json: cannot read tensor {name}"):
-        art.tensor(name)
+    with pytest.raises(ArtifactError, match="tokenizer.json is not a readable safetensors file"):
+        Artifact(copy)
+
+
+@pytest.mark.parametrize(
+    ("name", "edit", "message"),
+    [
+        ("model.norm.weight", {"dtype": "BF16"}, "is stored as F16 .*, the manifest says BF16"),
+        ("model.norm.weight", {"file": "model-00002.safetensors"}, "unlisted file"),
+    ],
+)
+def test_manifest_tensors_are_checked_against_the_file_headers(
+    copy: Path, name: str, edit: dict, message: str
+) -> None:
+    """An edited dtype passed `runtime verify` (and sized `runtime plan` wrongly)."""
+    _edit(copy, lambda m: m["tensors"][name].update(edit))
+    with pytest.raises(ArtifactError, match=message):
+        Artifact(copy)
 
 
 def test_concurrent_json_writes_each_land_whole(tmp_path: Path) -> None:

@@ -214,9 +214,33 @@ def verify_files(root: Path, manifest: Manifest, checksums: bool = True) -> None
             )
         if checksums and sha256_file(fpath) != entry.sha256:
             raise ArtifactError(f"{fpath} is corrupted: its sha256 does not match the manifest")
+    by_file: dict[str, list[str]] = {}
     for name, tensor in manifest.tensors.items():
         if tensor.file not in manifest.files:
             raise ArtifactError(f"{root}: tensor {name} points at unlisted file {tensor.file}")
+        by_file.setdefault(tensor.file, []).append(name)
+    for file, names in by_file.items():
+        _check_headers(root / file, {n: manifest.tensors[n] for n in names})
+
+
+def _check_headers(fpath: Path, entries: dict) -> None:
+    """Each tensor's dtype and shape in the file's header (read, not the data) as the manifest
+    lists them: an edited manifest's dtype passed `runtime verify`, and plans sized from it."""
+    try:
+        with safe_open(str(fpath), framework="pt") as f:
+            stored = set(f.keys())
+            for name, entry in entries.items():
+                if name not in stored:
+                    raise ArtifactError(f"{fpath}: no tensor {name}, which the manifest lists")
+                part = f.get_slice(name)
+                dtype, shape = part.get_dtype(), list(part.get_shape())
+                if (dtype, shape) != (entry.dtype, entry.shape):
+                    raise ArtifactError(
+                        f"{fpath}: tensor {name} is stored as {dtype} {shape}, the manifest "
+                        f"says {entry.dtype} {entry.shape}"
+                    )
+    except SafetensorError as e:
+        raise ArtifactError(f"{fpath} is not a readable safetensors file ({e})") from e
 
 
 def linear_slices(
