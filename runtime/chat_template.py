@@ -101,9 +101,7 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset({"*", "+", "**"})
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        if operator == "*" and isinstance(left, int | float) and isinstance(right, int | float):
-            pass
-        elif operator == "*":
+        if operator == "*":  # a repeat's length; numbers have none
             _too_large(max(_sized(left), _sized(right)) * max(_int(left), _int(right), 1))
         elif operator == "+":
             _too_large(_sized(left) + _sized(right))
