@@ -6,8 +6,11 @@ strftime_now, tojson, and the tokenizer's special tokens)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import re
+import string
 import sys
 from collections.abc import Callable, Iterable
 from datetime import datetime
@@ -80,6 +83,19 @@ def _sized(value: object) -> int:
 # allocates. Other filters' and calls' results are checked after (a number to format is
 # not a size).
 _WIDTH_FILTERS = frozenset({"center", "indent"})
+_PRINTF_SPEC = re.compile(r"%[-+ #0]*(\d*)(?:\.(\d*))?")
+
+
+def _widths(fmt: object) -> int:
+    """The largest width or precision a format string asks for, in str.format's fields or
+    printf's specs (`'{:>999999999}'`, `'%.999999999f'`): refused before they allocate."""
+    if not isinstance(fmt, str):
+        return 0
+    numbers = [n for spec in _PRINTF_SPEC.findall(fmt) for n in spec if n]
+    with contextlib.suppress(ValueError):  # not a valid str.format string: no fields
+        fields = string.Formatter().parse(fmt)
+        numbers += [n for _, _, spec, _ in fields if spec for n in re.findall(r"\d+", spec)]
+    return max(map(int, numbers), default=0)
 
 
 class _Compiler(CodeGenerator):
@@ -98,10 +114,12 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
     """The sandbox, with the sizes that operators, filters and calls make bounded."""
 
     code_generator_class = _Compiler
-    intercepted_binops = frozenset({"*", "+", "**"})
+    intercepted_binops = frozenset({"*", "+", "**", "%"})
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        if operator == "*":  # a repeat's length; numbers have none
+        if operator == "%":  # printf-style formatting, or a number's remainder
+            _too_large(_widths(left))
+        elif operator == "*":  # a repeat's length; numbers have none
             _too_large(max(_sized(left), _sized(right)) * max(_int(left), _int(right), 1))
         elif operator == "+":
             _too_large(_sized(left) + _sized(right))
@@ -113,6 +131,12 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         parts = [str(v) for v in values]
         _too_large(sum(map(len, parts)))
         return "".join(parts)
+
+    def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
+        wrapped = super().wrap_str_format(value)
+        if wrapped is not None:  # `'...'.format`: its string's widths
+            _too_large(_widths(value.__self__))
+        return wrapped
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
         result = super().call(__context, __obj, *args, **kwargs)
@@ -129,6 +153,8 @@ def _bounded_filter(name: str, f: Callable) -> Callable:
     def bounded(*args: Any, **kwargs: Any) -> Any:
         if name in _WIDTH_FILTERS:
             _too_large(max(map(_int, [*args, *kwargs.values()]), default=0))
+        elif name == "format":  # printf-style, the value filtered is the format
+            _too_large(_widths(args[0] if args else None))
         result = f(*args, **kwargs)
         _too_large(_sized(result))
         return result

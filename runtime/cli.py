@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from runtime.artifact.manifest import BACKENDS
+from runtime.artifact.manifest import BACKENDS, MIN_PREFILL_TOKENS
 from runtime.cache import CacheUnwritable
 from runtime.server.cluster import replica_options, served_name
 from runtime.server.listen import listen_socket
@@ -475,8 +475,8 @@ def plan_cmd(
 @click.option(
     "--max-prefill-token-num",
     type=int,
-    help="Tokens per step, chunked prefill beyond (default: the artifact's launch config; at "
-    "most 512 on the CPU backend).",
+    help=f"Tokens per step, chunked prefill beyond; at least {MIN_PREFILL_TOKENS} (default: the "
+    "artifact's launch config; at most 512 on the CPU backend).",
 )
 @click.option(
     "--max-concurrent-requests",

@@ -3,6 +3,8 @@ and what a template must not reach stays out of reach."""
 
 from __future__ import annotations
 
+import tracemalloc
+
 import pytest
 
 from runtime.chat_template import ChatTemplate, ChatTemplateError
@@ -63,6 +65,8 @@ RUNAWAY = {
     "padded": "{{ 'a' | center(10 ** 10) }}",
     "indented": "{{ 'a\nb' | indent(10 ** 10) }}",
     "formatted": "{{ '{:>99999999}'.format('a') }}",
+    "formatted, printf": "{{ '%.999999999f' % 1.0 }}",
+    "formatted, filter": "{{ '%999999999d' | format(1) }}",
 }
 
 
@@ -70,8 +74,14 @@ RUNAWAY = {
 def test_a_runaway_template_fails_its_render_not_the_server(name: str) -> None:
     template = ChatTemplate(TWO.replace("BODY", RUNAWAY[name]), {})
     assert template.render(CHAT) == "héllo"  # what the load check renders
-    with pytest.raises(ChatTemplateError, match="shorten the conversation, or fix the template"):
-        template.render([*CHAT, {"role": "assistant", "content": "hi"}])
+    tracemalloc.start()
+    try:
+        with pytest.raises(ChatTemplateError, match="shorten the conversation, or fix the"):
+            template.render([*CHAT, {"role": "assistant", "content": "hi"}])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**27, f"{peak / 2**20:.0f} MiB allocated before the refusal"
 
 
 def test_bounds_leave_real_templates_alone() -> None:
@@ -79,7 +89,9 @@ def test_bounds_leave_real_templates_alone() -> None:
     source = (
         "{% for m in messages %}{{ '%d' | format(1700000000123) }} {{ '-' * 3 }}"
         "{{ m.role ~ ':' ~ m.content }}{{ ([m.content] * 2) | join('|') }}"
-        "{% for i in range(1000) %}{% endfor %}{{ 2 ** 70 }}{% endfor %}"
+        "{% for i in range(1000) %}{% endfor %}{{ 2 ** 70 }}{{ 7 % 3 }}{{ '%5.1f' % 2.25 }}"
+        "{{ '{:>4}|{:06.2f}'.format('a', 2.5) }}{% endfor %}"
     )
     out = ChatTemplate(source, {}).render(CHAT * 50, add_generation_prompt=False)
-    assert out == "1700000000123 ---user:héllohéllo|héllo1180591620717411303424" * 50
+    want = "1700000000123 ---user:héllohéllo|héllo1180591620717411303424" + "1  2.2   a|002.50"
+    assert out == want * 50
